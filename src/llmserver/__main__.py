@@ -1,0 +1,5 @@
+"""`python -m llmserver` runs the CLI."""
+
+from llmserver.cli import main
+
+main()

@@ -1,0 +1,109 @@
+"""What every router needs: the services on app.state, the caller's key, the parsed body.
+
+Bodies are parsed here rather than by FastAPI so that the cheap checks run in order: the body size
+(middleware), then the key, then validation of the fields.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from llmserver.auth.keys import KeyService, Principal
+from llmserver.engine.generation import GenerationService
+from llmserver.errors import APIError, InvalidRequest, UnsupportedMediaType
+from llmserver.pool.supervisor import Supervisor
+from llmserver.settings import Settings
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def settings(request: Request) -> Settings:
+    value: Settings = request.app.state.settings
+    return value
+
+
+def keys(request: Request) -> KeyService:
+    value: KeyService = request.app.state.keys
+    return value
+
+
+def generation(request: Request) -> GenerationService:
+    value: GenerationService = request.app.state.generation
+    return value
+
+
+def supervisor(request: Request) -> Supervisor:
+    value: Supervisor = request.app.state.supervisor
+    return value
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if header:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return None
+
+
+def authenticate(request: Request, body: dict[str, Any] | None = None) -> Principal:
+    """The caller, from `Authorization: Bearer`, else `api_key` in the body, else in the query."""
+    presented = bearer_token(request)
+    if presented is None and body is not None and isinstance(body.get("api_key"), str):
+        presented = body["api_key"]
+    if presented is None:
+        presented = request.query_params.get("api_key")
+    principal = keys(request).authenticate(presented)
+    request.state.principal = principal
+    return principal
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if content_type not in ("application/json", "") and not content_type.endswith("+json"):
+        raise UnsupportedMediaType(f"Send the request body as application/json, not {content_type}.")
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return body
+
+
+def validate(model: type[Model], body: dict[str, Any]) -> Model:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+def validation_error(errors: Any) -> InvalidRequest:
+    """Our 400 for the first of pydantic's (or FastAPI's) validation errors, naming the parameter."""
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    # Drop the union-member tags pydantic adds (`str`, `list[...]`, `function-after[...]`).
+    location = [part for part in location if not ("[" in part or part in ("str", "list", "int"))]
+    param = ".".join(location) or None
+    message = str(first.get("msg", "Invalid request"))
+    if first.get("type") == "missing":
+        message = "Field required"
+    return InvalidRequest(f"{param}: {message}" if param else message, param=param)
+
+
+async def parse(request: Request, model: type[Model]) -> tuple[Principal, Model]:
+    """Authenticate, then validate the JSON body as `model`: a bad key is a 401 whatever the body."""
+    try:
+        body: dict[str, Any] | None = await json_body(request)
+        problem: APIError | None = None
+    except APIError as exc:
+        body, problem = None, exc
+    principal = authenticate(request, body)
+    if problem is not None or body is None:
+        raise problem or InvalidRequest("The request body must be a JSON object.")
+    return principal, validate(model, body)

@@ -1,0 +1,23 @@
+"""Liveness and readiness, open to anyone."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from llmserver.api.deps import supervisor
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready", response_model=None)
+async def ready(request: Request) -> JSONResponse:
+    pool = supervisor(request)
+    models = {name: pool.model_ready(name) for name in pool.instances}
+    ok = all(models.values())
+    return JSONResponse({"status": "ready" if ok else "not_ready", "models": models}, status_code=200 if ok else 503)

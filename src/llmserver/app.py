@@ -1,0 +1,105 @@
+"""The app factory: `create_app(settings)` builds every service in the lifespan, onto app.state."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmserver import __version__
+from llmserver.api import health, models, native, openai
+from llmserver.api.deps import validation_error
+from llmserver.auth.keys import KeyService
+from llmserver.engine.generation import GenerationService
+from llmserver.errors import APIError, error_body
+from llmserver.middleware import AccessLog, BodySizeLimit
+from llmserver.pool.router import Router
+from llmserver.pool.supervisor import Supervisor
+from llmserver.settings import Settings
+from llmserver.store import SQLiteStore
+
+log = logging.getLogger(__name__)
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        store = SQLiteStore(settings.db_path)
+        admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
+        supervisor = Supervisor(settings)
+        app.state.settings = settings
+        app.state.store = store
+        app.state.keys = KeyService(store, admin_key)
+        app.state.supervisor = supervisor
+        app.state.generation = GenerationService(settings, Router(supervisor))
+        app.state.started_at = time.time()
+        try:
+            await supervisor.start()
+            log.info("llmserver %s ready on http://%s:%s", __version__, settings.host, settings.port)
+            yield
+        finally:
+            await supervisor.stop()
+            store.close()
+
+    app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    for module in (native, openai, models, health):
+        app.include_router(module.router)
+    _install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(AccessLog)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def request_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        error = validation_error(exc.errors())
+        return JSONResponse(error.body(), status_code=error.status)
+
+    async def http_exception(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            message = f"No such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        type_ = _STATUS_TYPES.get(
+            exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        )
+        return JSONResponse(
+            error_body(exc.status_code, type_, message), status_code=exc.status_code, headers=exc.headers
+        )
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(500, "server_error", "Internal server error"), status_code=500)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, request_validation)
+    app.add_exception_handler(StarletteHTTPException, http_exception)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,1 @@
+"""API keys and who is calling."""

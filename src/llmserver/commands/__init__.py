@@ -1,0 +1,62 @@
+"""One module per CLI command, sharing the options that locate the settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from pydantic import ValidationError
+
+from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def settings_options(func: F) -> F:
+    """--config and --data-dir, which every command that touches state accepts."""
+    func = click.option(
+        "--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+        help="Data folder (default: $LLMSERVER_DATA_DIR, else the per-user data folder).",
+    )(func)  # fmt: skip
+    func = click.option(
+        "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="TOML configuration file.",
+    )(func)  # fmt: skip
+    return func
+
+
+def load(config_file: Path | None, **overrides: Any) -> Settings:
+    """Settings, or a clean CLI error that says what is wrong with them."""
+    try:
+        return load_settings(config_file, **overrides)
+    except FileNotFoundError as exc:
+        raise click.UsageError(str(exc)) from None
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc']) or 'settings'}: {error['msg']}" for error in exc.errors()
+        )
+        raise click.UsageError(f"invalid settings: {problems}") from None
+
+
+def models_from_args(specs: tuple[str, ...], configured: list[ModelConfig]) -> list[ModelConfig] | None:
+    """`--model` values: a configured model's name, the embedded model's name, or a .gguf path."""
+    if not specs:
+        return None
+    chosen: list[ModelConfig] = []
+    by_name = {m.name: m for m in configured}
+    for spec in specs:
+        if spec in by_name:
+            chosen.append(by_name[spec])
+        elif spec == DEFAULT_MODEL_NAME:
+            chosen.append(ModelConfig(name=DEFAULT_MODEL_NAME))
+        elif spec.endswith(".gguf"):
+            path = Path(spec).expanduser()
+            chosen.append(ModelConfig(name=path.stem, path=path))
+        else:
+            raise click.BadParameter(
+                f"{spec!r} is neither a configured model, {DEFAULT_MODEL_NAME}, nor a .gguf file",
+                param_hint="--model",
+            )
+    return chosen

@@ -1,0 +1,47 @@
+"""`llmserver serve`: the gateway and its supervised llama-server instances."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from llmserver.commands import load, models_from_args, settings_options
+
+
+@click.command()
+@settings_options
+@click.option("--host", default=None, help="Address to listen on (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port to listen on (default 8000).")
+@click.option(
+    "--model", "model_specs", multiple=True,
+    help="Model to serve: a configured name, SmolLM2-135M-Instruct-Q4_1, or a .gguf path. Repeatable.",
+)  # fmt: skip
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+def serve(
+    config_file: Path | None,
+    data_dir: Path | None,
+    host: str | None,
+    port: int | None,
+    model_specs: tuple[str, ...],
+    log_level: str | None,
+) -> None:
+    """Start the gateway and one llama-server per configured model instance."""
+    import uvicorn
+
+    from llmserver.app import create_app
+
+    settings = load(config_file, data_dir=data_dir, host=host, port=port, log_level=log_level)
+    chosen = models_from_args(model_specs, settings.models)
+    if chosen is not None:
+        settings = load(config_file, data_dir=data_dir, host=host, port=port, log_level=log_level, models=chosen)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,  # ours (llmserver.access) leaves out query strings, which may carry keys
+        timeout_graceful_shutdown=10,
+    )

@@ -1,0 +1,121 @@
+"""An HTTP client for one llama-server instance: JSON calls and server-sent-event streams.
+
+llama-server's own errors are mapped to our envelope by their structured `type`, never by text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, UpstreamError
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+
+
+class LlamaServerClient:
+    def __init__(self, base_url: str, *, connections: int = 8) -> None:
+        self.base_url = base_url
+        connector = aiohttp.TCPConnector(limit=connections, force_close=False, enable_cleanup_closed=True)
+        # No total timeout here: callers bound whole generations themselves.
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            json_serialize=json.dumps,
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            async with self._session.get(
+                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def get_json(self, path: str) -> JSON:
+        try:
+            async with self._session.get(self.base_url + path) as response:
+                return await _json_or_raise(response)
+        except aiohttp.ClientError as exc:
+            raise _unreachable(exc) from None
+
+    async def post_json(self, path: str, payload: JSON) -> JSON:
+        try:
+            async with self._session.post(self.base_url + path, json=payload) as response:
+                return await _json_or_raise(response)
+        except aiohttp.ClientError as exc:
+            raise _unreachable(exc) from None
+
+    async def stream(self, path: str, payload: JSON) -> AsyncIterator[JSON]:
+        """POST with `stream: true` and yield each event's JSON until `[DONE]`.
+
+        Leaving the iteration early (a client that went away) closes the connection, which makes
+        llama-server stop generating and free the slot.
+        """
+        try:
+            async with self._session.post(self.base_url + path, json=payload) as response:
+                if response.status != 200:
+                    await _json_or_raise(response)
+                async for raw_line in response.content:
+                    line = raw_line.strip()
+                    if not line:
+                        continue
+                    if line.startswith(b"data:"):
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        event = json.loads(data)
+                        if "error" in event and "choices" not in event:
+                            raise upstream_error(event, 500)
+                        yield event
+                    elif line.startswith(b"error:"):
+                        raise upstream_error(json.loads(line[6:].strip()), 500)
+        except aiohttp.ClientError as exc:
+            raise _unreachable(exc) from None
+
+
+async def _json_or_raise(response: aiohttp.ClientResponse) -> JSON:
+    try:
+        body = await response.json(content_type=None)
+    except (json.JSONDecodeError, aiohttp.ContentTypeError):
+        raise UpstreamError(f"llama-server answered {response.status} with a body that is not JSON") from None
+    if response.status != 200:
+        raise upstream_error(body, response.status)
+    if not isinstance(body, dict):
+        raise UpstreamError("llama-server answered with JSON that is not an object")
+    return body
+
+
+def upstream_error(body: Any, status: int) -> APIError:
+    """Our error for an error object from llama-server."""
+    error = body.get("error", body) if isinstance(body, dict) else {}
+    if not isinstance(error, dict):
+        error = {"message": str(error)}
+    kind = error.get("type")
+    message = str(error.get("message") or "llama-server failed")
+    if kind == "exceed_context_size_error":
+        n_prompt, n_ctx = error.get("n_prompt_tokens"), error.get("n_ctx")
+        if isinstance(n_prompt, int) and isinstance(n_ctx, int):
+            message = (
+                f"The prompt is {n_prompt} tokens, {n_prompt - n_ctx} more than the model's context of {n_ctx} tokens."
+            )
+        return ContextLengthExceeded(message, param="messages")
+    if status == 400 or kind == "invalid_request_error":
+        return InvalidRequest(message)
+    log.warning("llama-server error %s (%s): %s", status, kind, message)
+    return UpstreamError(f"The model instance failed: {message}")
+
+
+def _unreachable(exc: aiohttp.ClientError) -> UpstreamError:
+    log.warning("llama-server unreachable: %s", exc)
+    return UpstreamError("The model instance could not be reached.")

@@ -1,0 +1,259 @@
+"""The generation service: validated requests in, responses out, through a routed instance.
+
+Routers call one method here per endpoint. Streams are opened (and their first event awaited)
+before the HTTP response starts, so an error that llama-server reports up front (an over-long
+prompt, say) is still an ordinary HTTP error; once streaming, a failure becomes one error event
+followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from llmserver.auth.keys import Principal
+from llmserver.engine import translate
+from llmserver.errors import APIError, GatewayTimeout, InvalidRequest, ServerError
+from llmserver.pool.instance import Instance
+from llmserver.pool.router import Router
+from llmserver.schemas.common import Sampling
+from llmserver.schemas.native import GenerateRequest, GenerateResponse
+from llmserver.schemas.openai import ChatRequest, CompletionRequest
+from llmserver.settings import Settings
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(event: JSON) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class GenerationService:
+    def __init__(self, settings: Settings, router: Router) -> None:
+        self.settings = settings
+        self.router = router
+        self.default_model = settings.models[0].name
+
+    def _model(self, request: Sampling) -> str:
+        name = request.model or self.default_model
+        self.router.check_model(name)
+        return name
+
+    def _max_tokens(self, requested: int | None, param: str = "max_tokens") -> int:
+        limit = self.settings.max_tokens_limit
+        if requested is None:
+            return self.settings.default_max_tokens
+        if requested > limit:
+            raise InvalidRequest(f"{param} is {requested}; this server allows at most {limit}.", param=param)
+        return requested
+
+    async def _call(self, model: str, path: str, payload: JSON) -> tuple[JSON, str]:
+        instance = self.router.pick(model)
+        with self.router.lease(instance) as client:
+            try:
+                async with asyncio.timeout(self.settings.request_timeout):
+                    body = await client.post_json(path, payload)
+            except TimeoutError:
+                raise GatewayTimeout(
+                    f"The generation did not finish within {self.settings.request_timeout:.0f} s."
+                ) from None
+        return body, instance.id
+
+    # Native API
+
+    async def generate(self, principal: Principal, request: GenerateRequest) -> GenerateResponse:
+        model = self._model(request)
+        payload = translate.sampling_payload(request, self._max_tokens(request.max_tokens), request.stop)
+        started = time.perf_counter()
+        if request.raw:
+            system = f"{request.system}\n\n" if request.system else ""
+            payload["prompt"] = system + request.prompt
+            body, instance_id = await self._call(model, "/v1/completions", payload)
+            text = _choice(body).get("text", "")
+        else:
+            payload["messages"] = translate.native_messages(request.prompt, request.system)
+            body, instance_id = await self._call(model, "/v1/chat/completions", payload)
+            text = (_choice(body).get("message") or {}).get("content") or ""
+        latency = time.perf_counter() - started
+        counts = translate.usage(body)
+        return GenerateResponse(
+            response=text,
+            model=model,
+            instance_id=instance_id,
+            prompt_tokens=counts["prompt_tokens"],
+            completion_tokens=counts["completion_tokens"],
+            # As the seed defines it: completion tokens over the whole request's latency.
+            tokens_per_second=round(counts["completion_tokens"] / latency, 2) if latency > 0 else 0.0,
+            latency_ms=round(latency * 1000, 1),
+        )
+
+    # OpenAI chat
+
+    def _chat_payload(self, request: ChatRequest, model: str) -> JSON:
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._max_tokens(request.max_completion_tokens or request.max_tokens, param)
+        return translate.chat_payload(request, max_tokens, model, stream=request.stream)
+
+    async def chat(self, principal: Principal, request: ChatRequest) -> JSON:
+        model = self._model(request)
+        payload = self._chat_payload(request, model)
+        body, _ = await self._call(model, "/v1/chat/completions", payload)
+        choice = _choice(body)
+        message = choice.get("message") or {}
+        return {
+            "id": translate.new_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": message.get("content") or ""},
+                    "finish_reason": translate.finish_reason(choice.get("finish_reason")),
+                }
+            ],
+            "usage": translate.usage(body),
+        }
+
+    async def chat_stream(self, principal: Principal, request: ChatRequest) -> AsyncIterator[bytes]:
+        model = self._model(request)
+        payload = self._chat_payload(request, model)
+        head = {
+            "id": translate.new_id("chatcmpl"),
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+        def chunk(choice: JSON) -> JSON:
+            delta = choice.get("delta") or {}
+            out: JSON = {}
+            if delta.get("role"):
+                out["role"] = delta["role"]
+            if delta.get("content") is not None:
+                out["content"] = delta["content"]
+            reason = choice.get("finish_reason")
+            return {
+                "index": 0,
+                "delta": out,
+                "finish_reason": translate.finish_reason(reason) if reason else None,
+            }
+
+        return await self._stream(model, "/v1/chat/completions", payload, head, chunk, request)
+
+    # OpenAI legacy completions
+
+    def _completion_payload(self, request: CompletionRequest) -> JSON:
+        payload = translate.sampling_payload(request, self._max_tokens(request.max_tokens), request.stop)
+        payload["prompt"] = request.prompt if isinstance(request.prompt, str) else request.prompt[0]
+        payload["stream"] = request.stream
+        if request.stream:
+            payload["stream_options"] = {"include_usage": True}
+        return payload
+
+    async def completion(self, principal: Principal, request: CompletionRequest) -> JSON:
+        model = self._model(request)
+        body, _ = await self._call(model, "/v1/completions", self._completion_payload(request))
+        choice = _choice(body)
+        return {
+            "id": translate.new_id("cmpl"),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "text": choice.get("text", ""),
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": translate.finish_reason(choice.get("finish_reason")),
+                }
+            ],
+            "usage": translate.usage(body),
+        }
+
+    async def completion_stream(self, principal: Principal, request: CompletionRequest) -> AsyncIterator[bytes]:
+        model = self._model(request)
+        head = {
+            "id": translate.new_id("cmpl"),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+        def chunk(choice: JSON) -> JSON:
+            reason = choice.get("finish_reason")
+            return {
+                "text": choice.get("text") or "",
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": translate.finish_reason(reason) if reason else None,
+            }
+
+        return await self._stream(model, "/v1/completions", self._completion_payload(request), head, chunk, request)
+
+    # Streaming machinery shared by both OpenAI endpoints
+
+    async def _stream(
+        self,
+        model: str,
+        path: str,
+        payload: JSON,
+        head: JSON,
+        chunk: Callable[[JSON], JSON],
+        request: ChatRequest | CompletionRequest,
+    ) -> AsyncIterator[bytes]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        instance = self.router.pick(model)
+        events = self._events(instance, path, payload)
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            raise ServerError("The instance closed the stream without sending anything.") from None
+        except BaseException:
+            await events.aclose()
+            raise
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                event: JSON | None = first
+                while event is not None:
+                    choices = event.get("choices") or []
+                    if choices:
+                        yield sse({**head, "choices": [chunk(choices[0])]})
+                    elif "usage" in event and include_usage:
+                        yield sse({**head, "choices": [], "usage": translate.usage(event)})
+                    event = await anext(events, None)
+            except APIError as exc:
+                yield sse(exc.body())
+            except Exception:
+                log.exception("stream from instance %s failed", instance.id)
+                yield sse(ServerError("The stream failed.").body())
+            finally:
+                await events.aclose()
+            yield DONE
+
+        return body()
+
+    async def _events(self, instance: Instance, path: str, payload: JSON) -> AsyncGenerator[JSON]:
+        with self.router.lease(instance) as client:
+            try:
+                async with asyncio.timeout(self.settings.request_timeout):
+                    async for event in client.stream(path, payload):
+                        yield event
+            except TimeoutError:
+                raise GatewayTimeout(
+                    f"The generation did not finish within {self.settings.request_timeout:.0f} s."
+                ) from None
+
+
+def _choice(body: JSON) -> JSON:
+    choices = body.get("choices") or [{}]
+    first = choices[0]
+    return first if isinstance(first, dict) else {}

@@ -1,0 +1,108 @@
+"""The one error type of the API and the envelope it renders to.
+
+Every error any endpoint returns is `{"error": {"message", "type", "code"[, "param"]}}` with
+`code` equal to the HTTP status. Raise an `APIError` subclass; the handlers in `app.py` render it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class APIError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.type, self.message, self.param)
+
+
+def error_body(status: int, type_: str, message: str, param: str | None = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"message": message, "type": type_, "code": status}
+    if param is not None:
+        error["param"] = param
+    return {"error": error}
+
+
+class InvalidRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(APIError):
+    status = 400
+    type = "context_length_exceeded"
+
+
+class AuthenticationError(APIError):
+    status = 401
+    type = "authentication_error"
+
+    def __init__(self) -> None:
+        # The seed fixes this message: it says nothing about whether the key exists.
+        super().__init__("Invalid API key")
+
+
+class PermissionDenied(APIError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "not_found_error"
+
+
+class ModelNotFound(APIError):
+    status = 404
+    type = "model_not_found"
+
+
+class MethodNotAllowed(APIError):
+    status = 405
+    type = "invalid_request_error"
+
+
+class RequestTooLarge(APIError):
+    status = 413
+    type = "request_too_large"
+
+
+class UnsupportedMediaType(APIError):
+    status = 415
+    type = "unsupported_media_type"
+
+
+class UpstreamError(APIError):
+    status = 502
+    type = "upstream_error"
+
+
+class Overloaded(APIError):
+    status = 503
+    type = "overloaded_error"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class GatewayTimeout(APIError):
+    status = 504
+    type = "timeout_error"
+
+
+class ServerError(APIError):
+    status = 500
+    type = "server_error"

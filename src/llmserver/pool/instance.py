@@ -1,0 +1,190 @@
+"""One llama-server process: how it is started, probed and stopped, and its live state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+
+import aiohttp
+
+from llmserver.engine.client import LlamaServerClient
+from llmserver.settings import ModelConfig
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class Status(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    BUSY = "busy"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class InstanceStartError(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # If the gateway is killed outright (SIGKILL), the kernel stops the instance too: no orphans.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def llama_server_args(binary: Path, model_file: Path, model: ModelConfig, host: str, port: int) -> list[str]:
+    return [
+        str(binary),
+        "--model", str(model_file),
+        "--alias", model.name,
+        "--host", host,
+        "--port", str(port),
+        "--parallel", str(model.parallel),
+        # Each slot gets the model's full per-request context.
+        "--ctx-size", str(model.ctx_size * model.parallel),
+        "--threads", str(model.threads),
+        "--threads-batch", str(model.threads),
+        "--no-webui",
+        "--jinja",
+    ]  # fmt: skip
+
+
+@dataclass(eq=False)
+class Instance:
+    model: ModelConfig
+    host: str
+    port: int
+    log_path: Path
+    id: str = field(default_factory=lambda: secrets.token_hex(6))
+    status: Status = Status.STARTING
+    process: subprocess.Popen[bytes] | None = None
+    client: LlamaServerClient | None = None
+    started_at: float = 0.0
+    last_activity: float = field(default_factory=time.time)
+    in_flight: int = 0
+    failures: int = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def accepting(self) -> bool:
+        return self.status in (Status.READY, Status.BUSY) and self.client is not None
+
+    @property
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+    def last_activity_iso(self) -> str:
+        return datetime.fromtimestamp(self.last_activity, UTC).isoformat(timespec="seconds")
+
+    def refresh_status(self) -> None:
+        if self.status in (Status.READY, Status.BUSY):
+            self.status = Status.BUSY if self.in_flight >= self.model.parallel else Status.READY
+
+    async def start(self, binary: Path, model_file: Path, timeout: float) -> None:
+        """Spawn llama-server and wait until it answers /health; InstanceStartError otherwise."""
+        self.status = Status.STARTING
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        args = llama_server_args(binary, model_file, self.model, self.host, self.port)
+        with self.log_path.open("ab") as log_file:
+            log_file.write(f"\n=== {datetime.now(UTC).isoformat()} starting: {' '.join(args)}\n".encode())
+            log_file.flush()
+            # Spawned from the event-loop thread on purpose: PR_SET_PDEATHSIG fires when the *thread*
+            # that forked the child exits, so a worker thread would take the child down with it.
+            self.process = subprocess.Popen(  # noqa: ASYNC220
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C at the terminal reaches the gateway, which stops us in order
+                preexec_fn=_die_with_parent,
+            )
+        log.info(
+            "instance %s (%s) starting: pid %s on %s, log %s",
+            self.id, self.model.name, self.process.pid, self.base_url, self.log_path,
+        )  # fmt: skip
+        self.started_at = time.time()
+        try:
+            await self._wait_healthy(timeout)
+        except BaseException:
+            self.status = Status.FAILED
+            await self.stop()
+            self.status = Status.FAILED
+            raise
+        self.client = LlamaServerClient(self.base_url, connections=self.model.parallel * 2)
+        self.status = Status.READY
+        self.last_activity = time.time()
+        log.info("instance %s (%s) ready in %.1f s", self.id, self.model.name, time.time() - self.started_at)
+
+    async def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        probe_timeout = aiohttp.ClientTimeout(total=2.0)
+        async with aiohttp.ClientSession(timeout=probe_timeout) as session:
+            while True:
+                if self.exited:
+                    assert self.process is not None
+                    raise InstanceStartError(
+                        f"llama-server for {self.model.name!r} exited with code {self.process.returncode} "
+                        f"while starting; see {self.log_path}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with session.get(self.base_url + "/health") as response:
+                        if response.status == 200:
+                            return
+                if time.monotonic() > deadline:
+                    raise InstanceStartError(
+                        f"llama-server for {self.model.name!r} did not become healthy within {timeout:.0f} s; "
+                        f"see {self.log_path}"
+                    )
+                await asyncio.sleep(0.1)
+
+    async def probe(self) -> bool:
+        """A real health probe: True when the process answers /health with 200 in time."""
+        if self.client is None or self.exited:
+            return False
+        return await self.client.healthy()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """terminate → wait → kill, and close the HTTP client."""
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(asyncio.to_thread(process.wait), grace)
+            except TimeoutError:
+                log.warning("instance %s did not stop in %.0f s: killing it", self.id, grace)
+                process.kill()
+                await asyncio.to_thread(process.wait)
+        if self.status != Status.FAILED:
+            self.status = Status.STOPPED

@@ -1,0 +1,50 @@
+"""Fields shared by every generating endpoint."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+MAX_STOP_STRINGS = 4
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class Sampling(BaseModel):
+    """Sampling parameters. Omitted ones are left to llama-server's defaults; unknown fields are dropped."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_key: str | None = Field(default=None, description="The API key, when not sent as a Bearer token.")
+    model: str | None = Field(default=None, description="Model name; default: the first configured model.")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_k: int | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
+    repeat_penalty: float | None = Field(default=None, gt=0.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=-1, le=2**63 - 1)
+
+    def sampling_fields(self) -> dict[str, float | int]:
+        names = (
+            "temperature",
+            "top_k",
+            "top_p",
+            "repeat_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "seed",
+        )
+        return {name: value for name in names if (value := getattr(self, name)) is not None}
+
+
+def normalize_stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else stop
+
+
+StopField = Field(default=None, description=f"Up to {MAX_STOP_STRINGS} strings that end generation.")
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]

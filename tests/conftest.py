@@ -1,0 +1,46 @@
+"""Shared fixtures. `server` is one real llmserver (real llama-server, embedded model) per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import MODEL, Server, create_key
+
+# A small per-request context so that the context-length limit is cheap to hit.
+TEST_CONFIG = f"""
+max_tokens_limit = 512
+max_request_bytes = 1048576
+
+[[models]]
+name = "{MODEL}"
+parallel = 2
+ctx_size = 1024
+threads = 2
+"""
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = Server(data_dir=tmp_path_factory.mktemp("server"), config=TEST_CONFIG).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def api_key(server: Server) -> str:
+    return create_key(server.data_dir, "tests")
+
+
+@pytest.fixture(scope="session")
+def client(server: Server, api_key: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    return tmp_path / "data"

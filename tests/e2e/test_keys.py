@@ -1,0 +1,36 @@
+"""Keys made or revoked with the CLI act at once on the running server; every way to send a key works."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.support import Server, cli, create_key
+
+
+def test_cli_keys_take_effect_at_once(server: Server) -> None:
+    key = create_key(server.data_dir, "late-comer")
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    listed = cli(server.data_dir, "keys", "list", "--json")
+    (entry,) = [k for k in __import__("json").loads(listed.stdout) if k["name"] == "late-comer"]
+    assert key not in listed.stdout
+    revoked = cli(server.data_dir, "keys", "revoke", entry["id"])
+    assert revoked.returncode == 0, revoked.stderr
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+    again = cli(server.data_dir, "keys", "revoke", entry["id"])
+    assert again.returncode != 0 and "no active key" in again.stderr
+
+
+def test_key_in_body_query_or_header(server: Server, api_key: str) -> None:
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert httpx.post(server.url + "/api/generate", json={**body, "api_key": api_key}, timeout=60).status_code == 200
+    assert (
+        httpx.post(server.url + "/api/generate", params={"api_key": api_key}, json=body, timeout=60).status_code == 200
+    )
+    assert httpx.get(server.url + "/v1/models", params={"api_key": api_key}).status_code == 200
+
+
+def test_keys_never_reach_the_log(server: Server, api_key: str) -> None:
+    httpx.get(server.url + "/v1/models", params={"api_key": api_key})
+    log = server.log()
+    assert "GET /v1/models 200" in log
+    assert api_key not in log

@@ -1,0 +1,68 @@
+"""Starting and stopping: the child is healthy before we serve, and gone after we stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import MODEL, Server, create_key, pids_of_children_named, process_alive
+
+ONE_SMALL_INSTANCE = f'[[models]]\nname = "{MODEL}"\nparallel = 1\nctx_size = 512\n'
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process_alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_leaves_no_llama_server(tmp_path: Path, sig: signal.Signals) -> None:
+    server = Server(data_dir=tmp_path, config=ONE_SMALL_INSTANCE).start()
+    assert server.process is not None
+    children = pids_of_children_named("llama-server", server.process.pid)
+    assert len(children) == 1
+    key = create_key(tmp_path, "k")
+    ok = httpx.post(
+        server.url + "/api/generate",
+        json={"prompt": "hi", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+    assert ok.status_code == 200
+    # uvicorn shuts down in order, then re-raises the signal it caught: -sig is a clean exit too.
+    assert server.stop(sig) in (0, -sig)
+    assert _wait_gone(children[0])
+    logs = list((tmp_path / "logs").glob("*.log"))
+    assert logs and "llama" in logs[0].read_text(errors="replace").lower()  # the child's output went to its log file
+    assert "all instances stopped" in server.log()
+
+
+def test_killed_gateway_takes_its_child_along(tmp_path: Path) -> None:
+    server = Server(data_dir=tmp_path, config=ONE_SMALL_INSTANCE).start()
+    assert server.process is not None
+    (child,) = pids_of_children_named("llama-server", server.process.pid)
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+    assert _wait_gone(child)
+
+
+def test_missing_model_file_fails_start_clearly(tmp_path: Path) -> None:
+    server = Server(data_dir=tmp_path, config='[[models]]\nname = "ghost"\npath = "/nonexistent/ghost.gguf"\n')
+    with pytest.raises(RuntimeError) as caught:
+        server.start(timeout=60)
+    assert "GGUF file not found: /nonexistent/ghost.gguf" in str(caught.value)
+
+
+def test_health_and_ready(server: Server) -> None:
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    ready = httpx.get(server.url + "/ready")
+    assert ready.status_code == 200 and ready.json() == {"status": "ready", "models": {MODEL: True}}

@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import pytest
+from pydantic import ValidationError
+
+from llmserver.commands import models_from_args
+from llmserver.commands.config import markdown_reference
+from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings
+
+
+def test_defaults_serve_the_embedded_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLMSERVER_DATA_DIR", raising=False)
+    settings = load_settings()
+    assert [m.name for m in settings.models] == [DEFAULT_MODEL_NAME]
+    assert settings.models[0].path is None
+    assert (settings.host, settings.port, settings.owned_by) == ("127.0.0.1", 8000, "5cbot_llm_server")
+    assert settings.data_dir.name == "llmserver"
+
+
+def test_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        'port = 9000\nowned_by = "from-file"\nhost = "0.0.0.0"\n'
+        '[[models]]\nname = "a"\npath = "/m/a.gguf"\nparallel = 2\n'
+        '[[models]]\nname = "b"\npath = "/m/a.gguf"\n'
+    )
+    monkeypatch.setenv("LLMSERVER_OWNED_BY", "from-env")
+    monkeypatch.setenv("LLMSERVER_HOST", "10.0.0.1")
+    settings = load_settings(config, host="127.0.0.2", port=None)
+    assert settings.port == 9000  # file
+    assert settings.owned_by == "from-env"  # env beats file
+    assert settings.host == "127.0.0.2"  # flag beats env
+    assert [(m.name, m.parallel) for m in settings.models] == [("a", 2), ("b", 4)]
+    assert isinstance(settings, Settings) and type(settings) is Settings
+
+
+def test_admin_key_from_environment_is_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSERVER_ADMIN_KEY", "s3cret-admin")
+    settings = load_settings()
+    assert settings.admin_key is not None
+    assert settings.admin_key.get_secret_value() == "s3cret-admin"
+    assert "s3cret-admin" not in settings.model_dump_json()
+
+
+def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_settings(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        '[[models]]\nname = "a"\n[[models]]\nname = "a"\n',  # duplicate names
+        '[[models]]\nname = "bad name"\n',
+        '[[models]]\nname = "a"\nparallel = 0\n',
+        '[[models]]\nname = "a"\nunknown = 1\n',
+        "default_max_tokens = 900\nmax_tokens_limit = 100\n",
+        "no_such_setting = 1\n",
+    ],
+)
+def test_invalid_settings_are_rejected(tmp_path: Path, config: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(config)
+    with pytest.raises(ValidationError):
+        load_settings(path)
+
+
+def test_model_args() -> None:
+    configured = [ModelConfig(name="mine", path=Path("/x/mine.gguf"))]
+    assert models_from_args((), configured) is None
+    chosen = models_from_args(("mine", DEFAULT_MODEL_NAME, "/tmp/Other-Model.gguf"), configured)
+    assert chosen is not None
+    assert [(m.name, m.path) for m in chosen] == [
+        ("mine", Path("/x/mine.gguf")),
+        (DEFAULT_MODEL_NAME, None),
+        ("Other-Model", Path("/tmp/Other-Model.gguf")),
+    ]
+    with pytest.raises(click.BadParameter):
+        models_from_args(("nonsense",), configured)
+
+
+def test_reference_table_lists_every_setting() -> None:
+    table = markdown_reference()
+    for name in Settings.model_fields:
+        if name != "models":
+            assert f"`{name}`" in table
+    for name in ModelConfig.model_fields:
+        assert f"`models[].{name}`" in table
