@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 
 from tests.support import Server, cli, create_key
@@ -11,7 +13,7 @@ def test_cli_keys_take_effect_at_once(server: Server) -> None:
     key = create_key(server.data_dir, "late-comer")
     assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     listed = cli(server.data_dir, "keys", "list", "--json")
-    (entry,) = [k for k in __import__("json").loads(listed.stdout) if k["name"] == "late-comer"]
+    (entry,) = [k for k in json.loads(listed.stdout) if k["name"] == "late-comer"]
     assert key not in listed.stdout
     revoked = cli(server.data_dir, "keys", "revoke", entry["id"])
     assert revoked.returncode == 0, revoked.stderr

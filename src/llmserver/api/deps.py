@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmserver.auth.keys import KeyService, Principal
 from llmserver.engine.generation import GenerationService
-from llmserver.errors import APIError, InvalidRequest, UnsupportedMediaType
+from llmserver.errors import APIError, InvalidRequest
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import Settings
 
@@ -63,9 +63,7 @@ def authenticate(request: Request, body: dict[str, Any] | None = None) -> Princi
 
 
 async def json_body(request: Request) -> dict[str, Any]:
-    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if content_type not in ("application/json", "") and not content_type.endswith("+json"):
-        raise UnsupportedMediaType(f"Send the request body as application/json, not {content_type}.")
+    # The Content-Type is not checked: `curl -d` labels JSON as a form, and refusing it helps no one.
     raw = await request.body()
     try:
         body = json.loads(raw) if raw else None
@@ -83,12 +81,15 @@ def validate(model: type[Model], body: dict[str, Any]) -> Model:
         raise validation_error(exc.errors()) from None
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def validation_error(errors: Any) -> InvalidRequest:
     """Our 400 for the first of pydantic's (or FastAPI's) validation errors, naming the parameter."""
     first = errors[0] if errors else {}
     location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
-    # Drop the union-member tags pydantic adds (`str`, `list[...]`, `function-after[...]`).
-    location = [part for part in location if not ("[" in part or part in ("str", "list", "int"))]
+    # Drop the tags pydantic adds for union members (`str`, `list[...]`, `constrained-str`, …).
+    location = [part for part in location if not ("[" in part or "-" in part or part in _TYPE_TAGS)]
     param = ".".join(location) or None
     message = str(first.get("msg", "Invalid request"))
     if first.get("type") == "missing":

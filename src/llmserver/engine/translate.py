@@ -19,7 +19,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def sampling_payload(request: Sampling, max_tokens: int, stop: str | list[str] | None) -> JSON:
+def sampling_payload(request: Sampling, max_tokens: int, stop: list[str] | None) -> JSON:
     payload: JSON = {"max_tokens": max_tokens, **request.sampling_fields()}
     stops = normalize_stop(stop)
     if stops:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 MAX_STOP_STRINGS = 4
 
@@ -40,11 +40,16 @@ class Sampling(BaseModel):
         return {name: value for name in names if (value := getattr(self, name)) is not None}
 
 
-def normalize_stop(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else stop
+def normalize_stop(stop: list[str] | None) -> list[str]:
+    return stop or []
 
 
-StopField = Field(default=None, description=f"Up to {MAX_STOP_STRINGS} strings that end generation.")
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+
+
+def _one_string_as_list(value: object) -> object:
+    return [value] if isinstance(value, str) else value
+
+
+# OpenAI accepts one stop string or a list of them; both arrive here as a list.
+StopStringOrList = Annotated[StopList, BeforeValidator(_one_string_as_list)]

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserver.schemas.common import MAX_STOP_STRINGS, Sampling, StopList, StopString
+from llmserver.schemas.common import MAX_STOP_STRINGS, Sampling, StopStringOrList
 
 
 class TextPart(BaseModel):
@@ -45,7 +45,7 @@ class StreamOptions(BaseModel):
 
 
 class _OpenAIRequest(Sampling):
-    stop: StopString | StopList | None = Field(
+    stop: StopStringOrList | None = Field(
         default=None, description=f"Up to {MAX_STOP_STRINGS} strings that end generation."
     )
     stream: bool = False

@@ -1,0 +1,49 @@
+"""Streams end cleanly, and a client that goes away frees the instance's slot."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+
+from tests.support import MODEL, Server
+
+
+def _busy_slots(server: Server) -> int:
+    return sum(slot["is_processing"] for slot in httpx.get(server.instance_url + "/slots").json())
+
+
+def test_client_disconnect_frees_the_slot(server: Server, client: httpx.Client) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        "max_tokens": 500,
+        "stream": True,
+    }
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert _busy_slots(server) == 1
+    deadline = time.monotonic() + 5
+    while _busy_slots(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _busy_slots(server) == 0
+    # and the server goes on serving
+    assert client.post("/api/generate", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_concurrent_streams_are_independent(server: Server, api_key: str) -> None:
+    def run(seed: int) -> str:
+        body = {"prompt": "List some fruits:", "max_tokens": 12, "temperature": 0, "stream": True, "seed": seed}
+        headers = {"Authorization": f"Bearer {api_key}"}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(run, range(4)))
+    assert len(set(texts)) == 1 and texts[0]  # temperature 0: the same text on every slot

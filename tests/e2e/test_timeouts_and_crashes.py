@@ -1,0 +1,77 @@
+"""The generation timeout, and an instance that dies under the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import MODEL, Server, create_key, pids_of_children_named
+
+SHORT_TIMEOUT = f'request_timeout = 1.0\n[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
+LONG = {"prompt": "Write a very long story about the sea.", "max_tokens": 1500, "temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def impatient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str]]:
+    data_dir = tmp_path_factory.mktemp("impatient")
+    server = Server(data_dir=data_dir, config=SHORT_TIMEOUT).start()
+    yield server, create_key(data_dir, "k")
+    server.stop()
+
+
+def test_generation_over_the_timeout_is_504(impatient: tuple[Server, str]) -> None:
+    server, key = impatient
+    response = httpx.post(
+        server.url + "/api/generate", json=LONG, headers={"Authorization": f"Bearer {key}"}, timeout=30
+    )
+    assert response.status_code == 504
+    assert response.json()["error"]["type"] == "timeout_error"
+    assert "1 s" in response.json()["error"]["message"]
+
+
+def test_stream_over_the_timeout_ends_with_an_error_event(impatient: tuple[Server, str]) -> None:
+    server, key = impatient
+    body = {"messages": [{"role": "user", "content": LONG["prompt"]}], "max_tokens": 1500, "stream": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2].removeprefix("data: "))
+    assert last == {"error": {"message": last["error"]["message"], "type": "timeout_error", "code": 504}}
+    assert len(lines) > 3  # it did stream before the timeout
+
+
+def test_a_killed_instance_is_replaced(tmp_path: Path) -> None:
+    server = Server(data_dir=tmp_path, config=f'[[models]]\nname = "{MODEL}"\nparallel = 1\nctx_size = 512\n').start()
+    try:
+        assert server.process is not None
+        (child,) = pids_of_children_named("llama-server", server.process.pid)
+        os.kill(child, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        replaced: list[int] = []
+        while time.monotonic() < deadline:
+            replaced = [p for p in pids_of_children_named("llama-server", server.process.pid) if p != child]
+            if replaced and httpx.get(server.url + "/ready").status_code == 200:
+                break
+            time.sleep(0.2)
+        assert replaced, server.log()
+        key = create_key(tmp_path, "k")
+        ok = httpx.post(
+            server.url + "/api/generate",
+            json={"prompt": "hi", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        assert ok.status_code == 200
+        assert "died with code -9; restarting it" in server.log()
+    finally:
+        server.stop()
