@@ -102,6 +102,17 @@ class Server:
         self.stop()
         raise RuntimeError(f"server not ready in {timeout} s:\n{self.log()}")
 
+    def generate_ok(self) -> bool:
+        """One tiny native request with a fresh key: does the server serve?"""
+        key = create_key(self.data_dir, "probe")
+        response = httpx.post(
+            self.url + "/api/generate",
+            json={"prompt": "hi", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        return response.status_code == 200
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import MODEL, Server, create_key, pids_of_children_named, process_alive
+from tests.support import MODEL, Server, pids_of_children_named, process_alive
 
 ONE_SMALL_INSTANCE = f'[[models]]\nname = "{MODEL}"\nparallel = 1\nctx_size = 512\n'
 
@@ -30,14 +30,7 @@ def test_stop_leaves_no_llama_server(tmp_path: Path, sig: signal.Signals) -> Non
     assert server.process is not None
     children = pids_of_children_named("llama-server", server.process.pid)
     assert len(children) == 1
-    key = create_key(tmp_path, "k")
-    ok = httpx.post(
-        server.url + "/api/generate",
-        json={"prompt": "hi", "max_tokens": 2},
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=60,
-    )
-    assert ok.status_code == 200
+    assert server.generate_ok()
     # uvicorn shuts down in order, then re-raises the signal it caught: -sig is a clean exit too.
     assert server.stop(sig) in (0, -sig)
     assert _wait_gone(children[0])
