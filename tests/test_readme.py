@@ -13,4 +13,4 @@ def test_settings_table_is_current() -> None:
     text = README.read_text()
     start = text.index("<!-- settings-table:start -->\n") + len("<!-- settings-table:start -->\n")
     end = text.index("<!-- settings-table:end -->")
-    assert text[start:end].strip() == markdown_reference().strip(), "run `llmserver config --markdown` and paste it"
+    assert text[start:end].strip() == markdown_reference().strip(), "run .venv/bin/python scripts/readme_settings.py"

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserver import __version__
-from llmserver.api import health, models, native, openai
+from llmserver.api import health, instances, models, native, openai
 from llmserver.api.deps import validation_error
 from llmserver.auth.keys import KeyService
 from llmserver.engine.generation import GenerationService
@@ -51,7 +51,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.store = store
         app.state.keys = KeyService(store, admin_key)
         app.state.supervisor = supervisor
-        app.state.generation = GenerationService(settings, Router(supervisor))
+        app.state.generation = GenerationService(settings, Router(supervisor, settings.max_concurrency_per_key))
         app.state.started_at = time.time()
         try:
             await supervisor.start()
@@ -62,7 +62,7 @@ def create_app(settings: Settings) -> FastAPI:
             store.close()
 
     app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
-    for module in (native, openai, models, health):
+    for module in (native, openai, models, instances, health):
         app.include_router(module.router)
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)

@@ -85,9 +85,28 @@ class UnsupportedMediaType(APIError):
     type = "unsupported_media_type"
 
 
+class RateLimited(APIError):
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class ClientClosedRequest(APIError):
+    """Nobody reads this one: it only marks the request in the access log (nginx's 499)."""
+
+    status = 499
+    type = "client_closed_request"
+
+
 class UpstreamError(APIError):
     status = 502
     type = "upstream_error"
+
+
+class InstanceUnavailable(UpstreamError):
+    """The instance could not be reached or dropped the connection: it may have died."""
 
 
 class Overloaded(APIError):

@@ -39,7 +39,16 @@ class ModelConfig(BaseModel):
         default=None,
         description="GGUF file; empty means the embedded default model (SmolLM2-135M-Instruct Q4_1).",
     )
-    instances: int = Field(default=1, ge=1, le=32, description="llama-server processes to run.")
+    min_instances: int = Field(default=1, ge=0, le=64, description="Instances kept running at all times.")
+    max_instances: int = Field(
+        default=1, ge=1, le=64, description="Most instances; more than min start while requests queue."
+    )
+    idle_timeout: float = Field(
+        default=300.0, gt=0, description="Seconds an instance above min_instances may sit idle before it stops."
+    )
+    max_queue: int = Field(
+        default=64, ge=0, le=100_000, description="Requests that may wait for a free slot; 503 beyond."
+    )
     parallel: int = Field(default=4, ge=1, le=256, description="Slots per instance: requests decoded together.")
     ctx_size: int = Field(default=4096, ge=128, le=1_048_576, description="Context window of one request, in tokens.")
     threads: int = Field(default_factory=default_threads, ge=1, le=1024, description="CPU threads per instance.")
@@ -50,6 +59,12 @@ class ModelConfig(BaseModel):
         if not MODEL_NAME_PATTERN.match(value):
             raise ValueError("model names use letters, digits and . _ : - (at most 128 characters)")
         return value
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> ModelConfig:
+        if self.min_instances > self.max_instances:
+            raise ValueError("min_instances cannot exceed max_instances")
+        return self
 
 
 class Settings(BaseSettings):
@@ -94,6 +109,23 @@ class Settings(BaseSettings):
     request_timeout: float = Field(
         default=600.0, gt=0, description="Seconds a generation may take before it fails with 504."
     )
+    queue_timeout: float = Field(
+        default=60.0, gt=0, description="Seconds a request may wait for a free slot before it fails with 504."
+    )
+    max_concurrency_per_key: int = Field(
+        default=16, ge=1, description="Requests one API key may have in flight at once; 429 beyond."
+    )
+    memory_budget_mb: int = Field(
+        default=0, ge=0, description="RAM all instances together may use, in MiB; 0: 80% of this machine's."
+    )
+    drain_timeout: float = Field(
+        default=30.0, ge=0, description="Seconds in-flight requests get to finish when stopping or draining."
+    )
+    health_interval: float = Field(default=2.0, gt=0, description="Seconds between health probes of each instance.")
+    restart_max_failures: int = Field(
+        default=5, ge=1, description="Crashes within restart_window after which an instance is given up."
+    )
+    restart_window: float = Field(default=300.0, gt=0, description="Seconds over which crashes are counted.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Gateway log level.")
 
     @model_validator(mode="after")

@@ -6,7 +6,10 @@ Bodies are parsed here rather than by FastAPI so that the cheap checks run in or
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -14,11 +17,12 @@ from pydantic import BaseModel, ValidationError
 
 from llmserver.auth.keys import KeyService, Principal
 from llmserver.engine.generation import GenerationService
-from llmserver.errors import APIError, InvalidRequest
+from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import Settings
 
 Model = TypeVar("Model", bound=BaseModel)
+T = TypeVar("T")
 
 
 def settings(request: Request) -> Settings:
@@ -108,3 +112,37 @@ async def parse(request: Request, model: type[Model]) -> tuple[Principal, Model]
     if problem is not None or body is None:
         raise problem or InvalidRequest("The request body must be a JSON object.")
     return principal, validate(model, body)
+
+
+def require_admin(request: Request) -> Principal:
+    principal = authenticate(request)
+    if not principal.is_admin:
+        raise PermissionDenied("This endpoint needs an admin key.")
+    return principal
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it if the client goes away first.
+
+    Cancelling closes the connection to llama-server, which stops generating and frees the slot:
+    without this, a non-streamed request would run to the end for nobody.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientClosedRequest("The client closed the connection before the answer was ready.")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()

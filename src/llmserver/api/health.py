@@ -18,6 +18,6 @@ async def health() -> dict[str, str]:
 @router.get("/ready", response_model=None)
 async def ready(request: Request) -> JSONResponse:
     pool = supervisor(request)
-    models = {name: pool.model_ready(name) for name in pool.instances}
+    models = {name: model_pool.ready for name, model_pool in pool.pools.items()}
     ok = all(models.values())
     return JSONResponse({"status": "ready" if ok else "not_ready", "models": models}, status_code=200 if ok else 503)

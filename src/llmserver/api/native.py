@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from llmserver.api.deps import generation, parse
+from llmserver.api.deps import cancel_on_disconnect, generation, parse
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
 
 router = APIRouter()
@@ -22,4 +22,4 @@ router = APIRouter()
 )
 async def generate(request: Request) -> GenerateResponse:
     principal, body = await parse(request, GenerateRequest)
-    return await generation(request).generate(principal, body)
+    return await cancel_on_disconnect(request, generation(request).generate(principal, body))

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from llmserver.api.deps import generation, parse
+from llmserver.api.deps import cancel_on_disconnect, generation, parse
 from llmserver.schemas.openai import ChatRequest, CompletionRequest
 
 router = APIRouter()
@@ -31,7 +31,7 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     if body.stream:
         stream = await service.chat_stream(principal, body)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse(await service.chat(principal, body))
+    return JSONResponse(await cancel_on_disconnect(request, service.chat(principal, body)))
 
 
 @router.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest), response_model=None)
@@ -41,4 +41,4 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
     if body.stream:
         stream = await service.completion_stream(principal, body)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse(await service.completion(principal, body))
+    return JSONResponse(await cancel_on_disconnect(request, service.completion(principal, body)))

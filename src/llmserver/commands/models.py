@@ -22,7 +22,7 @@ def models(config_file: Path | None, data_dir: Path | None) -> None:
         except ModelFileError as exc:
             location, missing = f"MISSING: {exc}", True
         click.echo(
-            f"{model.name}  instances={model.instances} parallel={model.parallel} "
+            f"{model.name}  instances={model.min_instances}-{model.max_instances} parallel={model.parallel} "
             f"ctx={model.ctx_size} threads={model.threads}  {location}"
         )
     if missing:

@@ -43,5 +43,5 @@ def serve(
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,  # ours (llmserver.access) leaves out query strings, which may carry keys
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=int(settings.drain_timeout),  # in-flight requests get this long
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, UpstreamError
+from llmserver.errors import APIError, ContextLengthExceeded, InstanceUnavailable, InvalidRequest, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -118,4 +118,6 @@ def upstream_error(body: Any, status: int) -> APIError:
 
 def _unreachable(exc: aiohttp.ClientError) -> UpstreamError:
     log.warning("llama-server unreachable: %s", exc)
-    return UpstreamError("The model instance could not be reached.")
+    if isinstance(exc, aiohttp.ClientConnectionError):
+        return InstanceUnavailable("The model instance could not be reached or closed the connection.")
+    return UpstreamError("The model instance answered with a broken response.")

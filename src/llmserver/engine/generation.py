@@ -17,8 +17,7 @@ from typing import Any
 
 from llmserver.auth.keys import Principal
 from llmserver.engine import translate
-from llmserver.errors import APIError, GatewayTimeout, InvalidRequest, ServerError
-from llmserver.pool.instance import Instance
+from llmserver.errors import APIError, GatewayTimeout, InstanceUnavailable, InvalidRequest, ServerError, UpstreamError
 from llmserver.pool.router import Router
 from llmserver.schemas.common import Sampling
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
@@ -54,17 +53,26 @@ class GenerationService:
             raise InvalidRequest(f"{param} is {requested}; this server allows at most {limit}.", param=param)
         return requested
 
-    async def _call(self, model: str, path: str, payload: JSON) -> tuple[JSON, str]:
-        instance = self.router.pick(model)
-        with self.router.lease(instance) as client:
-            try:
-                async with asyncio.timeout(self.settings.request_timeout):
-                    body = await client.post_json(path, payload)
-            except TimeoutError:
-                raise GatewayTimeout(
-                    f"The generation did not finish within {self.settings.request_timeout:.0f} s."
-                ) from None
-        return body, instance.id
+    async def _call(self, principal: Principal, model: str, path: str, payload: JSON) -> tuple[JSON, str]:
+        """One non-streamed call; retried once if the instance died before answering."""
+        for attempt in (1, 2):
+            async with self.router.lease(model, principal) as instance:
+                client = instance.client
+                try:
+                    if client is None:
+                        raise InstanceUnavailable("The instance went away.")
+                    async with asyncio.timeout(self.settings.request_timeout):
+                        return await client.post_json(path, payload), instance.id
+                except TimeoutError:
+                    raise GatewayTimeout(
+                        f"The generation did not finish within {self.settings.request_timeout:.0f} s."
+                    ) from None
+                except InstanceUnavailable:
+                    self.router.instance_failed(instance)
+                    if attempt == 2:
+                        raise
+                    log.warning("instance %s failed under a request; retrying it once", instance.id)
+        raise AssertionError("unreachable")
 
     # Native API
 
@@ -75,11 +83,11 @@ class GenerationService:
         if request.raw:
             system = f"{request.system}\n\n" if request.system else ""
             payload["prompt"] = system + request.prompt
-            body, instance_id = await self._call(model, "/v1/completions", payload)
+            body, instance_id = await self._call(principal, model, "/v1/completions", payload)
             text = _choice(body).get("text", "")
         else:
             payload["messages"] = translate.native_messages(request.prompt, request.system)
-            body, instance_id = await self._call(model, "/v1/chat/completions", payload)
+            body, instance_id = await self._call(principal, model, "/v1/chat/completions", payload)
             text = (_choice(body).get("message") or {}).get("content") or ""
         latency = time.perf_counter() - started
         counts = translate.usage(body)
@@ -104,7 +112,7 @@ class GenerationService:
     async def chat(self, principal: Principal, request: ChatRequest) -> JSON:
         model = self._model(request)
         payload = self._chat_payload(request, model)
-        body, _ = await self._call(model, "/v1/chat/completions", payload)
+        body, _ = await self._call(principal, model, "/v1/chat/completions", payload)
         choice = _choice(body)
         message = choice.get("message") or {}
         return {
@@ -146,7 +154,7 @@ class GenerationService:
                 "finish_reason": translate.finish_reason(reason) if reason else None,
             }
 
-        return await self._stream(model, "/v1/chat/completions", payload, head, chunk, request)
+        return await self._stream(principal, model, "/v1/chat/completions", payload, head, chunk, request)
 
     # OpenAI legacy completions
 
@@ -160,7 +168,7 @@ class GenerationService:
 
     async def completion(self, principal: Principal, request: CompletionRequest) -> JSON:
         model = self._model(request)
-        body, _ = await self._call(model, "/v1/completions", self._completion_payload(request))
+        body, _ = await self._call(principal, model, "/v1/completions", self._completion_payload(request))
         choice = _choice(body)
         return {
             "id": translate.new_id("cmpl"),
@@ -196,12 +204,14 @@ class GenerationService:
                 "finish_reason": translate.finish_reason(reason) if reason else None,
             }
 
-        return await self._stream(model, "/v1/completions", self._completion_payload(request), head, chunk, request)
+        payload = self._completion_payload(request)
+        return await self._stream(principal, model, "/v1/completions", payload, head, chunk, request)
 
     # Streaming machinery shared by both OpenAI endpoints
 
     async def _stream(
         self,
+        principal: Principal,
         model: str,
         path: str,
         payload: JSON,
@@ -210,15 +220,21 @@ class GenerationService:
         request: ChatRequest | CompletionRequest,
     ) -> AsyncIterator[bytes]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        instance = self.router.pick(model)
-        events = self._events(instance, path, payload)
-        try:
-            first = await anext(events)
-        except StopAsyncIteration:
-            raise ServerError("The instance closed the stream without sending anything.") from None
-        except BaseException:
-            await events.aclose()
-            raise
+        for attempt in (1, 2):
+            events = self._events(principal, model, path, payload)
+            try:
+                first = await anext(events)
+                break
+            except StopAsyncIteration:
+                raise UpstreamError("The instance closed the stream without sending anything.") from None
+            except InstanceUnavailable:
+                await events.aclose()
+                if attempt == 2:
+                    raise
+                log.warning("instance failed before the stream started; retrying it once")
+            except BaseException:
+                await events.aclose()
+                raise
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -233,7 +249,7 @@ class GenerationService:
             except APIError as exc:
                 yield sse(exc.body())
             except Exception:
-                log.exception("stream from instance %s failed", instance.id)
+                log.exception("a stream failed")
                 yield sse(ServerError("The stream failed.").body())
             finally:
                 await events.aclose()
@@ -241,9 +257,12 @@ class GenerationService:
 
         return body()
 
-    async def _events(self, instance: Instance, path: str, payload: JSON) -> AsyncGenerator[JSON]:
-        with self.router.lease(instance) as client:
+    async def _events(self, principal: Principal, model: str, path: str, payload: JSON) -> AsyncGenerator[JSON]:
+        async with self.router.lease(model, principal) as instance:
+            client = instance.client
             try:
+                if client is None:
+                    raise InstanceUnavailable("The instance went away.")
                 async with asyncio.timeout(self.settings.request_timeout):
                     async for event in client.stream(path, payload):
                         yield event
@@ -251,6 +270,9 @@ class GenerationService:
                 raise GatewayTimeout(
                     f"The generation did not finish within {self.settings.request_timeout:.0f} s."
                 ) from None
+            except InstanceUnavailable:
+                self.router.instance_failed(instance)
+                raise
 
 
 def _choice(body: JSON) -> JSON:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import logging
@@ -15,8 +16,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import psutil
 
 from llmserver.engine.client import LlamaServerClient
 from llmserver.settings import ModelConfig
@@ -84,7 +87,16 @@ class Instance:
     started_at: float = 0.0
     last_activity: float = field(default_factory=time.time)
     in_flight: int = 0
-    failures: int = 0
+    users: collections.Counter[str] = field(default_factory=collections.Counter)
+    crashes: collections.deque[float] = field(default_factory=collections.deque)
+    restarting: bool = False
+    ram_used_mb: int = 0
+    cpu_percent: float | None = None
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _ps: psutil.Process | None = None
+
+    def __post_init__(self) -> None:
+        self.idle.set()
 
     @property
     def pid(self) -> int | None:
@@ -109,9 +121,67 @@ class Instance:
         if self.status in (Status.READY, Status.BUSY):
             self.status = Status.BUSY if self.in_flight >= self.model.parallel else Status.READY
 
+    def begin(self, key_id: str) -> None:
+        self.idle.clear()
+        self.in_flight += 1
+        self.users[key_id] += 1
+        self.last_activity = time.time()
+        self.refresh_status()
+
+    def end(self, key_id: str) -> None:
+        self.in_flight -= 1
+        self.users[key_id] -= 1
+        if self.users[key_id] <= 0:
+            del self.users[key_id]
+        if self.in_flight == 0:
+            self.idle.set()
+        self.last_activity = time.time()
+        self.refresh_status()
+
+    def sample(self) -> None:
+        """RSS and CPU of the llama-server process; CPU is the share since the previous sample."""
+        if self._ps is None or self.exited:
+            return
+        try:
+            self.ram_used_mb = round(self._ps.memory_info().rss / 2**20)
+            self.cpu_percent = round(self._ps.cpu_percent(None), 1)
+        except psutil.Error:
+            pass
+
+    def _cpu_since_start(self) -> float:
+        # Before the first interval sample: the average since start, never psutil's first 0.0.
+        if self._ps is None or self.exited:
+            return 0.0
+        try:
+            times = self._ps.cpu_times()
+            elapsed: float = max(time.time() - float(self._ps.create_time()), 1e-3)
+        except psutil.Error:
+            return 0.0
+        return round(100.0 * float(times.user + times.system) / elapsed, 1)
+
+    def describe(self) -> dict[str, Any]:
+        """The seed's instance record, with exactly its fields and types."""
+        running = self.process is not None and not self.exited and self.status != Status.STOPPED
+        return {
+            "instance_id": self.id,
+            "model": self.model.name,
+            "status": self.status.value,
+            "host": self.host,
+            "port": self.port,
+            "pid": self.pid or 0,
+            "active_users": len(self.users),
+            "ram_used_mb": self.ram_used_mb if running else 0,
+            "cpu_percent": (self.cpu_percent if self.cpu_percent is not None else self._cpu_since_start())
+            if running
+            else 0.0,
+            "uptime_seconds": int(time.time() - self.started_at) if running and self.started_at else 0,
+            "last_activity": self.last_activity_iso(),
+        }
+
     async def start(self, binary: Path, model_file: Path, timeout: float) -> None:
         """Spawn llama-server and wait until it answers /health; InstanceStartError otherwise."""
         self.status = Status.STARTING
+        self.cpu_percent = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         args = llama_server_args(binary, model_file, self.model, self.host, self.port)
         with self.log_path.open("ab") as log_file:
@@ -140,6 +210,10 @@ class Instance:
             self.status = Status.FAILED
             raise
         self.client = LlamaServerClient(self.base_url, connections=self.model.parallel * 2)
+        with contextlib.suppress(psutil.Error):
+            self._ps = psutil.Process(self.process.pid)
+            self._ps.cpu_percent(None)  # primes the interval measure; this first value means nothing
+        self.sample()
         self.status = Status.READY
         self.last_activity = time.time()
         log.info("instance %s (%s) ready in %.1f s", self.id, self.model.name, time.time() - self.started_at)

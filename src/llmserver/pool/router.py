@@ -1,43 +1,54 @@
-"""Routing: each request goes to the accepting instance of its model with the fewest in flight."""
+"""Admission and routing: the per-key concurrency limit, then a slot from the model's pool.
+
+Both checks run before anything is sent to an instance, so before any prompt is templated or
+tokenized. The lease holds the slot (and the key's count) until the request is over.
+"""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import collections
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
-from llmserver.engine.client import LlamaServerClient
-from llmserver.errors import ModelNotFound, Overloaded
+from llmserver.auth.keys import Principal
+from llmserver.errors import RateLimited
 from llmserver.pool.instance import Instance
+from llmserver.pool.pool import ModelPool
 from llmserver.pool.supervisor import Supervisor
 
 
 class Router:
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Supervisor, max_concurrency_per_key: int) -> None:
         self._supervisor = supervisor
+        self._max_per_key = max_concurrency_per_key
+        self._per_key: collections.Counter[str] = collections.Counter()
 
-    def check_model(self, name: str) -> None:
-        if name not in self._supervisor.instances:
-            raise ModelNotFound(f"The model {name!r} does not exist.", param="model")
+    def check_model(self, name: str) -> ModelPool:
+        return self._supervisor.pool(name)
 
-    def pick(self, name: str) -> Instance:
-        self.check_model(name)
-        candidates = [i for i in self._supervisor.instances[name] if i.accepting]
-        if not candidates:
-            raise Overloaded(f"No instance of {name!r} is ready; try again shortly.", retry_after=2)
-        return min(candidates, key=lambda i: i.in_flight)
-
-    @contextmanager
-    def lease(self, instance: Instance) -> Iterator[LlamaServerClient]:
-        """Count a request in flight on the instance for as long as the block runs."""
-        client = instance.client
-        if client is None:
-            raise Overloaded(f"The instance {instance.id} is no longer available.", retry_after=1)
-        instance.in_flight += 1
-        instance.refresh_status()
+    @asynccontextmanager
+    async def lease(self, model: str, principal: Principal) -> AsyncIterator[Instance]:
+        pool = self._supervisor.pool(model)
+        key = principal.key_id
+        if self._per_key[key] >= self._max_per_key:
+            raise RateLimited(
+                f"This API key already has {self._per_key[key]} requests in flight, its limit. "
+                "Retry when one has finished.",
+                retry_after=1,
+            )
+        self._per_key[key] += 1
         try:
-            yield client
+            instance = await pool.acquire(key)
+            try:
+                yield instance
+            finally:
+                pool.release(instance, key)
         finally:
-            instance.in_flight -= 1
-            instance.last_activity = time.time()
-            instance.refresh_status()
+            self._per_key[key] -= 1
+            if self._per_key[key] <= 0:
+                del self._per_key[key]
+
+    def instance_failed(self, instance: Instance) -> None:
+        """A request could not reach its instance: if the process is gone, take it out of service now."""
+        if instance.exited and instance.process is not None:
+            self._supervisor.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")

@@ -1,7 +1,15 @@
-"""The supervisor: starts every configured model's instances, watches them, replaces the dead.
+"""The supervisor: one pool per model, kept at strength, scaled with demand, healed after crashes.
 
-A small loop: every `check_interval` seconds each live instance must still be running; a crashed
-one is marked failed and restarted in its place with exponential backoff.
+A small loop (`tick`, every `check_interval` seconds):
+- an instance whose process died is marked failed and restarted in its slot with exponential
+  backoff, until it has crashed `restart_max_failures` times within `restart_window`;
+- every `health_interval`, each instance must answer a real /health probe in time; three misses
+  in a row count as a crash (a hung process is killed and replaced);
+- RAM and CPU of each process are sampled;
+- a pool below `min_instances` gets a new instance; an instance above `min_instances` that has been
+  idle for `idle_timeout` is drained and stopped.
+Requests that queue call `scale_up`, which starts one more instance when `max_instances` and the
+memory budget allow.
 """
 
 from __future__ import annotations
@@ -9,34 +17,49 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from pathlib import Path
 
+import psutil
+
 from llmserver.catalog import llama_server_binary, model_path
+from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamError
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
-from llmserver.settings import ModelConfig, Settings
+from llmserver.pool.pool import ModelPool
+from llmserver.settings import Settings
 
 log = logging.getLogger(__name__)
 
 MAX_RESTART_DELAY = 30.0
+PROBE_MISSES_ALLOWED = 3
 
 
 class Supervisor:
     def __init__(self, settings: Settings, *, check_interval: float = 0.5) -> None:
         self.settings = settings
         self.check_interval = check_interval
-        self.instances: dict[str, list[Instance]] = {m.name: [] for m in settings.models}
+        self.pools: dict[str, ModelPool] = {
+            m.name: ModelPool(m, queue_timeout=settings.queue_timeout, on_pressure=self.scale_up)
+            for m in settings.models
+        }
+        budget = settings.memory_budget_mb or int(psutil.virtual_memory().total / 2**20 * 0.8)
+        self.memory_budget_mb = budget
         self._binary: Path | None = None
         self._files: dict[str, Path] = {}
         self._claimed_ports: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
-        self._restarts: set[asyncio.Task[None]] = set()
+        self._probe_misses: dict[str, int] = {}
+        self._last_probe = 0.0
         self._stopping = False
 
+    # Lifecycle
+
     async def start(self) -> None:
-        """Start all instances and wait for them; raise if any cannot start."""
+        """Start every pool's min_instances and wait for them; raise if any cannot start."""
         self._binary = llama_server_binary(self.settings.llama_server_path)
         self._files = {m.name: model_path(m) for m in self.settings.models}
-        starts = [self._start_new(model) for model in self.settings.models for _ in range(model.instances)]
+        starts = [self._add_instance(pool) for pool in self.pools.values() for _ in range(pool.config.min_instances)]
         results = await asyncio.gather(*starts, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -50,19 +73,32 @@ class Supervisor:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        for task in list(self._restarts):
+        for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*(i.stop() for i in self.all_instances()), return_exceptions=True)
         log.info("all instances stopped")
 
+    # Queries
+
     def all_instances(self) -> list[Instance]:
-        return [instance for group in self.instances.values() for instance in group]
+        return [instance for pool in self.pools.values() for instance in pool.instances]
 
-    def find(self, instance_id: str) -> Instance | None:
-        return next((i for i in self.all_instances() if i.id == instance_id), None)
+    def find(self, instance_id: str) -> Instance:
+        for instance in self.all_instances():
+            if instance.id == instance_id:
+                return instance
+        raise NotFound(f"No instance with id {instance_id!r}.", param="instance_id")
 
-    def model_ready(self, name: str) -> bool:
-        return any(i.accepting for i in self.instances.get(name, []))
+    def pool(self, name: str) -> ModelPool:
+        try:
+            return self.pools[name]
+        except KeyError:
+            raise ModelNotFound(f"The model {name!r} does not exist.", param="model") from None
+
+    def memory_used_mb(self) -> int:
+        return sum(i.ram_used_mb for i in self.all_instances() if i.status not in (Status.STOPPED, Status.FAILED))
+
+    # Starting, stopping, scaling
 
     def _next_port(self) -> int:
         port = self.settings.instance_base_port
@@ -73,52 +109,187 @@ class Supervisor:
         self._claimed_ports.add(port)
         return port
 
-    async def _start_new(self, model: ModelConfig) -> Instance:
+    async def _add_instance(self, pool: ModelPool) -> Instance:
         port = self._next_port()
         instance = Instance(
-            model=model,
+            model=pool.config,
             host=self.settings.instance_host,
             port=port,
-            log_path=self.settings.log_dir / f"{model.name}-{port}.log",
+            log_path=self.settings.log_dir / f"{pool.name}-{port}.log",
         )
-        self.instances[model.name].append(instance)
-        await self._launch(instance)
+        pool.instances.append(instance)
+        try:
+            await self._launch(instance)
+        except InstanceStartError:
+            self._claimed_ports.discard(port)
+            pool.instances.remove(instance)
+            raise
+        pool.dispatch()
         return instance
 
     async def _launch(self, instance: Instance) -> None:
         assert self._binary is not None
         try:
             await instance.start(self._binary, self._files[instance.model.name], self.settings.instance_start_timeout)
-        except InstanceStartError:
-            log.error("instance %s (%s) failed to start", instance.id, instance.model.name)
+        except InstanceStartError as exc:
+            log.error("instance %s (%s) failed to start: %s", instance.id, instance.model.name, exc)
             raise
+
+    async def start_instance(self, name: str) -> Instance:
+        """Start one more instance of a model now (the admin API); raise if it cannot be started."""
+        pool = self.pool(name)
+        if len(pool.live()) >= pool.config.max_instances:
+            raise InvalidRequest(
+                f"The model {name!r} already runs its max_instances ({pool.config.max_instances}).", param="model"
+            )
+        try:
+            return await self._add_instance(pool)
+        except InstanceStartError as exc:
+            raise UpstreamError(f"The instance failed to start: {exc}") from None
+
+    def scale_up(self, pool: ModelPool) -> None:
+        """Requests are queueing: start one more instance if the limits allow and none is starting."""
+        if not self._may_autostart(pool) or len(pool.live()) >= pool.config.max_instances:
+            return
+        estimate = max((i.ram_used_mb for i in pool.instances), default=0) or int(
+            self._files[pool.name].stat().st_size / 2**20 * 1.5
+        )
+        if self.memory_used_mb() + estimate > self.memory_budget_mb:
+            log.warning(
+                "not starting another %s instance: %d MiB in use + ~%d MiB would exceed the %d MiB budget",
+                pool.name, self.memory_used_mb(), estimate, self.memory_budget_mb,
+            )  # fmt: skip
+            return
+        log.info("requests are queueing for %s: starting another instance", pool.name)
+        self._spawn(self._add_quietly(pool))
+
+    async def _add_quietly(self, pool: ModelPool) -> None:
+        """An automatic start (strength or demand): on failure, back off before the next one."""
+        try:
+            await self._add_instance(pool)
+            pool.start_backoff = 0.0
+        except InstanceStartError:
+            pool.start_backoff = min(MAX_RESTART_DELAY * 10, max(1.0, pool.start_backoff * 2))
+            pool.next_start_at = time.monotonic() + pool.start_backoff
+            log.error("automatic start of a %s instance failed; next try in %.0f s", pool.name, pool.start_backoff)
+
+    def _may_autostart(self, pool: ModelPool) -> bool:
+        return (
+            not self._stopping
+            and time.monotonic() >= pool.next_start_at
+            and not any(i.status == Status.STARTING for i in pool.instances)
+        )
+
+    async def drain(self, instance: Instance, timeout: float | None = None) -> None:
+        """No new requests; wait for those in flight up to `timeout`; stop; leave the pool."""
+        instance.status = Status.DRAINING
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(instance.idle.wait(), self.settings.drain_timeout if timeout is None else timeout)
+        if instance.in_flight:
+            log.warning("instance %s still had %d requests in flight when drained", instance.id, instance.in_flight)
+        await instance.stop()
+        instance.status = Status.STOPPED
+        self._claimed_ports.discard(instance.port)
+        pool = self.pools[instance.model.name]
+        if instance in pool.instances:
+            pool.instances.remove(instance)
+        log.info("instance %s (%s) drained and stopped", instance.id, instance.model.name)
+
+    def _spawn(self, coroutine: object) -> None:
+        task: asyncio.Task[None] = asyncio.create_task(coroutine)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # The loop
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.check_interval)
-            for instance in self.all_instances():
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("supervisor tick failed")
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        probe = now - self._last_probe >= self.settings.health_interval
+        if probe:
+            self._last_probe = now
+        for pool in self.pools.values():
+            for instance in list(pool.instances):
                 if instance.accepting and instance.exited:
                     assert instance.process is not None
-                    log.error(
-                        "instance %s (%s) pid %s died with code %s; restarting it",
-                        instance.id, instance.model.name, instance.pid, instance.process.returncode,
-                    )  # fmt: skip
-                    instance.status = Status.FAILED
-                    instance.failures += 1
-                    task = asyncio.create_task(self._restart(instance))
-                    self._restarts.add(task)
-                    task.add_done_callback(self._restarts.discard)
+                    self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
+                elif instance.accepting and probe:
+                    self._spawn(self._probe(instance))
+                if instance.accepting:
+                    instance.sample()
+            self._keep_strength(pool)
+            self._reap_idle(pool)
 
-    async def _restart(self, instance: Instance) -> None:
-        delay = min(MAX_RESTART_DELAY, 0.5 * 2 ** (instance.failures - 1))
-        while not self._stopping:
-            await instance.stop(grace=1.0)
-            instance.status = Status.FAILED
-            await asyncio.sleep(delay)
-            try:
-                await self._launch(instance)
-                return
-            except InstanceStartError:
-                instance.failures += 1
-                delay = min(MAX_RESTART_DELAY, delay * 2)
-                log.error("restart of instance %s failed; next try in %.1f s", instance.id, delay)
+    def crashed(self, instance: Instance, why: str) -> None:
+        """Take a dead or hung instance out of service and restart it, or give it up."""
+        if instance.restarting or instance.status in (Status.STOPPED, Status.DRAINING):
+            return
+        instance.status = Status.FAILED
+        now = time.monotonic()
+        instance.crashes.append(now)
+        while instance.crashes and instance.crashes[0] < now - self.settings.restart_window:
+            instance.crashes.popleft()
+        failures = len(instance.crashes)
+        if failures >= self.settings.restart_max_failures:
+            log.error(
+                "instance %s (%s) %s; giving up on it after %d failures within %.0f s (see %s)",
+                instance.id, instance.model.name, why, failures, self.settings.restart_window, instance.log_path,
+            )  # fmt: skip
+            self._spawn(instance.stop(grace=1.0))
+            return
+        log.error("instance %s (%s) %s; restarting it", instance.id, instance.model.name, why)
+        instance.restarting = True
+        self._spawn(self._restart(instance, delay=min(MAX_RESTART_DELAY, 0.5 * 2 ** (failures - 1))))
+
+    async def _restart(self, instance: Instance, delay: float) -> None:
+        try:
+            while not self._stopping:
+                await instance.stop(grace=1.0)
+                instance.status = Status.FAILED
+                await asyncio.sleep(delay)
+                try:
+                    await self._launch(instance)
+                    self.pools[instance.model.name].dispatch()
+                    return
+                except InstanceStartError:
+                    delay = min(MAX_RESTART_DELAY, delay * 2)
+                    log.error("restart of instance %s failed; next try in %.1f s", instance.id, delay)
+        finally:
+            instance.restarting = False
+
+    async def _probe(self, instance: Instance) -> None:
+        if await instance.probe():
+            self._probe_misses.pop(instance.id, None)
+            return
+        if not instance.accepting:
+            return
+        misses = self._probe_misses.get(instance.id, 0) + 1
+        self._probe_misses[instance.id] = misses
+        log.warning("instance %s missed a health probe (%d in a row)", instance.id, misses)
+        if misses >= PROBE_MISSES_ALLOWED:
+            self._probe_misses.pop(instance.id, None)
+            self.crashed(instance, f"did not answer {misses} health probes in a row")
+
+    def _keep_strength(self, pool: ModelPool) -> None:
+        if pool.config.min_instances > len(pool.live()) and self._may_autostart(pool):
+            log.info("%s has fewer than min_instances (%d): starting one", pool.name, pool.config.min_instances)
+            self._spawn(self._add_quietly(pool))
+
+    def _reap_idle(self, pool: ModelPool) -> None:
+        idle_since = time.time() - pool.config.idle_timeout
+        ready = [i for i in pool.instances if i.status == Status.READY]
+        if len(pool.live()) <= pool.config.min_instances or pool.queue_depth:
+            return
+        idle = [i for i in ready if i.in_flight == 0 and i.last_activity < idle_since]
+        if idle:
+            instance = min(idle, key=lambda i: i.last_activity)
+            log.info("instance %s (%s) idle for %.0f s: stopping it", instance.id, pool.name, pool.config.idle_timeout)
+            instance.status = Status.DRAINING
+            self._spawn(self.drain(instance, timeout=0))

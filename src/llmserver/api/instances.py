@@ -1,0 +1,50 @@
+"""The instance API (admin keys only): list, inspect, start and drain model instances."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from llmserver.api.deps import json_body, require_admin, supervisor, validate
+
+router = APIRouter()
+
+
+class StartInstance(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+
+
+@router.get("/api/instances")
+async def list_instances(request: Request) -> dict[str, Any]:
+    require_admin(request)
+    return {"object": "list", "data": [i.describe() for i in supervisor(request).all_instances()]}
+
+
+@router.get("/api/instances/{instance_id}")
+async def get_instance(request: Request, instance_id: str) -> dict[str, Any]:
+    require_admin(request)
+    return supervisor(request).find(instance_id).describe()
+
+
+@router.post("/api/instances", status_code=201, response_model=None)
+async def start_instance(request: Request) -> JSONResponse:
+    """Start one more instance of a model; answers once it is ready (201) or has failed (502)."""
+    require_admin(request)
+    body = validate(StartInstance, await json_body(request))
+    instance = await supervisor(request).start_instance(body.model)
+    return JSONResponse(instance.describe(), status_code=201)
+
+
+@router.delete("/api/instances/{instance_id}")
+async def drain_instance(request: Request, instance_id: str) -> dict[str, Any]:
+    """Drain: no new requests, in-flight ones finish (up to drain_timeout), then the process stops."""
+    require_admin(request)
+    pool = supervisor(request)
+    instance = pool.find(instance_id)
+    await pool.drain(instance)
+    return instance.describe()

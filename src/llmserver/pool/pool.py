@@ -1,0 +1,103 @@
+"""One model's instances and the bounded queue of requests waiting for a free slot.
+
+A request takes a slot on the accepting instance with the fewest requests in flight. When every
+slot is taken it waits, first come first served, in a queue of at most `max_queue`; a full queue
+is 503 at once, and a wait longer than `queue_timeout` is 504. Each released slot, and each
+instance that becomes ready, hands a slot to the longest waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmserver.errors import GatewayTimeout, Overloaded
+from llmserver.pool.instance import Instance, Status
+from llmserver.settings import ModelConfig
+
+
+@dataclass(eq=False)
+class _Waiter:
+    key_id: str
+    future: asyncio.Future[Instance]
+
+
+class ModelPool:
+    def __init__(self, config: ModelConfig, *, queue_timeout: float, on_pressure: Callable[[ModelPool], None]) -> None:
+        self.config = config
+        self.instances: list[Instance] = []
+        self.queue_timeout = queue_timeout
+        self._on_pressure = on_pressure
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        # After an instance fails to start, automatic starts wait (doubling) before trying again.
+        self.start_backoff = 0.0
+        self.next_start_at = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def ready(self) -> bool:
+        return any(i.accepting for i in self.instances)
+
+    def live(self) -> list[Instance]:
+        """Instances that count toward min/max_instances: all but stopped ones (a given-up one
+        stays, failed, until an admin deletes it, so that a crashing model is not started forever)."""
+        return [i for i in self.instances if i.status != Status.STOPPED]
+
+    def _free_instance(self) -> Instance | None:
+        free = [i for i in self.instances if i.accepting and i.in_flight < i.model.parallel]
+        return min(free, key=lambda i: i.in_flight) if free else None
+
+    async def acquire(self, key_id: str) -> Instance:
+        """A slot on an instance, counted as in flight for `key_id` until `release`."""
+        instance = self._free_instance()
+        if instance is not None and not self._waiters:
+            instance.begin(key_id)
+            return instance
+        if len(self._waiters) >= self.config.max_queue:
+            raise Overloaded(
+                f"The model {self.name!r} is at capacity: all slots are busy and {len(self._waiters)} requests "
+                "are already waiting. Retry shortly.",
+                retry_after=2,
+            )
+        waiter = _Waiter(key_id, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._on_pressure(self)
+        try:
+            async with asyncio.timeout(self.queue_timeout):
+                return await waiter.future
+        except BaseException as exc:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                # A slot was handed over just as this request gave up: give it back.
+                self.release(waiter.future.result(), key_id)
+            if isinstance(exc, TimeoutError):
+                raise GatewayTimeout(
+                    f"No slot of {self.name!r} came free within {self.queue_timeout:.0f} s; the server is overloaded."
+                ) from None
+            raise
+
+    def release(self, instance: Instance, key_id: str) -> None:
+        instance.end(key_id)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Hand free slots to the longest waiters (after a release, or when an instance became ready)."""
+        while self._waiters:
+            instance = self._free_instance()
+            if instance is None:
+                return
+            waiter = self._waiters.popleft()
+            if waiter.future.done():  # timed out or cancelled meanwhile
+                continue
+            instance.begin(waiter.key_id)
+            waiter.future.set_result(instance)
