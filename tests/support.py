@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,3 +153,24 @@ def process_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def make_key(data_dir: Path, name: str, admin: bool = False) -> str:
+    """A key written straight into the server's database (what `keys create` does, without a process)."""
+    from llmserver.auth.keys import KeyService
+    from llmserver.store import SQLiteStore
+
+    store = SQLiteStore(data_dir / "llmserver.db")
+    try:
+        return KeyService(store).create(name, admin=admin)[1]
+    finally:
+        store.close()

@@ -51,7 +51,9 @@ class ModelConfig(BaseModel):
     )
     parallel: int = Field(default=4, ge=1, le=256, description="Slots per instance: requests decoded together.")
     ctx_size: int = Field(default=4096, ge=128, le=1_048_576, description="Context window of one request, in tokens.")
-    threads: int = Field(default_factory=default_threads, ge=1, le=1024, description="CPU threads per instance.")
+    threads: int | None = Field(
+        default=None, ge=1, le=1024, description="CPU threads per instance; empty: the CPUs shared out evenly."
+    )
 
     @field_validator("name")
     @classmethod
@@ -132,6 +134,12 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if not self.models:
             self.models = [ModelConfig(name=DEFAULT_MODEL_NAME)]
+        # llama.cpp threads spin while they wait: instances that together run more threads than
+        # there are CPUs slow each other down many times over. Share the CPUs out by default.
+        always_running = sum(max(1, m.min_instances) for m in self.models)
+        for m in self.models:
+            if m.threads is None:
+                m.threads = max(1, default_threads() // always_running)
         names = [m.name for m in self.models]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:

@@ -13,7 +13,7 @@ from llmserver.settings import ModelConfig, Settings
 
 COMPUTED = {
     "data_dir": " Default: the per-user data folder (`~/.local/share/llmserver` on Linux).",
-    "threads": " Default: the CPUs this process may use.",
+    "threads": " Default: the usable CPUs divided by the sum of all models' min_instances (at least 1).",
 }
 
 
@@ -24,7 +24,7 @@ def _table(model: type[BaseModel], prefix: str, env: bool) -> list[str]:
             continue
         if field.is_required():
             shown = "(required)"
-        elif field.default_factory is not None:
+        elif field.default_factory is not None or name in COMPUTED:
             shown = "(computed)"
         else:
             shown = json.dumps(field.get_default(), default=str)

@@ -67,8 +67,8 @@ def llama_server_args(binary: Path, model_file: Path, model: ModelConfig, host: 
         "--parallel", str(model.parallel),
         # Each slot gets the model's full per-request context.
         "--ctx-size", str(model.ctx_size * model.parallel),
-        "--threads", str(model.threads),
-        "--threads-batch", str(model.threads),
+        "--threads", str(model.threads or 1),
+        "--threads-batch", str(model.threads or 1),
         "--no-webui",
         "--jinja",
     ]  # fmt: skip

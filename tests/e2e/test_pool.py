@@ -1,0 +1,217 @@
+"""The instance pool with real llama-server children: routing, admission, scaling, recovery, the API."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.support import MODEL, Server, make_key, wait_for
+
+ADMIN = "test-admin-key-0123456789"
+# Two models on the same GGUF file. MODEL: two fixed instances. "smol-b": one to two instances,
+# one slot each, a queue of one, and a short idle timeout.
+POOL_CONFIG = f"""
+max_concurrency_per_key = 4
+health_interval = 0.5
+
+[[models]]
+name = "{MODEL}"
+min_instances = 2
+max_instances = 2
+parallel = 2
+ctx_size = 512
+
+[[models]]
+name = "smol-b"
+min_instances = 1
+max_instances = 2
+parallel = 1
+max_queue = 1
+idle_timeout = 3
+ctx_size = 512
+"""
+
+INSTANCE_FIELDS = {
+    "instance_id": str,
+    "model": str,
+    "status": str,
+    "host": str,
+    "port": int,
+    "pid": int,
+    "active_users": int,
+    "ram_used_mb": int,
+    "cpu_percent": float,
+    "uptime_seconds": int,
+    "last_activity": str,
+}
+# Greedy decoding of this prompt runs to max_tokens.
+LONG_PROMPT = "Count from 1 to 1000, separated by commas."
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = Server(
+        data_dir=tmp_path_factory.mktemp("pool"), config=POOL_CONFIG, env={"LLMSERVER_ADMIN_KEY": ADMIN}
+    ).start()
+    yield server
+    server.stop()
+
+
+def admin(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120)
+
+
+def instances(server: Server, model: str | None = None) -> list[dict[str, Any]]:
+    with admin(server) as client:
+        data: list[dict[str, Any]] = client.get("/api/instances").json()["data"]
+    return [i for i in data if model is None or i["model"] == model]
+
+
+def generate(server: Server, key: str, model: str, max_tokens: int = 40, prompt: str = LONG_PROMPT) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(server.url + "/api/generate", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def test_instance_records_are_the_seeds(pool: Server) -> None:
+    listed = instances(pool)
+    assert sorted(i["model"] for i in listed) == [MODEL, MODEL, "smol-b"]
+    for record in listed:
+        assert set(record) == set(INSTANCE_FIELDS)
+        for name, kind in INSTANCE_FIELDS.items():
+            assert type(record[name]) is kind, (name, record[name])
+        assert record["status"] == "ready" and record["host"] == "127.0.0.1"
+        process = psutil.Process(record["pid"])
+        assert process.name() == "llama-server"
+        assert f"--port {record['port']}" in " ".join(process.cmdline())
+        assert record["ram_used_mb"] > 0
+        assert datetime.fromisoformat(record["last_activity"]).utcoffset() is not None
+    with admin(pool) as client:
+        one = client.get(f"/api/instances/{listed[0]['instance_id']}").json()
+        assert one["instance_id"] == listed[0]["instance_id"]
+        missing = client.get("/api/instances/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def test_instance_api_is_for_admins_only(pool: Server) -> None:
+    key = make_key(pool.data_dir, "plain")
+    headers = {"Authorization": f"Bearer {key}"}
+    for method, path in [
+        ("GET", "/api/instances"),
+        ("GET", "/api/instances/x"),
+        ("POST", "/api/instances"),
+        ("DELETE", "/api/instances/x"),
+    ]:
+        response = httpx.request(method, pool.url + path, headers=headers, json={"model": MODEL})
+        assert response.status_code == 403, (method, path)
+        assert response.json()["error"]["type"] == "permission_error"
+    assert httpx.get(pool.url + "/api/instances").status_code == 401
+    cli_admin = make_key(pool.data_dir, "db-admin", admin=True)
+    assert httpx.get(pool.url + "/api/instances", headers={"Authorization": f"Bearer {cli_admin}"}).status_code == 200
+
+
+def test_requests_spread_over_instances_and_models(pool: Server) -> None:
+    keys = [make_key(pool.data_dir, f"spread-{n}") for n in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(8) as executor:
+        futures = [executor.submit(generate, pool, keys[n % 2], MODEL, 24) for n in range(8)]
+        other = generate(pool, keys[2], "smol-b", 4)
+        responses = [f.result() for f in futures]
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    used = {r.json()["instance_id"] for r in responses}
+    assert used == {i["instance_id"] for i in instances(pool, MODEL)}
+    assert other.status_code == 200
+    assert other.json()["instance_id"] == instances(pool, "smol-b")[0]["instance_id"]
+
+
+def test_per_key_concurrency_limit_is_429(pool: Server) -> None:
+    key = make_key(pool.data_dir, "greedy")
+    with concurrent.futures.ThreadPoolExecutor(6) as executor:
+        responses = list(executor.map(lambda _: generate(pool, key, MODEL, 60), range(6)))
+    limited = [r for r in responses if r.status_code == 429]
+    assert len(limited) == 2 and sum(r.status_code == 200 for r in responses) == 4
+    error = limited[0].json()["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == 429
+    assert limited[0].headers["Retry-After"] == "1"
+
+
+def test_full_queue_is_503_and_queueing_scales_up_then_idle_scales_down(pool: Server) -> None:
+    keys = [make_key(pool.data_dir, f"queue-{n}") for n in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as executor:
+        futures = []
+        for key in keys:  # one runs, one waits in the queue of one, the rest find it full
+            futures.append(executor.submit(generate, pool, key, "smol-b", 120))
+            time.sleep(0.05)
+        responses = [f.result() for f in futures]
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [200, 200, 503, 503], [r.text for r in responses]
+    rejected = next(r for r in responses if r.status_code == 503)
+    assert rejected.json()["error"]["type"] == "overloaded_error" and int(rejected.headers["Retry-After"]) >= 1
+    # The queueing started a second instance (max_instances = 2) ...
+    assert wait_for(lambda: len(instances(pool, "smol-b")) == 2, 30)
+    # ... which stops again after idle_timeout (3 s) without traffic, back to min_instances = 1.
+    assert wait_for(lambda: len(instances(pool, "smol-b")) == 1, 30), instances(pool, "smol-b")
+    assert "idle for 3 s: stopping it" in pool.log()
+
+
+def test_start_and_drain_through_the_api(pool: Server) -> None:
+    with admin(pool) as client:
+        at_max = client.post("/api/instances", json={"model": MODEL})
+        assert at_max.status_code == 400 and "max_instances" in at_max.json()["error"]["message"]
+        unknown = client.post("/api/instances", json={"model": "nope"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "model_not_found"
+        started = client.post("/api/instances", json={"model": "smol-b"})
+        assert started.status_code == 201, started.text
+        record = started.json()
+        assert record["status"] == "ready" and psutil.pid_exists(record["pid"])
+        key = make_key(pool.data_dir, "drainee")
+        with concurrent.futures.ThreadPoolExecutor(2) as executor:
+            # Occupy both smol-b instances, then drain the new one: its request must still finish.
+            running = [executor.submit(generate, pool, key, "smol-b", 80) for _ in range(2)]
+            assert wait_for(lambda: all(i["status"] == "busy" for i in instances(pool, "smol-b")), 10)
+            drained = client.delete(f"/api/instances/{record['instance_id']}")
+            assert [r.result().status_code for r in running] == [200, 200]
+        assert drained.status_code == 200 and drained.json()["status"] == "stopped"
+        assert wait_for(lambda: not psutil.pid_exists(record["pid"]), 10)
+        assert client.get(f"/api/instances/{record['instance_id']}").status_code == 404
+
+
+def test_killed_instance_loses_no_request(pool: Server) -> None:
+    keys = [make_key(pool.data_dir, f"survivor-{n}") for n in range(2)]
+    victim = instances(pool, MODEL)[0]
+    with concurrent.futures.ThreadPoolExecutor(8) as executor:
+        futures = [executor.submit(generate, pool, keys[n % 2], MODEL, 60) for n in range(8)]
+        time.sleep(0.5)
+        os.kill(victim["pid"], signal.SIGKILL)
+        responses = [f.result(timeout=120) for f in futures]
+    assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses]
+    assert wait_for(
+        lambda: any(
+            i["instance_id"] == victim["instance_id"] and i["status"] == "ready" and i["pid"] != victim["pid"]
+            for i in instances(pool, MODEL)
+        ),
+        30,
+    )
+    assert "died with code -9; restarting it" in pool.log()
+
+
+def test_hung_instance_is_replaced(pool: Server) -> None:
+    victim = instances(pool, "smol-b")[0]
+    os.kill(victim["pid"], signal.SIGSTOP)  # alive but silent: only a real probe notices
+    try:
+        assert wait_for(lambda: httpx.get(pool.url + "/ready").status_code == 503, 15)
+        assert wait_for(
+            lambda: any(i["pid"] != victim["pid"] and i["status"] == "ready" for i in instances(pool, "smol-b")), 30
+        )
+        assert "did not answer 3 health probes in a row" in pool.log()
+        assert httpx.get(pool.url + "/ready").status_code == 200
+    finally:
+        if psutil.pid_exists(victim["pid"]):
+            os.kill(victim["pid"], signal.SIGCONT)
