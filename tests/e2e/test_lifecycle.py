@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import MODEL, Server, pids_of_children_named, process_alive
+from tests.support import MODEL, Server, make_key, pids_of_children_named, process_alive
 
 ONE_SMALL_INSTANCE = f'[[models]]\nname = "{MODEL}"\nparallel = 1\nctx_size = 512\n'
 
@@ -59,3 +60,21 @@ def test_health_and_ready(server: Server) -> None:
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/ready")
     assert ready.status_code == 200 and ready.json() == {"status": "ready", "models": {MODEL: True}}
+
+
+def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path) -> None:
+    server = Server(data_dir=tmp_path, config=ONE_SMALL_INSTANCE).start()
+    key = make_key(tmp_path, "k")
+    body = {"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 120, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        pending = executor.submit(
+            httpx.post, server.url + "/api/generate", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        )
+        time.sleep(0.5)
+        assert server.process is not None
+        server.process.send_signal(signal.SIGTERM)
+        response = pending.result()
+    assert response.status_code == 200 and response.json()["completion_tokens"] == 120
+    assert server.stop() in (0, -signal.SIGTERM)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health")

@@ -47,3 +47,19 @@ def test_concurrent_streams_are_independent(server: Server, api_key: str) -> Non
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(run, range(4)))
     assert len(set(texts)) == 1 and texts[0]  # temperature 0: the same text on every slot
+
+
+def test_non_streamed_disconnect_frees_the_slot(server: Server, api_key: str) -> None:
+    body = {"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 400, "temperature": 0}
+    headers = {"Authorization": f"Bearer {api_key}"}
+    try:
+        httpx.post(server.url + "/api/generate", json=body, headers=headers, timeout=1.0)
+    except httpx.ReadTimeout:
+        pass  # the client gave up and closed the connection mid-generation
+    else:
+        raise AssertionError("the generation should outlast the client's 1 s timeout")
+    deadline = time.monotonic() + 2
+    while _busy_slots(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _busy_slots(server) == 0
+    assert "POST /api/generate 499" in server.log()

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import MODEL, Server, create_key, pids_of_children_named
+from tests.support import MODEL, Server, create_key, pids_of_children_named, wait_for
 
 SHORT_TIMEOUT = f'request_timeout = 1.0\n[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
 # Greedy decoding of this prompt runs to max_tokens: 300 tokens, over 4 s on 2 cores.
@@ -72,5 +72,49 @@ def test_a_killed_instance_is_replaced(tmp_path: Path) -> None:
         assert replaced, server.log()
         assert server.generate_ok()
         assert "died with code -9; restarting it" in server.log()
+    finally:
+        server.stop()
+
+
+def test_instance_dying_mid_stream_ends_it_with_an_error_event(impatient: tuple[Server, str]) -> None:
+    server, key = impatient
+    assert server.process is not None
+    body = {
+        "messages": [{"role": "user", "content": LONG["prompt"]}],
+        "max_tokens": 50,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+    ) as response:
+        lines = response.iter_lines()
+        seen = [next(lines) for _ in range(3)]
+        for pid in pids_of_children_named("llama-server", server.process.pid):
+            os.kill(pid, signal.SIGKILL)
+        seen += [line for line in lines if line]
+    assert seen[-1] == "data: [DONE]"
+    error = json.loads(seen[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "upstream_error" and error["code"] == 502
+    assert wait_for(lambda: httpx.get(server.url + "/ready").status_code == 200, 30)
+
+
+def test_crash_looping_instance_is_given_up(tmp_path: Path) -> None:
+    config = f'restart_max_failures = 2\nrestart_window = 60\n[[models]]\nname = "{MODEL}"\nctx_size = 512\n'
+    server = Server(data_dir=tmp_path, config=config).start()
+    try:
+        assert server.process is not None
+        (first,) = pids_of_children_named("llama-server", server.process.pid)
+        os.kill(first, signal.SIGKILL)  # failure 1: restarted
+        assert wait_for(
+            lambda: [p for p in pids_of_children_named("llama-server", server.process.pid) if p != first], 20
+        )
+        assert wait_for(lambda: httpx.get(server.url + "/ready").status_code == 200, 20)
+        (second,) = pids_of_children_named("llama-server", server.process.pid)
+        os.kill(second, signal.SIGKILL)  # failure 2 within the window: given up
+        assert wait_for(lambda: "giving up on it after 2 failures within 60 s" in server.log(), 10)
+        time.sleep(1.5)
+        assert pids_of_children_named("llama-server", server.process.pid) == []
+        assert httpx.get(server.url + "/ready").status_code == 503
     finally:
         server.stop()
