@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import time
@@ -14,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support import MODEL, Server, make_key, wait_for
+from tests.support import MODEL, Server, cli, make_key, wait_for
 
 ADMIN = "test-admin-key-0123456789"
 # Two models on the same GGUF file. MODEL: two fixed instances. "smol-b": one to two instances,
@@ -215,3 +216,27 @@ def test_hung_instance_is_replaced(pool: Server) -> None:
     finally:
         if psutil.pid_exists(victim["pid"]):
             os.kill(victim["pid"], signal.SIGCONT)
+
+
+def test_instances_command_prints_the_table(pool: Server) -> None:
+    result = cli(pool.data_dir, "instances", "--url", pool.url, "--key", ADMIN)
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == [
+        "ID",
+        "MODEL",
+        "STATUS",
+        "PORT",
+        "PID",
+        "USERS",
+        "RAM_MB",
+        "CPU%",
+        "UPTIME_S",
+        "LAST_ACTIVITY",
+    ]
+    listed = instances(pool)
+    assert sorted(row.split()[0] for row in rows) == sorted(i["instance_id"] for i in listed)
+    as_json = cli(pool.data_dir, "instances", "--url", pool.url, "--json", env={"LLMSERVER_API_KEY": ADMIN})
+    assert {r["instance_id"] for r in json.loads(as_json.stdout)} == {i["instance_id"] for i in listed}
+    refused = cli(pool.data_dir, "instances", "--url", pool.url, "--key", "nope")
+    assert refused.returncode == 1 and "401: Invalid API key" in refused.stderr

@@ -1,0 +1,68 @@
+"""`llmserver instances`: the running server's instances, as a table (via the admin API)."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmserver.commands import load, settings_options
+
+COLUMNS = [
+    ("instance_id", "ID", 14),
+    ("model", "MODEL", 28),
+    ("status", "STATUS", 9),
+    ("port", "PORT", 6),
+    ("pid", "PID", 8),
+    ("active_users", "USERS", 6),
+    ("ram_used_mb", "RAM_MB", 7),
+    ("cpu_percent", "CPU%", 6),
+    ("uptime_seconds", "UPTIME_S", 9),
+    ("last_activity", "LAST_ACTIVITY", 25),
+]
+
+
+def fetch_instances(url: str, key: str) -> list[dict[str, Any]]:
+    request = urllib.request.Request(url.rstrip("/") + "/api/instances", headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            data: list[dict[str, Any]] = json.load(response)["data"]
+            return data
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.load(exc)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise click.ClickException(f"{url} answered {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"cannot reach llmserver at {url}: {exc}") from None
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    lines = [" ".join(f"{title:<{width}}" for _, title, width in COLUMNS).rstrip()]
+    for record in records:
+        lines.append(" ".join(f"{record[name]!s:<{width}}" for name, _, width in COLUMNS).rstrip())
+    return "\n".join(lines)
+
+
+@click.command()
+@settings_options
+@click.option("--url", default=None, help="The server (default: http://HOST:PORT from the settings).")
+@click.option("--key", default=None, help="An admin key (default: $LLMSERVER_API_KEY, else $LLMSERVER_ADMIN_KEY).")
+@click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
+def instances(config_file: Path | None, data_dir: Path | None, url: str | None, key: str | None, as_json: bool) -> None:
+    """List the running server's model instances."""
+    if url is None:
+        settings = load(config_file, data_dir=data_dir)
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        url = f"http://{host}:{settings.port}"
+    key = key or os.environ.get("LLMSERVER_API_KEY") or os.environ.get("LLMSERVER_ADMIN_KEY")
+    if not key:
+        raise click.UsageError("give an admin key with --key or $LLMSERVER_API_KEY")
+    records = fetch_instances(url, key)
+    click.echo(json.dumps(records, indent=2) if as_json else table(records))
