@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llmserver.catalog import embedded_model_path
 from tests.support import MODEL, Server, create_key, pids_of_children_named, wait_for
 
 SHORT_TIMEOUT = f'request_timeout = 1.0\n[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
@@ -115,6 +117,23 @@ def test_crash_looping_instance_is_given_up(tmp_path: Path) -> None:
         assert wait_for(lambda: "giving up on it after 2 failures within 60 s" in server.log(), 10)
         time.sleep(1.5)
         assert pids_of_children_named("llama-server", server.process.pid) == []
+        assert httpx.get(server.url + "/ready").status_code == 503
+    finally:
+        server.stop()
+
+
+def test_instance_that_cannot_restart_is_given_up(tmp_path: Path) -> None:
+    model_file = tmp_path / "copy.gguf"
+    shutil.copyfile(embedded_model_path(), model_file)
+    config = f'restart_max_failures = 3\n[[models]]\nname = "copy"\npath = "{model_file}"\nctx_size = 512\n'
+    server = Server(data_dir=tmp_path / "data", config=config).start()
+    try:
+        assert server.process is not None
+        (child,) = pids_of_children_named("llama-server", server.process.pid)
+        model_file.unlink()  # every restart now fails: llama-server cannot load the model
+        os.kill(child, signal.SIGKILL)
+        assert wait_for(lambda: "failed to restart; giving up on it after 3 failures" in server.log(), 30), server.log()
+        assert "restart of instance" in server.log()
         assert httpx.get(server.url + "/ready").status_code == 503
     finally:
         server.stop()

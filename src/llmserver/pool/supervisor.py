@@ -235,21 +235,27 @@ class Supervisor:
         if instance.restarting or instance.status in (Status.STOPPED, Status.DRAINING):
             return
         instance.status = Status.FAILED
+        if self._give_up(instance, why):
+            self._spawn(instance.stop(grace=1.0))
+            return
+        log.error("instance %s (%s) %s; restarting it", instance.id, instance.model.name, why)
+        instance.restarting = True
+        self._spawn(self._restart(instance, delay=min(MAX_RESTART_DELAY, 0.5 * 2 ** (len(instance.crashes) - 1))))
+
+    def _give_up(self, instance: Instance, why: str) -> bool:
+        """Count a failure; True (and say so in the log) once there are too many within the window."""
         now = time.monotonic()
         instance.crashes.append(now)
         while instance.crashes and instance.crashes[0] < now - self.settings.restart_window:
             instance.crashes.popleft()
         failures = len(instance.crashes)
-        if failures >= self.settings.restart_max_failures:
-            log.error(
-                "instance %s (%s) %s; giving up on it after %d failures within %.0f s (see %s)",
-                instance.id, instance.model.name, why, failures, self.settings.restart_window, instance.log_path,
-            )  # fmt: skip
-            self._spawn(instance.stop(grace=1.0))
-            return
-        log.error("instance %s (%s) %s; restarting it", instance.id, instance.model.name, why)
-        instance.restarting = True
-        self._spawn(self._restart(instance, delay=min(MAX_RESTART_DELAY, 0.5 * 2 ** (failures - 1))))
+        if failures < self.settings.restart_max_failures:
+            return False
+        log.error(
+            "instance %s (%s) %s; giving up on it after %d failures within %.0f s (see %s)",
+            instance.id, instance.model.name, why, failures, self.settings.restart_window, instance.log_path,
+        )  # fmt: skip
+        return True
 
     async def _restart(self, instance: Instance, delay: float) -> None:
         try:
@@ -262,6 +268,9 @@ class Supervisor:
                     self.pools[instance.model.name].dispatch()
                     return
                 except InstanceStartError:
+                    instance.status = Status.FAILED
+                    if self._give_up(instance, "failed to restart"):
+                        return
                     delay = min(MAX_RESTART_DELAY, delay * 2)
                     log.error("restart of instance %s failed; next try in %.1f s", instance.id, delay)
         finally:

@@ -1,0 +1,1 @@
+"""Benchmarks of llmserver against direct llama-server (see bench/throughput.py)."""
