@@ -46,7 +46,7 @@ def test_killed_gateway_takes_its_child_along(tmp_path: Path) -> None:
     (child,) = pids_of_children_named("llama-server", server.process.pid)
     os.kill(server.process.pid, signal.SIGKILL)
     server.process.wait()
-    assert _wait_gone(child)
+    assert _wait_gone(child, timeout=20)
 
 
 def test_missing_model_file_fails_start_clearly(tmp_path: Path) -> None:
