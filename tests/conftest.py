@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -44,3 +44,18 @@ def client(server: Server, api_key: str) -> Iterator[httpx.Client]:
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     return tmp_path / "data"
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """Start real servers for one test; every one is stopped at teardown, whatever the test did."""
+    started: list[Server] = []
+
+    def start(config: str = "", *, data_dir: Path | None = None, env: dict[str, str] | None = None) -> Server:
+        server = Server(data_dir=data_dir or tmp_path, config=config, env=env or {})
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()

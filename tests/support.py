@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -15,6 +16,10 @@ from pathlib import Path
 import httpx
 
 MODEL = "SmolLM2-135M-Instruct-Q4_1"
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -89,7 +94,10 @@ class Server:
         env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port), **self.env}
         self.log_path = self.data_dir / "gateway.log"
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # If pytest itself dies, its servers (and so their instances) die with it.
+            self.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -6,6 +6,7 @@ import concurrent.futures
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -26,8 +27,8 @@ def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_stop_leaves_no_llama_server(tmp_path: Path, sig: signal.Signals) -> None:
-    server = Server(data_dir=tmp_path, config=ONE_SMALL_INSTANCE).start()
+def test_stop_leaves_no_llama_server(tmp_path: Path, sig: signal.Signals, start_server: Callable[..., Server]) -> None:
+    server = start_server(ONE_SMALL_INSTANCE)
     assert server.process is not None
     children = pids_of_children_named("llama-server", server.process.pid)
     assert len(children) == 1
@@ -40,8 +41,8 @@ def test_stop_leaves_no_llama_server(tmp_path: Path, sig: signal.Signals) -> Non
     assert "all instances stopped" in server.log()
 
 
-def test_killed_gateway_takes_its_child_along(tmp_path: Path) -> None:
-    server = Server(data_dir=tmp_path, config=ONE_SMALL_INSTANCE).start()
+def test_killed_gateway_takes_its_child_along(start_server: Callable[..., Server]) -> None:
+    server = start_server(ONE_SMALL_INSTANCE)
     assert server.process is not None
     (child,) = pids_of_children_named("llama-server", server.process.pid)
     os.kill(server.process.pid, signal.SIGKILL)
@@ -62,8 +63,8 @@ def test_health_and_ready(server: Server) -> None:
     assert ready.status_code == 200 and ready.json() == {"status": "ready", "models": {MODEL: True}}
 
 
-def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path) -> None:
-    server = Server(data_dir=tmp_path, config=ONE_SMALL_INSTANCE).start()
+def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path, start_server: Callable[..., Server]) -> None:
+    server = start_server(ONE_SMALL_INSTANCE)
     key = make_key(tmp_path, "k")
     body = {"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 120, "temperature": 0}
     with concurrent.futures.ThreadPoolExecutor(1) as executor:

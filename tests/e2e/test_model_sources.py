@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -65,21 +65,19 @@ def test_missing_file_and_offline_are_clear_errors(tmp_path: Path, hub: StandInH
     assert offline.returncode == 1 and "could not download" in offline.stderr
 
 
-def test_served_model_is_fetched_on_first_use(tmp_path: Path, hub: StandInHub) -> None:
-    server = Server(data_dir=tmp_path, config=hub_config(), env={"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
-    server.start()
-    try:
-        key = make_key(tmp_path, "k")
-        response = httpx.post(
-            server.url + "/api/generate",
-            json={"model": "tiny", "prompt": "hi", "max_tokens": 3},
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=60,
-        )
-        assert response.status_code == 200 and response.json()["model"] == "tiny"
-        assert any(method == "GET" for method, _, _ in hub.requests)
-    finally:
-        server.stop()
+def test_served_model_is_fetched_on_first_use(
+    tmp_path: Path, hub: StandInHub, start_server: Callable[..., Server]
+) -> None:
+    server = start_server(hub_config(), env={"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
+    key = make_key(tmp_path, "k")
+    response = httpx.post(
+        server.url + "/api/generate",
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 3},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+    assert response.status_code == 200 and response.json()["model"] == "tiny"
+    assert any(method == "GET" for method, _, _ in hub.requests)
 
 
 def test_builtin_catalog_names_the_seeds_model(tmp_path: Path, hub: StandInHub, gguf: bytes) -> None:

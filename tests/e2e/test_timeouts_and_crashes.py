@@ -7,7 +7,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -58,24 +58,21 @@ def test_stream_over_the_timeout_ends_with_an_error_event(impatient: tuple[Serve
     assert len(lines) > 3  # it did stream before the timeout
 
 
-def test_a_killed_instance_is_replaced(tmp_path: Path) -> None:
-    server = Server(data_dir=tmp_path, config=f'[[models]]\nname = "{MODEL}"\nparallel = 1\nctx_size = 512\n').start()
-    try:
-        assert server.process is not None
-        (child,) = pids_of_children_named("llama-server", server.process.pid)
-        os.kill(child, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        replaced: list[int] = []
-        while time.monotonic() < deadline:
-            replaced = [p for p in pids_of_children_named("llama-server", server.process.pid) if p != child]
-            if replaced and httpx.get(server.url + "/ready").status_code == 200:
-                break
-            time.sleep(0.2)
-        assert replaced, server.log()
-        assert server.generate_ok()
-        assert "died with code -9; restarting it" in server.log()
-    finally:
-        server.stop()
+def test_a_killed_instance_is_replaced(start_server: Callable[..., Server]) -> None:
+    server = start_server(f'[[models]]\nname = "{MODEL}"\nparallel = 1\nctx_size = 512\n')
+    assert server.process is not None
+    (child,) = pids_of_children_named("llama-server", server.process.pid)
+    os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    replaced: list[int] = []
+    while time.monotonic() < deadline:
+        replaced = [p for p in pids_of_children_named("llama-server", server.process.pid) if p != child]
+        if replaced and httpx.get(server.url + "/ready").status_code == 200:
+            break
+        time.sleep(0.2)
+    assert replaced, server.log()
+    assert server.generate_ok()
+    assert "died with code -9; restarting it" in server.log()
 
 
 def test_instance_dying_mid_stream_ends_it_with_an_error_event(impatient: tuple[Server, str]) -> None:
@@ -101,39 +98,31 @@ def test_instance_dying_mid_stream_ends_it_with_an_error_event(impatient: tuple[
     assert wait_for(lambda: httpx.get(server.url + "/ready").status_code == 200, 30)
 
 
-def test_crash_looping_instance_is_given_up(tmp_path: Path) -> None:
+def test_crash_looping_instance_is_given_up(start_server: Callable[..., Server]) -> None:
     config = f'restart_max_failures = 2\nrestart_window = 60\n[[models]]\nname = "{MODEL}"\nctx_size = 512\n'
-    server = Server(data_dir=tmp_path, config=config).start()
-    try:
-        assert server.process is not None
-        (first,) = pids_of_children_named("llama-server", server.process.pid)
-        os.kill(first, signal.SIGKILL)  # failure 1: restarted
-        assert wait_for(
-            lambda: [p for p in pids_of_children_named("llama-server", server.process.pid) if p != first], 20
-        )
-        assert wait_for(lambda: httpx.get(server.url + "/ready").status_code == 200, 20)
-        (second,) = pids_of_children_named("llama-server", server.process.pid)
-        os.kill(second, signal.SIGKILL)  # failure 2 within the window: given up
-        assert wait_for(lambda: "giving up on it after 2 failures within 60 s" in server.log(), 10)
-        time.sleep(1.5)
-        assert pids_of_children_named("llama-server", server.process.pid) == []
-        assert httpx.get(server.url + "/ready").status_code == 503
-    finally:
-        server.stop()
+    server = start_server(config)
+    assert server.process is not None
+    (first,) = pids_of_children_named("llama-server", server.process.pid)
+    os.kill(first, signal.SIGKILL)  # failure 1: restarted
+    assert wait_for(lambda: [p for p in pids_of_children_named("llama-server", server.process.pid) if p != first], 20)
+    assert wait_for(lambda: httpx.get(server.url + "/ready").status_code == 200, 20)
+    (second,) = pids_of_children_named("llama-server", server.process.pid)
+    os.kill(second, signal.SIGKILL)  # failure 2 within the window: given up
+    assert wait_for(lambda: "giving up on it after 2 failures within 60 s" in server.log(), 10)
+    time.sleep(1.5)
+    assert pids_of_children_named("llama-server", server.process.pid) == []
+    assert httpx.get(server.url + "/ready").status_code == 503
 
 
-def test_instance_that_cannot_restart_is_given_up(tmp_path: Path) -> None:
+def test_instance_that_cannot_restart_is_given_up(tmp_path: Path, start_server: Callable[..., Server]) -> None:
     model_file = tmp_path / "copy.gguf"
     shutil.copyfile(embedded_model_path(), model_file)
     config = f'restart_max_failures = 3\n[[models]]\nname = "copy"\npath = "{model_file}"\nctx_size = 512\n'
-    server = Server(data_dir=tmp_path / "data", config=config).start()
-    try:
-        assert server.process is not None
-        (child,) = pids_of_children_named("llama-server", server.process.pid)
-        model_file.unlink()  # every restart now fails: llama-server cannot load the model
-        os.kill(child, signal.SIGKILL)
-        assert wait_for(lambda: "failed to restart; giving up on it after 3 failures" in server.log(), 30), server.log()
-        assert "restart of instance" in server.log()
-        assert httpx.get(server.url + "/ready").status_code == 503
-    finally:
-        server.stop()
+    server = start_server(config, data_dir=tmp_path / "data")
+    assert server.process is not None
+    (child,) = pids_of_children_named("llama-server", server.process.pid)
+    model_file.unlink()  # every restart now fails: llama-server cannot load the model
+    os.kill(child, signal.SIGKILL)
+    assert wait_for(lambda: "failed to restart; giving up on it after 3 failures" in server.log(), 30), server.log()
+    assert "restart of instance" in server.log()
+    assert httpx.get(server.url + "/ready").status_code == 503

@@ -43,9 +43,11 @@ class InstanceStartError(RuntimeError):
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    # If the gateway is killed outright (SIGKILL), the kernel stops the instance too: no orphans.
+    # If the gateway is killed outright, the kernel kills the instance too: no orphans. SIGKILL, not
+    # SIGTERM: llama-server's SIGTERM handler can hang in its graceful shutdown (seen here with the
+    # signal stuck blocked in the handler), and there is nobody left to wait for it anyway.
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 def port_is_free(host: str, port: int) -> bool:
