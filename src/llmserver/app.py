@@ -13,11 +13,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserver import __version__
-from llmserver.api import health, instances, models, native, openai
+from llmserver.api import health, instances, jobs, models, native, openai
 from llmserver.api.deps import validation_error
 from llmserver.auth.keys import KeyService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, error_body
+from llmserver.jobs.runner import JobService
 from llmserver.middleware import AccessLog, BodySizeLimit
 from llmserver.pool.router import Router
 from llmserver.pool.supervisor import Supervisor
@@ -53,16 +54,20 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.supervisor = supervisor
         app.state.generation = GenerationService(settings, Router(supervisor, settings.max_concurrency_per_key))
         app.state.started_at = time.time()
+        job_service = JobService(settings, store)
+        app.state.jobs = job_service
         try:
+            await job_service.start()
             await supervisor.start()
             log.info("llmserver %s ready on http://%s:%s", __version__, settings.host, settings.port)
             yield
         finally:
+            await job_service.stop()
             await supervisor.stop()
             store.close()
 
     app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
-    for module in (native, openai, models, instances, health):
+    for module in (native, openai, models, jobs, instances, health):
         app.include_router(module.router)
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)

@@ -140,6 +140,20 @@ class Settings(BaseSettings):
         default=5, ge=1, description="Crashes within restart_window after which an instance is given up."
     )
     restart_window: float = Field(default=300.0, gt=0, description="Seconds over which crashes are counted.")
+    sync_timeout: float = Field(
+        default=90.0, gt=0, description="Seconds a sync native request may run before it turns into an async job."
+    )
+    async_result_ttl: float = Field(default=3600.0, gt=0, description="Seconds a finished async result stays pollable.")
+    job_sweep_interval: float = Field(
+        default=60.0, gt=0, description="Seconds between sweeps that delete expired async results."
+    )
+    webhook_timeout: float = Field(default=10.0, gt=0, description="Seconds one webhook delivery attempt may take.")
+    webhook_max_attempts: int = Field(
+        default=5, ge=1, le=20, description="Webhook attempts (network errors and 5xx are retried, backoff from 0.5 s)."
+    )
+    webhook_allow_private: bool = Field(
+        default=False, description="Let webhooks reach private and loopback addresses. For tests only."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Gateway log level.")
 
     @model_validator(mode="after")

@@ -52,7 +52,7 @@ def test_bad_key_wins_over_a_bad_body(server: Server) -> None:
         ("stop", "not a list"),
         ("prompt", ""),
         ("raw", "yes please"),
-        ("mode", "async"),
+        ("mode", "later"),
     ],
 )
 def test_invalid_native_parameters(client: httpx.Client, field: str, value: object) -> None:

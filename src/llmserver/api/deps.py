@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from llmserver.auth.keys import KeyService, Principal
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied
+from llmserver.jobs.runner import JobService
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import Settings
 
@@ -37,6 +38,11 @@ def keys(request: Request) -> KeyService:
 
 def generation(request: Request) -> GenerationService:
     value: GenerationService = request.app.state.generation
+    return value
+
+
+def jobs(request: Request) -> JobService:
+    value: JobService = request.app.state.jobs
     return value
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 
-from llmserver.api.deps import cancel_on_disconnect, generation, parse
+from llmserver.api.deps import cancel_on_disconnect, generation, jobs, parse
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
 
 router = APIRouter()
@@ -12,7 +14,7 @@ router = APIRouter()
 
 @router.post(
     "/api/generate",
-    response_model=GenerateResponse,
+    responses={200: {"model": GenerateResponse}},
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -20,6 +22,14 @@ router = APIRouter()
         }
     },
 )
-async def generate(request: Request) -> GenerateResponse:
+async def generate(request: Request) -> dict[str, Any]:
     principal, body = await parse(request, GenerateRequest)
-    return await cancel_on_disconnect(request, generation(request).generate(principal, body))
+    service = generation(request)
+
+    async def work() -> dict[str, Any]:
+        return (await service.generate(principal, body)).model_dump()
+
+    if body.mode == "async":
+        return await jobs(request).submit(principal, work, key=body.key, webhook_url=body.webhook_url)
+    # A sync request that outlasts sync_timeout turns into an async job and answers with its payload.
+    return await cancel_on_disconnect(request, jobs(request).sync_or_fallback(principal, work))

@@ -7,7 +7,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from llmserver.api.deps import cancel_on_disconnect, generation, parse
+from llmserver.api.deps import cancel_on_disconnect, generation, jobs, parse
+from llmserver.auth.keys import Principal
+from llmserver.errors import InvalidRequest
+from llmserver.jobs.runner import Work
 from llmserver.schemas.openai import ChatRequest, CompletionRequest
 
 router = APIRouter()
@@ -24,10 +27,21 @@ def _body_schema(model: Any) -> dict[str, Any]:
     }
 
 
+async def _submit(
+    request: Request, principal: Principal, body: ChatRequest | CompletionRequest, work: Work
+) -> dict[str, Any]:
+    """The async extension: the same job as /api/generate's, whose result is this endpoint's object."""
+    if body.stream:
+        raise InvalidRequest("Async mode cannot be combined with stream: true.", param="stream")
+    return await jobs(request).submit(principal, work, key=body.key, webhook_url=body.webhook_url)
+
+
 @router.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest), response_model=None)
 async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
     principal, body = await parse(request, ChatRequest)
     service = generation(request)
+    if body.mode == "async":
+        return JSONResponse(await _submit(request, principal, body, lambda: service.chat(principal, body)))
     if body.stream:
         stream = await service.chat_stream(principal, body)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -38,6 +52,8 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
 async def completions(request: Request) -> JSONResponse | StreamingResponse:
     principal, body = await parse(request, CompletionRequest)
     service = generation(request)
+    if body.mode == "async":
+        return JSONResponse(await _submit(request, principal, body, lambda: service.completion(principal, body)))
     if body.stream:
         stream = await service.completion_stream(principal, body)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)

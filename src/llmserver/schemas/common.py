@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
@@ -26,6 +26,10 @@ class Sampling(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=-1, le=2**63 - 1)
+
+    mode: Literal["sync", "async"] = Field(default="sync", description="`async`: answer at once with a tracking id.")
+    key: str | None = Field(default=None, description="Async mode: base64 of 32 random bytes to encrypt the result.")
+    webhook_url: str | None = Field(default=None, description="Async mode: where to POST the result when ready.")
 
     def sampling_fields(self) -> dict[str, float | int]:
         names = (

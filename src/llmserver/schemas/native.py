@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, Field
 
 from llmserver.schemas.common import Sampling, StopList
@@ -14,7 +12,6 @@ class GenerateRequest(Sampling):
     system: str | None = Field(default=None, description="A system message before the prompt.")
     raw: bool = Field(default=False, description="Send the prompt as-is, without the chat template.")
     stop: StopList = Field(default_factory=list)
-    mode: Literal["sync"] = Field(default="sync", description="Only synchronous generation so far.")
 
 
 class GenerateResponse(BaseModel):

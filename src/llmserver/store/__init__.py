@@ -1,5 +1,5 @@
 """Persistent state behind a small interface; SQLite is the embedded default."""
 
-from llmserver.store.sqlite import KeyRecord, SQLiteStore
+from llmserver.store.sqlite import JobRecord, KeyRecord, SQLiteStore
 
-__all__ = ["KeyRecord", "SQLiteStore"]
+__all__ = ["JobRecord", "KeyRecord", "SQLiteStore"]

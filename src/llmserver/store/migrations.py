@@ -15,4 +15,19 @@ MIGRATIONS: list[str] = [
         revoked_at  TEXT
     );
     """,
+    # 2: async jobs. Never the client's key or a plaintext: only the ciphertext and the nonce.
+    """
+    CREATE TABLE jobs (
+        tracking_id TEXT PRIMARY KEY,
+        key_id      TEXT NOT NULL,
+        status      TEXT NOT NULL,
+        nonce       TEXT NOT NULL,
+        result      TEXT,
+        error       TEXT,
+        created_at  REAL NOT NULL,
+        finished_at REAL,
+        expires_at  REAL
+    );
+    CREATE INDEX jobs_by_expiry ON jobs (expires_at);
+    """,
 ]

@@ -99,6 +99,77 @@ class SQLiteStore:
             rows = self._db.execute("SELECT * FROM api_keys ORDER BY created_at, id").fetchall()
         return [_key(row) for row in rows]
 
+    # Async jobs
+
+    def insert_job(self, tracking_id: str, key_id: str, nonce: str, now: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO jobs (tracking_id, key_id, status, nonce, created_at) VALUES (?, ?, 'pending', ?, ?)",
+                (tracking_id, key_id, nonce, now),
+            )
+
+    def finish_job(
+        self, tracking_id: str, *, result: str | None, error: str | None, now: float, expires_at: float
+    ) -> None:
+        status = "ready" if result is not None else "failed"
+        with self._lock:
+            self._db.execute(
+                "UPDATE jobs SET status = ?, result = ?, error = ?, finished_at = ?, expires_at = ?"
+                " WHERE tracking_id = ? AND status = 'pending'",
+                (status, result, error, now, expires_at, tracking_id),
+            )
+
+    def job(self, tracking_id: str, key_id: str, now: float) -> JobRecord | None:
+        """The caller's own job, unless it expired; None for anyone else's."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM jobs WHERE tracking_id = ? AND key_id = ? AND (expires_at IS NULL OR expires_at > ?)",
+                (tracking_id, key_id, now),
+            ).fetchone()
+        return _job(row) if row is not None else None
+
+    def claim_job(self, tracking_id: str, key_id: str, now: float) -> JobRecord | None:
+        """Atomically take a finished job for one reader: a concurrent poll finds it claimed."""
+        with self._lock:
+            row = self._db.execute(
+                "UPDATE jobs SET status = 'claimed' WHERE tracking_id = ? AND key_id = ?"
+                " AND status IN ('ready', 'failed') AND expires_at > ? RETURNING *",
+                (tracking_id, key_id, now),
+            ).fetchone()
+        return _job(row) if row is not None else None
+
+    def release_claim(self, tracking_id: str) -> None:
+        """The claimed result did not reach its reader: make it pollable again."""
+        with self._lock:
+            self._db.execute(
+                "UPDATE jobs SET status = CASE WHEN result IS NULL THEN 'failed' ELSE 'ready' END"
+                " WHERE tracking_id = ? AND status = 'claimed'",
+                (tracking_id,),
+            )
+
+    def delete_job(self, tracking_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE tracking_id = ?", (tracking_id,))
+
+    def delete_expired_jobs(self, now: float) -> int:
+        with self._lock:
+            cursor = self._db.execute("DELETE FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+        return cursor.rowcount
+
+    def fail_interrupted_jobs(self, error: str, now: float, expires_at: float) -> int:
+        """At start-up: jobs that were running when the server stopped can never finish (their key is gone)."""
+        with self._lock:
+            self._db.execute(
+                "UPDATE jobs SET status = CASE WHEN result IS NULL THEN 'failed' ELSE 'ready' END"
+                " WHERE status = 'claimed'"
+            )
+            cursor = self._db.execute(
+                "UPDATE jobs SET status = 'failed', error = ?, finished_at = ?, expires_at = ?"
+                " WHERE status = 'pending'",
+                (error, now, expires_at),
+            )
+        return cursor.rowcount
+
     def revoke_key(self, key_id: str) -> bool:
         """Mark a key revoked; False when no active key has that id."""
         with self._lock:
@@ -106,6 +177,18 @@ class SQLiteStore:
                 "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (utc_now(), key_id)
             )
         return cursor.rowcount == 1
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    tracking_id: str
+    key_id: str
+    status: str  # pending | ready | failed | claimed (being handed to its one reader)
+    nonce: str
+    result: str | None
+    error: str | None
+    created_at: float
+    expires_at: float | None
 
 
 def _key(row: sqlite3.Row) -> KeyRecord:
@@ -116,4 +199,17 @@ def _key(row: sqlite3.Row) -> KeyRecord:
         is_admin=bool(row["is_admin"]),
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
+    )
+
+
+def _job(row: sqlite3.Row) -> JobRecord:
+    return JobRecord(
+        tracking_id=row["tracking_id"],
+        key_id=row["key_id"],
+        status=row["status"],
+        nonce=row["nonce"],
+        result=row["result"],
+        error=row["error"],
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
     )

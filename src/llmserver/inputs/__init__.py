@@ -1,0 +1,1 @@
+"""What requests bring in from outside: fetched URLs (and, later, images and documents)."""

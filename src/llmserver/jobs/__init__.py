@@ -1,0 +1,1 @@
+"""Async jobs: client-encrypted results, single-read polling, webhooks, sync→async fallback."""
