@@ -212,8 +212,11 @@ def test_expired_results_are_404(start_server: Callable[..., Server]) -> None:
         server.url + "/api/generate", json={**BODY, "mode": "async", "key": encoded, "api_key": key}
     ).json()
     params = {"tracking_id": payload["tracking_id"], "api_key": key}
-    assert wait_for(lambda: httpx.get(server.url + "/api/async_result", params=params).status_code == 404, 20)
-    assert httpx.get(server.url + "/api/async_result", params=params).json() == GONE
+    # Not polled while it runs (a poll of the ready result would consume it): wait for the log.
+    assert wait_for(lambda: f"async job {payload['tracking_id']} ready" in server.log(), 20)
+    time.sleep(1.5)  # past the 1 s TTL
+    answer = httpx.get(server.url + "/api/async_result", params=params)
+    assert answer.status_code == 404 and answer.json() == GONE
     assert wait_for(lambda: "removed 1 expired async results" in server.log(), 10)  # and the sweep deleted it
 
 
