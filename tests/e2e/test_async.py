@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from llmserver.client import Client, JobGone
 from tests.jobs.test_crypto import independent_decrypt
 from tests.receiver import Receiver
-from tests.support import MODEL, Server, make_key, wait_for
+from tests.support import MODEL, Server, cli, make_key, wait_for
 
 GONE = {
     "error": {
@@ -259,3 +260,22 @@ def test_no_key_or_plaintext_lands_on_disk(async_server: Server, receiver: Recei
             content = path.read_bytes()
             for secret in secrets:
                 assert secret not in content, f"{secret[:12]!r}… found in {path}"
+
+
+def test_python_client_and_ask_command(async_server: Server) -> None:
+    key = make_key(async_server.data_dir, "client")
+    client = Client(async_server.url, api_key=key)
+    direct = client.generate(BODY["prompt"], max_tokens=16, temperature=0, seed=1)
+    assert client.generate_async(BODY["prompt"], max_tokens=16, temperature=0, seed=1)["response"] == direct["response"]
+    fallback = client.generate(LONG["prompt"], max_tokens=200, temperature=0)  # passes sync_timeout: followed
+    assert fallback["completion_tokens"] == 200
+    job = client.submit("Say hi.", max_tokens=4)
+    client.result(job)
+    with pytest.raises(JobGone):
+        client.result(job)  # consumed: 404, and the client stops
+    asked = cli(
+        async_server.data_dir, "ask", "--url", async_server.url, "--key", key, "--async", "--max-tokens", "8", "Say hi."
+    )
+    assert asked.returncode == 0 and asked.stdout.strip(), asked.stderr
+    refused = cli(async_server.data_dir, "ask", "--url", async_server.url, "--key", "wrong", "hi")
+    assert refused.returncode == 1 and "401 authentication_error: Invalid API key" in refused.stderr
