@@ -7,9 +7,9 @@ ETag, Content-Length), honours `Range`, and can cut its first download short to 
 from __future__ import annotations
 
 import hashlib
-import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from tests.local_http import LocalHTTPServer, QuietHandler
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -19,20 +19,16 @@ class StandInHub:
     files: dict[str, bytes]  # "org/repo/file" → content
     cut_first_download_at: int | None = None
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
-    _server: ThreadingHTTPServer | None = None
+    http: LocalHTTPServer = field(default_factory=LocalHTTPServer)
 
     @property
     def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return self.http.base_url
 
     def start(self) -> StandInHub:
         hub = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_HEAD(self) -> None:
                 self._serve(body=False)
 
@@ -76,11 +72,8 @@ class StandInHub:
                     return
                 self.wfile.write(content[start:])
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.http.serve(Handler)
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        self.http.stop()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.local_http import LocalHTTPServer, QuietHandler
 
 
 @dataclass
@@ -14,20 +14,16 @@ class Receiver:
     fail_first: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     attempts: int = 0
-    _server: ThreadingHTTPServer | None = None
+    http: LocalHTTPServer = field(default_factory=LocalHTTPServer)
 
     @property
     def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}/hook"
+        return self.http.base_url + "/hook"
 
     def start(self) -> Receiver:
         receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 receiver.attempts += 1
@@ -41,11 +37,8 @@ class Receiver:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.http.serve(Handler)
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        self.http.stop()

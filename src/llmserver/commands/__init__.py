@@ -62,3 +62,12 @@ def models_from_args(specs: tuple[str, ...], configured: list[ModelConfig]) -> l
                 param_hint="--model",
             )
     return chosen
+
+
+def server_url(config_file: Path | None, data_dir: Path | None, url: str | None) -> str:
+    """The running server to talk to: --url, else the settings' host and port."""
+    if url is not None:
+        return url
+    settings = load(config_file, data_dir=data_dir)
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    return f"http://{host}:{settings.port}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from llmserver.client import Client, LLMServerError
-from llmserver.commands import load, settings_options
+from llmserver.commands import server_url, settings_options
 
 
 @click.command()
@@ -37,10 +37,7 @@ def ask(
     as_json: bool,
 ) -> None:
     """Send PROMPT to the native API and print the answer."""
-    if url is None:
-        settings = load(config_file, data_dir=data_dir)
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-        url = f"http://{host}:{settings.port}"
+    url = server_url(config_file, data_dir, url)
     key = key or os.environ.get("LLMSERVER_API_KEY")
     if not key:
         raise click.UsageError("give an API key with --key or $LLMSERVER_API_KEY")

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from llmserver.commands import load, settings_options
+from llmserver.commands import server_url, settings_options
 
 COLUMNS = [
     ("instance_id", "ID", 14),
@@ -57,10 +57,7 @@ def table(records: list[dict[str, Any]]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
 def instances(config_file: Path | None, data_dir: Path | None, url: str | None, key: str | None, as_json: bool) -> None:
     """List the running server's model instances."""
-    if url is None:
-        settings = load(config_file, data_dir=data_dir)
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-        url = f"http://{host}:{settings.port}"
+    url = server_url(config_file, data_dir, url)
     key = key or os.environ.get("LLMSERVER_API_KEY") or os.environ.get("LLMSERVER_ADMIN_KEY")
     if not key:
         raise click.UsageError("give an admin key with --key or $LLMSERVER_API_KEY")
