@@ -13,13 +13,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserver import __version__
-from llmserver.api import health, instances, jobs, models, native, openai
+from llmserver.api import health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api.deps import validation_error
 from llmserver.auth.keys import KeyService
+from llmserver.auth.quota import QuotaService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, error_body
 from llmserver.jobs.runner import JobService
-from llmserver.middleware import AccessLog, BodySizeLimit
+from llmserver.metrics.prometheus import Metrics
+from llmserver.metrics.recorder import UsageRecorder
+from llmserver.metrics.speed import RollingSpeed
+from llmserver.middleware import AccessLog, BodySizeLimit, QuotaHeaders
 from llmserver.pool.router import Router
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import Settings
@@ -52,7 +56,13 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.store = store
         app.state.keys = KeyService(store, admin_key)
         app.state.supervisor = supervisor
-        app.state.generation = GenerationService(settings, Router(supervisor, settings.max_concurrency_per_key))
+        store.quota_clear_reservations()
+        metrics = Metrics(supervisor)
+        recorder = UsageRecorder(store, QuotaService(store), RollingSpeed(store), metrics)
+        app.state.recorder = recorder
+        app.state.generation = GenerationService(
+            settings, Router(supervisor, settings.max_concurrency_per_key), recorder
+        )
         app.state.started_at = time.time()
         job_service = JobService(settings, store)
         app.state.jobs = job_service
@@ -67,10 +77,11 @@ def create_app(settings: Settings) -> FastAPI:
             store.close()
 
     app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
-    for module in (native, openai, models, jobs, instances, health):
+    for module in (native, openai, models, jobs, instances, keys, metrics, health):
         app.include_router(module.router)
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(QuotaHeaders)
     app.add_middleware(AccessLog)
     return app
 

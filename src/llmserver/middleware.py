@@ -91,3 +91,26 @@ class AccessLog:
                 "%s %s %s %.1fms%s",
                 scope["method"], scope["path"], status or 500, (time.perf_counter() - started) * 1000, who,
             )  # fmt: skip
+
+
+class QuotaHeaders:
+    """x-ratelimit-*-tokens on every answer to a key that has a token quota (errors included)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                principal = scope.get("state", {}).get("principal")
+                if principal is not None and principal.limits.quota_tokens is not None:
+                    quota = scope["app"].state.recorder.quota
+                    extra = [(k.encode(), v.encode()) for k, v in quota.headers(principal).items()]
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

@@ -154,6 +154,7 @@ class Settings(BaseSettings):
     webhook_allow_private: bool = Field(
         default=False, description="Let webhooks reach private and loopback addresses. For tests only."
     )
+    metrics_public: bool = Field(default=False, description="Serve /metrics without a key (else admin keys only).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Gateway log level.")
 
     @model_validator(mode="after")

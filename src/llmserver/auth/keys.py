@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass
 
 from llmserver.errors import AuthenticationError
-from llmserver.store import KeyRecord, SQLiteStore
+from llmserver.store import NO_LIMITS, KeyLimits, KeyRecord, SQLiteStore
 
 KEY_PREFIX = "llms-"
 ADMIN_ENV_KEY_ID = "env-admin"
@@ -26,6 +26,26 @@ class Principal:
     name: str
     fingerprint: str
     is_admin: bool
+    limits: KeyLimits = NO_LIMITS
+
+
+PERIODS = ("day", "month", "total")
+
+
+def check_limits(limits: KeyLimits) -> KeyLimits:
+    """ValueError unless the limits make sense together."""
+    if limits.quota_tokens is not None:
+        if limits.quota_tokens < 1:
+            raise ValueError("quota_tokens must be at least 1")
+        if limits.quota_period not in PERIODS:
+            raise ValueError(f"a token quota needs a period: one of {', '.join(PERIODS)}")
+    elif limits.quota_period is not None:
+        raise ValueError("quota_period needs quota_tokens")
+    for name in ("rpm", "max_concurrency"):
+        value = getattr(limits, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1")
+    return limits
 
 
 def generate_key() -> str:
@@ -45,7 +65,7 @@ class KeyService:
         self._store = store
         self._admin_hash = hash_key(admin_key) if admin_key else None
 
-    def create(self, name: str, *, admin: bool = False) -> tuple[KeyRecord, str]:
+    def create(self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
         if not name.strip():
             raise ValueError("a key needs a non-empty name")
@@ -57,8 +77,15 @@ class KeyService:
             key_hash=key_hash,
             fingerprint=fingerprint(key_hash),
             is_admin=admin,
+            limits=check_limits(limits),
         )
         return record, key
+
+    def update(self, key_id: str, limits: KeyLimits) -> bool:
+        return self._store.update_key_limits(key_id, check_limits(limits))
+
+    def get(self, key_id: str) -> KeyRecord | None:
+        return self._store.key_by_id(key_id)
 
     def list(self) -> list[KeyRecord]:
         return self._store.list_keys()
@@ -76,4 +103,4 @@ class KeyService:
         record = self._store.key_by_hash(key_hash)
         if record is None or not record.active:
             raise AuthenticationError()
-        return Principal(record.id, record.name, record.fingerprint, record.is_admin)
+        return Principal(record.id, record.name, record.fingerprint, record.is_admin, record.limits)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 
-from llmserver.auth.keys import KeyService
-from llmserver.commands import load, settings_options
-from llmserver.store import SQLiteStore
+from llmserver.auth.keys import KeyService, check_limits
+from llmserver.commands import F, load, settings_options
+from llmserver.errors import APIError
+from llmserver.metrics.usage import parse_time, summarise
+from llmserver.store import KeyLimits, SQLiteStore
 
 
 def _service(config_file: Path | None, data_dir: Path | None) -> KeyService:
@@ -22,13 +26,44 @@ def keys() -> None:
     """Manage API keys (changes take effect at once, also on a running server)."""
 
 
+def limit_options(func: F) -> F:
+    func = click.option("--max-concurrency", type=int, default=None, help="Requests in flight at once.")(func)
+    func = click.option("--rpm", type=int, default=None, help="Requests per minute.")(func)
+    func = click.option(
+        "--quota-period", type=click.Choice(["day", "month", "total"]), default=None, help="The quota's period."
+    )(func)
+    func = click.option("--quota-tokens", type=int, default=None, help="Token quota (prompt + completion).")(func)
+    return func
+
+
+def _limits(
+    quota_tokens: int | None, quota_period: str | None, rpm: int | None, max_concurrency: int | None
+) -> KeyLimits:
+    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency)
+    try:
+        return check_limits(limits)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 @keys.command()
 @settings_options
 @click.option("--name", required=True, help="Who or what the key is for.")
 @click.option("--admin", is_flag=True, help="Allow the admin API.")
-def create(config_file: Path | None, data_dir: Path | None, name: str, admin: bool) -> None:
+@limit_options
+def create(
+    config_file: Path | None,
+    data_dir: Path | None,
+    name: str,
+    admin: bool,
+    quota_tokens: int | None,
+    quota_period: str | None,
+    rpm: int | None,
+    max_concurrency: int | None,
+) -> None:
     """Create a key and print it, alone on the last line. It is shown only this once."""
-    record, key = _service(config_file, data_dir).create(name, admin=admin)
+    limits = _limits(quota_tokens, quota_period, rpm, max_concurrency)
+    record, key = _service(config_file, data_dir).create(name, admin=admin, limits=limits)
     click.echo(
         f"created {'admin ' if record.is_admin else ''}key {record.id} ({record.name}); it is shown only once:",
         err=True,
@@ -43,14 +78,50 @@ def list_keys(config_file: Path | None, data_dir: Path | None, as_json: bool) ->
     """List keys (never the keys themselves: their id, name and fingerprint)."""
     records = _service(config_file, data_dir).list()
     if as_json:
-        click.echo(json.dumps([record.__dict__ for record in records], indent=2))
+        click.echo(json.dumps([{**asdict(record), **asdict(record.limits)} for record in records], indent=2))
         return
-    click.echo(f"{'ID':<18} {'NAME':<24} {'ADMIN':<6} {'FINGERPRINT':<12} {'CREATED':<26} REVOKED")
+    click.echo(f"{'ID':<18} {'NAME':<24} {'ADMIN':<6} {'FINGERPRINT':<12} {'QUOTA':<16} {'CREATED':<26} REVOKED")
     for r in records:
+        quota = f"{r.limits.quota_tokens}/{r.limits.quota_period}" if r.limits.quota_tokens else "-"
         click.echo(
-            f"{r.id:<18} {r.name[:24]:<24} {'yes' if r.is_admin else 'no':<6} {r.fingerprint:<12} "
+            f"{r.id:<18} {r.name[:24]:<24} {'yes' if r.is_admin else 'no':<6} {r.fingerprint:<12} {quota:<16} "
             f"{r.created_at:<26} {r.revoked_at or '-'}"
         )
+
+
+@keys.command()
+@settings_options
+@click.argument("key_id")
+@limit_options
+def update(
+    config_file: Path | None,
+    data_dir: Path | None,
+    key_id: str,
+    quota_tokens: int | None,
+    quota_period: str | None,
+    rpm: int | None,
+    max_concurrency: int | None,
+) -> None:
+    """Set a key's limits (the ones not given are cleared)."""
+    if not _service(config_file, data_dir).update(key_id, _limits(quota_tokens, quota_period, rpm, max_concurrency)):
+        raise click.ClickException(f"no key with id {key_id}")
+    click.echo(f"updated {key_id}")
+
+
+@keys.command()
+@settings_options
+@click.argument("key_id")
+@click.option("--since", default=None, help="Unix seconds or ISO-8601 (default: the beginning).")
+@click.option("--until", default=None, help="Unix seconds or ISO-8601 (default: now).")
+def usage(config_file: Path | None, data_dir: Path | None, key_id: str, since: str | None, until: str | None) -> None:
+    """Summarise a key's usage from the ledger, as JSON."""
+    settings = load(config_file, data_dir=data_dir)
+    store = SQLiteStore(settings.db_path)
+    try:
+        summary = summarise(store, key_id, parse_time(since, 0.0, "since"), parse_time(until, time.time() + 1, "until"))
+    except APIError as exc:
+        raise click.UsageError(exc.message) from None
+    click.echo(json.dumps(summary, indent=2))
 
 
 @keys.command()

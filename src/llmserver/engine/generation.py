@@ -18,6 +18,7 @@ from typing import Any
 from llmserver.auth.keys import Principal
 from llmserver.engine import translate
 from llmserver.errors import APIError, GatewayTimeout, InstanceUnavailable, InvalidRequest, ServerError, UpstreamError
+from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.router import Router
 from llmserver.schemas.common import Sampling
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
@@ -34,11 +35,30 @@ def sse(event: JSON) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
+def prompt_bound(payload: JSON) -> int:
+    """An upper bound of the prompt's tokens without tokenizing: a token is at least one UTF-8 byte
+    (byte-level BPE), plus room for the chat template's own tokens (a default system prompt included)."""
+    if "messages" in payload:
+        return 64 + sum(8 + len(str(m.get("content") or "").encode()) for m in payload["messages"])
+    return 8 + len(str(payload.get("prompt", "")).encode())
+
+
 class GenerationService:
-    def __init__(self, settings: Settings, router: Router) -> None:
+    def __init__(self, settings: Settings, router: Router, recorder: UsageRecorder) -> None:
         self.settings = settings
         self.router = router
+        self.recorder = recorder
         self.default_model = settings.models[0].name
+
+    def _open(self, principal: Principal, endpoint: str, model: str, payload: JSON) -> Tally:
+        """The key's rate and quota checks (before anything is sent anywhere), and the request's tally."""
+        try:
+            self.recorder.quota.check_rate(principal)
+            reservation = self.recorder.quota.reserve(principal, prompt_bound(payload) + int(payload["max_tokens"]))
+        except APIError as exc:
+            self.recorder.metrics.quota_rejections.labels(exc.type).inc()
+            raise
+        return Tally(principal, endpoint, model, reservation)
 
     def _model(self, request: Sampling) -> str:
         name = request.model or self.default_model
@@ -53,16 +73,35 @@ class GenerationService:
             raise InvalidRequest(f"{param} is {requested}; this server allows at most {limit}.", param=param)
         return requested
 
-    async def _call(self, principal: Principal, model: str, path: str, payload: JSON) -> tuple[JSON, str]:
-        """One non-streamed call; retried once if the instance died before answering."""
+    async def _call(self, tally: Tally, path: str, payload: JSON) -> JSON:
+        """One non-streamed call, accounted in `tally`; retried once if the instance died before answering."""
+        try:
+            body = await self._call_once_or_twice(tally, path, payload)
+        except APIError as exc:
+            self.recorder.close(tally, exc.type)
+            raise
+        except BaseException:
+            self.recorder.close(tally, "cancelled")
+            raise
+        counts = translate.usage(body)
+        tally.prompt_tokens, tally.completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
+        prompt_ms = (body.get("timings") or {}).get("prompt_ms")
+        if isinstance(prompt_ms, int | float):
+            tally.ttft = prompt_ms / 1000
+            self.recorder.metrics.ttft.labels(tally.model).observe(tally.ttft)
+        self.recorder.close(tally, "ok")
+        return body
+
+    async def _call_once_or_twice(self, tally: Tally, path: str, payload: JSON) -> JSON:
         for attempt in (1, 2):
-            async with self.router.lease(model, principal) as instance:
+            async with self.router.lease(tally.model, tally.principal) as instance:
+                tally.instance_id = instance.id
                 client = instance.client
                 try:
                     if client is None:
                         raise InstanceUnavailable("The instance went away.")
                     async with asyncio.timeout(self.settings.request_timeout):
-                        return await client.post_json(path, payload), instance.id
+                        return await client.post_json(path, payload)
                 except TimeoutError:
                     raise GatewayTimeout(
                         f"The generation did not finish within {self.settings.request_timeout:.0f} s."
@@ -83,12 +122,15 @@ class GenerationService:
         if request.raw:
             system = f"{request.system}\n\n" if request.system else ""
             payload["prompt"] = system + request.prompt
-            body, instance_id = await self._call(principal, model, "/v1/completions", payload)
+            tally = self._open(principal, "/api/generate", model, payload)
+            body = await self._call(tally, "/v1/completions", payload)
             text = _choice(body).get("text", "")
         else:
             payload["messages"] = translate.native_messages(request.prompt, request.system)
-            body, instance_id = await self._call(principal, model, "/v1/chat/completions", payload)
+            tally = self._open(principal, "/api/generate", model, payload)
+            body = await self._call(tally, "/v1/chat/completions", payload)
             text = (_choice(body).get("message") or {}).get("content") or ""
+        instance_id = tally.instance_id or ""
         latency = time.perf_counter() - started
         counts = translate.usage(body)
         return GenerateResponse(
@@ -112,7 +154,9 @@ class GenerationService:
     async def chat(self, principal: Principal, request: ChatRequest) -> JSON:
         model = self._model(request)
         payload = self._chat_payload(request, model)
-        body, _ = await self._call(principal, model, "/v1/chat/completions", payload)
+        body = await self._call(
+            self._open(principal, "/v1/chat/completions", model, payload), "/v1/chat/completions", payload
+        )
         choice = _choice(body)
         message = choice.get("message") or {}
         return {
@@ -154,7 +198,8 @@ class GenerationService:
                 "finish_reason": translate.finish_reason(reason) if reason else None,
             }
 
-        return await self._stream(principal, model, "/v1/chat/completions", payload, head, chunk, request)
+        tally = self._open(principal, "/v1/chat/completions", model, payload)
+        return await self._stream(tally, "/v1/chat/completions", payload, head, chunk, request)
 
     # OpenAI legacy completions
 
@@ -168,7 +213,8 @@ class GenerationService:
 
     async def completion(self, principal: Principal, request: CompletionRequest) -> JSON:
         model = self._model(request)
-        body, _ = await self._call(principal, model, "/v1/completions", self._completion_payload(request))
+        payload = self._completion_payload(request)
+        body = await self._call(self._open(principal, "/v1/completions", model, payload), "/v1/completions", payload)
         choice = _choice(body)
         return {
             "id": translate.new_id("cmpl"),
@@ -205,14 +251,14 @@ class GenerationService:
             }
 
         payload = self._completion_payload(request)
-        return await self._stream(principal, model, "/v1/completions", payload, head, chunk, request)
+        tally = self._open(principal, "/v1/completions", model, payload)
+        return await self._stream(tally, "/v1/completions", payload, head, chunk, request)
 
     # Streaming machinery shared by both OpenAI endpoints
 
     async def _stream(
         self,
-        principal: Principal,
-        model: str,
+        tally: Tally,
         path: str,
         payload: JSON,
         head: JSON,
@@ -220,45 +266,76 @@ class GenerationService:
         request: ChatRequest | CompletionRequest,
     ) -> AsyncIterator[bytes]:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        for attempt in (1, 2):
-            events = self._events(principal, model, path, payload)
-            try:
-                first = await anext(events)
-                break
-            except StopAsyncIteration:
-                raise UpstreamError("The instance closed the stream without sending anything.") from None
-            except InstanceUnavailable:
-                await events.aclose()
-                if attempt == 2:
+        # Progress events carry the prompt's token count up front: a client that leaves early is
+        # still charged for its prompt, not only for the tokens it received.
+        payload = {**payload, "return_progress": True}
+        try:
+            for attempt in (1, 2):
+                events = self._events(tally, path, payload)
+                try:
+                    first = await anext(events)
+                    break
+                except StopAsyncIteration:
+                    raise UpstreamError("The instance closed the stream without sending anything.") from None
+                except InstanceUnavailable:
+                    await events.aclose()
+                    if attempt == 2:
+                        raise
+                    log.warning("instance failed before the stream started; retrying it once")
+                except BaseException:
+                    await events.aclose()
                     raise
-                log.warning("instance failed before the stream started; retrying it once")
-            except BaseException:
-                await events.aclose()
-                raise
+        except APIError as exc:
+            self.recorder.close(tally, exc.type)
+            raise
+        except BaseException:
+            self.recorder.close(tally, "cancelled")
+            raise
 
         async def body() -> AsyncIterator[bytes]:
+            outcome = "client_closed"
+            sent_any = False
             try:
                 event: JSON | None = first
                 while event is not None:
+                    progress = event.get("prompt_progress")
+                    if isinstance(progress, dict):
+                        tally.prompt_tokens = int(progress.get("total") or 0)
                     choices = event.get("choices") or []
-                    if choices:
-                        yield sse({**head, "choices": [chunk(choices[0])]})
-                    elif "usage" in event and include_usage:
+                    if "usage" in event:
+                        counts = translate.usage(event)
+                        tally.prompt_tokens, tally.completion_tokens = (
+                            counts["prompt_tokens"],
+                            counts["completion_tokens"],
+                        )
+                    if choices and not (progress is not None and sent_any):
+                        piece = chunk(choices[0])
+                        if piece.get("text") or (piece.get("delta") or {}).get("content"):
+                            tally.completion_tokens += 1  # one token per event; the final usage corrects it
+                            self.recorder.token(tally)
+                        sent_any = True
+                        yield sse({**head, "choices": [piece]})
+                    elif not choices and "usage" in event and include_usage:
                         yield sse({**head, "choices": [], "usage": translate.usage(event)})
                     event = await anext(events, None)
+                outcome = "ok"
             except APIError as exc:
+                outcome = exc.type
                 yield sse(exc.body())
             except Exception:
+                outcome = "server_error"
                 log.exception("a stream failed")
                 yield sse(ServerError("The stream failed.").body())
             finally:
                 await events.aclose()
+                self.recorder.close(tally, outcome)
             yield DONE
 
         return body()
 
-    async def _events(self, principal: Principal, model: str, path: str, payload: JSON) -> AsyncGenerator[JSON]:
-        async with self.router.lease(model, principal) as instance:
+    async def _events(self, tally: Tally, path: str, payload: JSON) -> AsyncGenerator[JSON]:
+        async with self.router.lease(tally.model, tally.principal) as instance:
+            tally.instance_id = instance.id
             client = instance.client
             try:
                 if client is None:

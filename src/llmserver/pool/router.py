@@ -30,7 +30,8 @@ class Router:
     async def lease(self, model: str, principal: Principal) -> AsyncIterator[Instance]:
         pool = self._supervisor.pool(model)
         key = principal.key_id
-        if self._per_key[key] >= self._max_per_key:
+        limit = principal.limits.max_concurrency or self._max_per_key
+        if self._per_key[key] >= limit:
             raise RateLimited(
                 f"This API key already has {self._per_key[key]} requests in flight, its limit. "
                 "Retry when one has finished.",

@@ -1,5 +1,5 @@
 """Persistent state behind a small interface; SQLite is the embedded default."""
 
-from llmserver.store.sqlite import JobRecord, KeyRecord, SQLiteStore
+from llmserver.store.sqlite import NO_LIMITS, JobRecord, KeyLimits, KeyRecord, SQLiteStore
 
-__all__ = ["JobRecord", "KeyRecord", "SQLiteStore"]
+__all__ = ["NO_LIMITS", "JobRecord", "KeyLimits", "KeyRecord", "SQLiteStore"]

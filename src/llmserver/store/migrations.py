@@ -30,4 +30,41 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX jobs_by_expiry ON jobs (expires_at);
     """,
+    # 3: quotas and limits per key, quota counters per period, the usage ledger, per-minute speed.
+    """
+    ALTER TABLE api_keys ADD COLUMN quota_tokens INTEGER;
+    ALTER TABLE api_keys ADD COLUMN quota_period TEXT;
+    ALTER TABLE api_keys ADD COLUMN rpm INTEGER;
+    ALTER TABLE api_keys ADD COLUMN max_concurrency INTEGER;
+    CREATE TABLE quota_usage (
+        key_id       TEXT NOT NULL,
+        period_start TEXT NOT NULL,
+        used         INTEGER NOT NULL DEFAULT 0,
+        reserved     INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (key_id, period_start)
+    );
+    CREATE TABLE usage_ledger (
+        id                INTEGER PRIMARY KEY,
+        time              REAL NOT NULL,
+        key_id            TEXT NOT NULL,
+        model             TEXT NOT NULL,
+        instance_id       TEXT,
+        endpoint          TEXT NOT NULL,
+        prompt_tokens     INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL,
+        latency_ms        REAL NOT NULL,
+        ttft_ms           REAL,
+        tokens_per_second REAL,
+        outcome           TEXT NOT NULL
+    );
+    CREATE INDEX usage_by_key_time ON usage_ledger (key_id, time);
+    CREATE INDEX usage_by_time ON usage_ledger (time);
+    CREATE TABLE speed_buckets (
+        model   TEXT NOT NULL,
+        minute  INTEGER NOT NULL,
+        tokens  INTEGER NOT NULL,
+        seconds REAL NOT NULL,
+        PRIMARY KEY (model, minute)
+    );
+    """,
 ]

@@ -16,6 +16,17 @@ from llmserver.store.migrations import MIGRATIONS
 
 
 @dataclass(frozen=True)
+class KeyLimits:
+    quota_tokens: int | None = None
+    quota_period: str | None = None  # day | month | total
+    rpm: int | None = None
+    max_concurrency: int | None = None
+
+
+NO_LIMITS = KeyLimits()
+
+
+@dataclass(frozen=True)
 class KeyRecord:
     id: str
     name: str
@@ -23,6 +34,7 @@ class KeyRecord:
     is_admin: bool
     created_at: str
     revoked_at: str | None
+    limits: KeyLimits = NO_LIMITS
 
     @property
     def active(self) -> bool:
@@ -74,15 +86,102 @@ class SQLiteStore:
 
     # API keys
 
-    def insert_key(self, key_id: str, name: str, key_hash: str, fingerprint: str, is_admin: bool) -> KeyRecord:
+    def insert_key(
+        self, key_id: str, name: str, key_hash: str, fingerprint: str, is_admin: bool, limits: KeyLimits = NO_LIMITS
+    ) -> KeyRecord:
         created = utc_now()
         with self._lock:
             self._db.execute(
-                "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (key_id, name, key_hash, fingerprint, int(is_admin), created),
+                "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at,"
+                " quota_tokens, quota_period, rpm, max_concurrency) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key_id, name, key_hash, fingerprint, int(is_admin), created, *_limit_values(limits)),
             )
-        return KeyRecord(key_id, name, fingerprint, is_admin, created, None)
+        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits)
+
+    def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
+        with self._lock:
+            cursor = self._db.execute(
+                "UPDATE api_keys SET quota_tokens = ?, quota_period = ?, rpm = ?, max_concurrency = ? WHERE id = ?",
+                (*_limit_values(limits), key_id),
+            )
+        return cursor.rowcount == 1
+
+    # Quota counters: one row per key and period window
+
+    def quota_reserve(self, key_id: str, period_start: str, amount: int, limit: int) -> tuple[bool, int, int]:
+        """Atomically reserve `amount` if used + reserved + amount ≤ limit: (granted, used, reserved)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO quota_usage (key_id, period_start) VALUES (?, ?)", (key_id, period_start)
+            )
+            cursor = self._db.execute(
+                "UPDATE quota_usage SET reserved = reserved + ? WHERE key_id = ? AND period_start = ?"
+                " AND used + reserved + ? <= ?",
+                (amount, key_id, period_start, amount, limit),
+            )
+            row = self._db.execute(
+                "SELECT used, reserved FROM quota_usage WHERE key_id = ? AND period_start = ?", (key_id, period_start)
+            ).fetchone()
+        return cursor.rowcount == 1, int(row["used"]), int(row["reserved"])
+
+    def quota_settle(self, key_id: str, period_start: str, reserved: int, used: int) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE quota_usage SET reserved = MAX(0, reserved - ?), used = used + ?"
+                " WHERE key_id = ? AND period_start = ?",
+                (reserved, used, key_id, period_start),
+            )
+
+    def quota_counts(self, key_id: str, period_start: str) -> tuple[int, int]:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT used, reserved FROM quota_usage WHERE key_id = ? AND period_start = ?", (key_id, period_start)
+            ).fetchone()
+        return (int(row["used"]), int(row["reserved"])) if row is not None else (0, 0)
+
+    def quota_clear_reservations(self) -> None:
+        """At start-up: reservations of requests that were in flight when the server stopped."""
+        with self._lock:
+            self._db.execute("UPDATE quota_usage SET reserved = 0 WHERE reserved != 0")
+
+    # The usage ledger and the per-minute speed buckets
+
+    def record_usage(self, entry: dict[str, object]) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO usage_ledger (time, key_id, model, instance_id, endpoint, prompt_tokens,"
+                " completion_tokens, latency_ms, ttft_ms, tokens_per_second, outcome) VALUES"
+                " (:time, :key_id, :model, :instance_id, :endpoint, :prompt_tokens, :completion_tokens,"
+                " :latency_ms, :ttft_ms, :tokens_per_second, :outcome)",
+                entry,
+            )
+
+    def usage_rows(self, key_id: str | None, since: float, until: float) -> list[dict[str, object]]:
+        query = "SELECT * FROM usage_ledger WHERE time >= ? AND time < ?"
+        params: list[object] = [since, until]
+        if key_id is not None:
+            query += " AND key_id = ?"
+            params.append(key_id)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY time", params).fetchall()
+        return [dict(row) for row in rows]
+
+    def add_speed(self, model: str, minute: int, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO speed_buckets (model, minute, tokens, seconds) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (model, minute) DO UPDATE SET tokens = tokens + excluded.tokens,"
+                " seconds = seconds + excluded.seconds",
+                (model, minute, tokens, seconds),
+            )
+
+    def speed_since(self, minute: int) -> list[tuple[str, int, int, float]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT model, minute, tokens, seconds FROM speed_buckets WHERE minute >= ?", (minute,)
+            ).fetchall()
+            self._db.execute("DELETE FROM speed_buckets WHERE minute < ?", (minute,))
+        return [(r["model"], int(r["minute"]), int(r["tokens"]), float(r["seconds"])) for r in rows]
 
     def key_by_hash(self, key_hash: str) -> KeyRecord | None:
         with self._lock:
@@ -191,6 +290,10 @@ class JobRecord:
     expires_at: float | None
 
 
+def _limit_values(limits: KeyLimits) -> tuple[int | None, str | None, int | None, int | None]:
+    return (limits.quota_tokens, limits.quota_period, limits.rpm, limits.max_concurrency)
+
+
 def _key(row: sqlite3.Row) -> KeyRecord:
     return KeyRecord(
         id=row["id"],
@@ -199,6 +302,7 @@ def _key(row: sqlite3.Row) -> KeyRecord:
         is_admin=bool(row["is_admin"]),
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
+        limits=KeyLimits(row["quota_tokens"], row["quota_period"], row["rpm"], row["max_concurrency"]),
     )
 
 

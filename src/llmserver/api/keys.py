@@ -1,0 +1,105 @@
+"""The key admin API (/api/keys, admin only) and usage summaries (/api/usage)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmserver.api.deps import authenticate, json_body, keys, require_admin, validate
+from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
+from llmserver.metrics.usage import parse_time, summarise
+from llmserver.store import KeyLimits, KeyRecord
+
+router = APIRouter()
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    quota_tokens: int | None = Field(default=None, ge=1)
+    quota_period: str | None = Field(default=None, pattern="^(day|month|total)$")
+    rpm: int | None = Field(default=None, ge=1)
+    max_concurrency: int | None = Field(default=None, ge=1)
+
+    def limits(self) -> KeyLimits:
+        return KeyLimits(self.quota_tokens, self.quota_period, self.rpm, self.max_concurrency)
+
+
+class CreateKey(Limits):
+    name: str = Field(min_length=1, max_length=200)
+    admin: bool = False
+
+
+def describe(record: KeyRecord) -> dict[str, Any]:
+    return {
+        "id": record.id,
+        "name": record.name,
+        "fingerprint": record.fingerprint,
+        "admin": record.is_admin,
+        "created_at": record.created_at,
+        "revoked_at": record.revoked_at,
+        **asdict(record.limits),
+    }
+
+
+@router.get("/api/keys")
+async def list_keys(request: Request) -> dict[str, Any]:
+    require_admin(request)
+    return {"object": "list", "data": [describe(k) for k in keys(request).list()]}
+
+
+@router.post("/api/keys", status_code=201, response_model=None)
+async def create_key(request: Request) -> JSONResponse:
+    require_admin(request)
+    body = validate(CreateKey, await json_body(request))
+    try:
+        record, key = keys(request).create(body.name, admin=body.admin, limits=body.limits())
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return JSONResponse({**describe(record), "key": key}, status_code=201)
+
+
+@router.patch("/api/keys/{key_id}")
+async def update_key(request: Request, key_id: str) -> dict[str, Any]:
+    """Replace a key's limits (fields left out are cleared)."""
+    require_admin(request)
+    body = validate(Limits, await json_body(request))
+    try:
+        found = keys(request).update(key_id, body.limits())
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    record = keys(request).get(key_id) if found else None
+    if record is None:
+        raise NotFound(f"No key with id {key_id!r}.", param="key_id")
+    return describe(record)
+
+
+@router.delete("/api/keys/{key_id}")
+async def revoke_key(request: Request, key_id: str) -> dict[str, Any]:
+    require_admin(request)
+    if not keys(request).revoke(key_id):
+        raise NotFound(f"No active key with id {key_id!r}.", param="key_id")
+    record = keys(request).get(key_id)
+    assert record is not None
+    return describe(record)
+
+
+@router.get("/api/usage")
+async def usage(
+    request: Request, key: str | None = None, since: str | None = None, until: str | None = None
+) -> dict[str, Any]:
+    """Usage of one key (default: the caller's own); admins may ask for any key, or all with key=*."""
+    principal = authenticate(request)
+    wanted: str | None = key or principal.key_id
+    if wanted != principal.key_id and not principal.is_admin:
+        raise PermissionDenied("Only admin keys may read another key's usage.")
+    if wanted == "*":
+        wanted = None
+    start = parse_time(since, 0.0, "since")
+    end = parse_time(until, time.time() + 1, "until")
+    return summarise(request.app.state.store, wanted, start, end)

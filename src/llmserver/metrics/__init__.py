@@ -1,0 +1,1 @@
+"""Usage ledger, rolling speed per model, Prometheus metrics."""

@@ -1,0 +1,57 @@
+"""Prometheus metrics, on a registry of the app's own (no process-wide globals)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from llmserver.pool.supervisor import Supervisor
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        depth = GaugeMetricFamily("llmserver_queue_depth", "Requests waiting for a slot", labels=["model"])
+        flight = GaugeMetricFamily("llmserver_in_flight", "Requests on instances", labels=["model"])
+        instances = GaugeMetricFamily("llmserver_instances", "Instances by status", labels=["model", "status"])
+        for name, pool in self._supervisor.pools.items():
+            depth.add_metric([name], pool.queue_depth)
+            flight.add_metric([name], sum(i.in_flight for i in pool.instances))
+            for status in ("starting", "ready", "busy", "draining", "stopped", "failed"):
+                instances.add_metric([name, status], sum(i.status.value == status for i in pool.instances))
+        yield from (depth, flight, instances)
+
+
+class Metrics:
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "llmserver_requests", "Generation requests", ["endpoint", "model", "status"], registry=self.registry
+        )
+        self.prompt_tokens = Counter("llmserver_prompt_tokens", "Prompt tokens", ["model"], registry=self.registry)
+        self.completion_tokens = Counter(
+            "llmserver_completion_tokens", "Completion tokens", ["model"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "llmserver_time_to_first_token_seconds", "Time to first token", ["model"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.inter_token = Histogram(
+            "llmserver_inter_token_seconds", "Gaps between streamed tokens", ["model"],
+            buckets=GAP_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.quota_rejections = Counter(
+            "llmserver_quota_rejections", "Requests refused by a key's limits", ["type"], registry=self.registry
+        )
+        self.registry.register(_PoolCollector(supervisor))
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))
