@@ -172,13 +172,13 @@ def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 
     return bool(predicate())
 
 
-def make_key(data_dir: Path, name: str, admin: bool = False) -> str:
+def make_key(data_dir: Path, name: str, admin: bool = False, **limits: object) -> str:
     """A key written straight into the server's database (what `keys create` does, without a process)."""
     from llmserver.auth.keys import KeyService
-    from llmserver.store import SQLiteStore
+    from llmserver.store import KeyLimits, SQLiteStore
 
     store = SQLiteStore(data_dir / "llmserver.db")
     try:
-        return KeyService(store).create(name, admin=admin)[1]
+        return KeyService(store).create(name, admin=admin, limits=KeyLimits(**limits))[1]  # type: ignore[arg-type]
     finally:
         store.close()

@@ -1,4 +1,4 @@
-"""GET /v1/models: the seed's model list."""
+"""GET /v1/models: the seed's model list, with each model's 30-day average speed once it has one."""
 
 from __future__ import annotations
 
@@ -16,17 +16,13 @@ async def list_models(request: Request) -> dict[str, Any]:
     authenticate(request)
     config = settings(request)
     created = int(request.app.state.started_at)
-    return {
-        "object": "list",
-        "data": [
-            # avg_tokens_per_second is omitted until a model has speed data (the quota/usage issue).
-            {
-                "id": m.name,
-                "object": "model",
-                "created": created,
-                "owned_by": config.owned_by,
-                "vision_capable": False,
-            }
-            for m in config.models
-        ],
-    }
+    speed = request.app.state.recorder.speed
+    data = []
+    for model in config.models:
+        entry: dict[str, Any] = {"id": model.name, "object": "model", "created": created, "owned_by": config.owned_by}
+        average = speed.average(model.name)  # in memory: no ledger scan; omitted while there is no data
+        if average is not None:
+            entry["avg_tokens_per_second"] = average
+        entry["vision_capable"] = False
+        data.append(entry)
+    return {"object": "list", "data": data}

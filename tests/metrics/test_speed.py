@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmserver.metrics.speed import RollingSpeed
+from llmserver.store import SQLiteStore
+
+
+class Clock:
+    now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_thirty_day_window_persisted(tmp_path: Path) -> None:
+    clock = Clock()
+    store = SQLiteStore(tmp_path / "s.db")
+    speed = RollingSpeed(store, clock)
+    assert speed.average("m") is None
+    speed.add("m", 100, 2.0)
+    clock.now += 3600
+    speed.add("m", 50, 3.0)
+    speed.add("m", 0, 1.0)  # nothing generated: not counted
+    assert speed.average("m") == 30.0
+    assert RollingSpeed(store, clock).average("m") == 30.0  # survives a restart
+    clock.now += 30 * 24 * 3600 - 1800  # the first bucket is now older than 30 days
+    assert speed.average("m") == round(50 / 3.0, 2)
+    clock.now += 7200
+    assert speed.average("m") is None
