@@ -96,7 +96,8 @@ def test_models(sdk: openai.OpenAI, client: httpx.Client) -> None:
     assert entry["object"] == "model" and entry["owned_by"] == "5cbot_llm_server"
     assert entry["vision_capable"] is False
     assert isinstance(entry["created"], int)
-    assert "avg_tokens_per_second" not in entry  # no speed data is kept yet
+    # Earlier tests in the session generated tokens: the 30-day speed is known (test_usage covers its absence).
+    assert isinstance(entry["avg_tokens_per_second"], float) and entry["avg_tokens_per_second"] > 0
 
 
 def test_sdk_sees_errors_as_errors(sdk: openai.OpenAI, server: Server) -> None:
