@@ -155,3 +155,39 @@ def test_speed_average_metrics_and_disconnect_charging(tmp_path: Path, start_ser
     assert any(s.value > 0 for s in families["llmserver_inter_token_seconds"].samples if s.name.endswith("_count"))
     ready = [s for s in families["llmserver_instances"].samples if s.labels["status"] == "ready"]
     assert ready[0].value == 1
+
+
+def test_key_admin_api(tmp_path: Path, start_server: Callable[..., Server]) -> None:
+    server = start_server(CONFIG, env={"LLMSERVER_ADMIN_KEY": ADMIN})
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    created = httpx.post(
+        server.url + "/api/keys",
+        json={"name": "ci", "quota_tokens": 500, "quota_period": "month", "rpm": 2},
+        headers=admin,
+    )
+    assert created.status_code == 201, created.text
+    record = created.json()
+    key, key_id = record.pop("key"), record["id"]
+    assert record["quota_tokens"] == 500 and record["rpm"] == 2 and record["admin"] is False
+    headers = {"Authorization": f"Bearer {key}"}
+    assert httpx.get(server.url + "/api/keys", headers=headers).status_code == 403
+    assert [k["id"] for k in httpx.get(server.url + "/api/keys", headers=admin).json()["data"]] == [key_id]
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert httpx.post(server.url + "/api/generate", json=body, headers=headers, timeout=60).status_code == 200
+    assert httpx.post(server.url + "/api/generate", json=body, headers=headers, timeout=60).status_code == 200
+    limited = httpx.post(server.url + "/api/generate", json=body, headers=headers)
+    assert limited.status_code == 429 and limited.json()["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(limited.headers["Retry-After"]) <= 61
+    bad = httpx.patch(server.url + f"/api/keys/{key_id}", json={"quota_tokens": 5}, headers=admin)
+    assert bad.status_code == 400 and "period" in bad.json()["error"]["message"]
+    updated = httpx.patch(
+        server.url + f"/api/keys/{key_id}", json={"quota_tokens": 10, "quota_period": "total"}, headers=admin
+    )
+    assert updated.status_code == 200 and updated.json()["rpm"] is None
+    over = httpx.post(server.url + "/api/generate", json={"prompt": "hi", "max_tokens": 50}, headers=headers)
+    assert over.status_code == 429 and over.json()["error"]["type"] == "insufficient_quota"
+    assert "does not reset" in over.json()["error"]["message"]
+    revoked = httpx.delete(server.url + f"/api/keys/{key_id}", headers=admin)
+    assert revoked.status_code == 200 and revoked.json()["revoked_at"]
+    assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 401
+    assert httpx.delete(server.url + f"/api/keys/{key_id}", headers=admin).status_code == 404
