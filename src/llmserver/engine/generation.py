@@ -160,10 +160,7 @@ class GenerationService:
         choice = _choice(body)
         message = choice.get("message") or {}
         return {
-            "id": translate.new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
+            **translate.head("chatcmpl", "chat.completion", model),
             "choices": [
                 {
                     "index": 0,
@@ -177,12 +174,7 @@ class GenerationService:
     async def chat_stream(self, principal: Principal, request: ChatRequest) -> AsyncIterator[bytes]:
         model = self._model(request)
         payload = self._chat_payload(request, model)
-        head = {
-            "id": translate.new_id("chatcmpl"),
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": model,
-        }
+        head = translate.head("chatcmpl", "chat.completion.chunk", model)
 
         def chunk(choice: JSON) -> JSON:
             delta = choice.get("delta") or {}
@@ -217,10 +209,7 @@ class GenerationService:
         body = await self._call(self._open(principal, "/v1/completions", model, payload), "/v1/completions", payload)
         choice = _choice(body)
         return {
-            "id": translate.new_id("cmpl"),
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
+            **translate.head("cmpl", "text_completion", model),
             "choices": [
                 {
                     "text": choice.get("text", ""),
@@ -234,12 +223,7 @@ class GenerationService:
 
     async def completion_stream(self, principal: Principal, request: CompletionRequest) -> AsyncIterator[bytes]:
         model = self._model(request)
-        head = {
-            "id": translate.new_id("cmpl"),
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-        }
+        head = translate.head("cmpl", "text_completion", model)
 
         def chunk(choice: JSON) -> JSON:
             reason = choice.get("finish_reason")

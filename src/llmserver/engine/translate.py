@@ -6,6 +6,7 @@ Only fields we validated are ever sent to llama-server: requests are rebuilt, ne
 from __future__ import annotations
 
 import secrets
+import time
 from typing import Any
 
 from llmserver.errors import InvalidRequest
@@ -17,6 +18,11 @@ JSON = dict[str, Any]
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def head(prefix: str, object_: str, model: str) -> JSON:
+    """The fields every OpenAI response object (or stream chunk) starts with."""
+    return {"id": new_id(prefix), "object": object_, "created": int(time.time()), "model": model}
 
 
 def sampling_payload(request: Sampling, max_tokens: int, stop: list[str] | None) -> JSON:
