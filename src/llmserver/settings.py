@@ -56,6 +56,9 @@ class ModelConfig(BaseModel):
     )
     parallel: int = Field(default=4, ge=1, le=256, description="Slots per instance: requests decoded together.")
     ctx_size: int = Field(default=4096, ge=128, le=1_048_576, description="Context window of one request, in tokens.")
+    cache_ram_mb: int = Field(
+        default=1024, ge=0, description="RAM for llama-server's prompt cache per instance, in MiB (0: off)."
+    )
     threads: int | None = Field(
         default=None, ge=1, le=1024, description="CPU threads per instance; empty: the CPUs shared out evenly."
     )
@@ -145,7 +148,9 @@ class Settings(BaseSettings):
     )
     async_result_ttl: float = Field(default=3600.0, gt=0, description="Seconds a finished async result stays pollable.")
     job_sweep_interval: float = Field(
-        default=60.0, gt=0, description="Seconds between sweeps that delete expired async results."
+        default=60.0,
+        gt=0,
+        description="Seconds between sweeps that delete expired async results (and old ledger rows).",
     )
     webhook_timeout: float = Field(default=10.0, gt=0, description="Seconds one webhook delivery attempt may take.")
     webhook_max_attempts: int = Field(
@@ -153,6 +158,9 @@ class Settings(BaseSettings):
     )
     webhook_allow_private: bool = Field(
         default=False, description="Let webhooks reach private and loopback addresses. For tests only."
+    )
+    usage_retention_days: float = Field(
+        default=400.0, gt=0, description="Days the usage ledger keeps its rows (older ones are swept)."
     )
     metrics_public: bool = Field(default=False, description="Serve /metrics without a key (else admin keys only).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Gateway log level.")

@@ -92,7 +92,8 @@ def test_instance_records_are_the_seeds(pool: Server) -> None:
         assert record["status"] == "ready" and record["host"] == "127.0.0.1"
         process = psutil.Process(record["pid"])
         assert process.name() == "llama-server"
-        assert f"--port {record['port']}" in " ".join(process.cmdline())
+        command = " ".join(process.cmdline())
+        assert f"--port {record['port']}" in command and "--cache-ram 1024" in command and "--threads 1" in command
         assert record["ram_used_mb"] > 0
         assert datetime.fromisoformat(record["last_activity"]).utcoffset() is not None
     with admin(pool) as client:

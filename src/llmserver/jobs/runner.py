@@ -68,6 +68,10 @@ class JobService:
             removed = self.store.delete_expired_jobs(time.time())
             if removed:
                 log.info("removed %d expired async results", removed)
+            # The usage ledger's retention rides on the same sweep.
+            old = self.store.delete_usage_before(time.time() - self.settings.usage_retention_days * 86400)
+            if old:
+                log.info("removed %d usage rows older than %.0f days", old, self.settings.usage_retention_days)
 
     # Submitting
 

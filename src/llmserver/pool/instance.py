@@ -71,6 +71,8 @@ def llama_server_args(binary: Path, model_file: Path, model: ModelConfig, host: 
         "--ctx-size", str(model.ctx_size * model.parallel),
         "--threads", str(model.threads or 1),
         "--threads-batch", str(model.threads or 1),
+        # llama-server's default prompt cache may grow to 8 GiB per process: bound it per model.
+        "--cache-ram", str(model.cache_ram_mb),
         "--no-webui",
         "--jinja",
     ]  # fmt: skip

@@ -166,6 +166,11 @@ class SQLiteStore:
             rows = self._db.execute(query + " ORDER BY time", params).fetchall()
         return [dict(row) for row in rows]
 
+    def delete_usage_before(self, moment: float) -> int:
+        with self._lock:
+            cursor = self._db.execute("DELETE FROM usage_ledger WHERE time < ?", (moment,))
+        return cursor.rowcount
+
     def add_speed(self, model: str, minute: int, tokens: int, seconds: float) -> None:
         with self._lock:
             self._db.execute(
