@@ -152,3 +152,22 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` that documents a JSON body parsed by `parse` (so that clients and fuzzers see it),
+    with pydantic's `$defs` inlined: they do not resolve inside an OpenAPI document."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(definitions[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

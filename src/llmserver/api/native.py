@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from llmserver.api.deps import cancel_on_disconnect, generation, jobs, parse
+from llmserver.api.deps import body_schema, cancel_on_disconnect, generation, jobs, parse
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
 
 router = APIRouter()
@@ -15,12 +15,7 @@ router = APIRouter()
 @router.post(
     "/api/generate",
     responses={200: {"model": GenerateResponse}},
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": GenerateRequest.model_json_schema()}},
-        }
-    },
+    openapi_extra=body_schema(GenerateRequest),
 )
 async def generate(request: Request) -> dict[str, Any]:
     principal, body = await parse(request, GenerateRequest)

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from llmserver.api.deps import cancel_on_disconnect, generation, jobs, parse
+from llmserver.api.deps import body_schema, cancel_on_disconnect, generation, jobs, parse
 from llmserver.auth.keys import Principal
 from llmserver.errors import InvalidRequest
 from llmserver.jobs.runner import Work
@@ -16,15 +16,6 @@ from llmserver.schemas.openai import ChatRequest, CompletionRequest
 router = APIRouter()
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _body_schema(model: Any) -> dict[str, Any]:
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": model.model_json_schema()}},
-        }
-    }
 
 
 async def _submit(
@@ -36,7 +27,7 @@ async def _submit(
     return await jobs(request).submit(principal, work, key=body.key, webhook_url=body.webhook_url)
 
 
-@router.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest), response_model=None)
+@router.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest), response_model=None)
 async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
     principal, body = await parse(request, ChatRequest)
     service = generation(request)
@@ -48,7 +39,7 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     return JSONResponse(await cancel_on_disconnect(request, service.chat(principal, body)))
 
 
-@router.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest), response_model=None)
+@router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest), response_model=None)
 async def completions(request: Request) -> JSONResponse | StreamingResponse:
     principal, body = await parse(request, CompletionRequest)
     service = generation(request)

@@ -3,28 +3,34 @@
 from __future__ import annotations
 
 import collections
+import math
 from datetime import UTC, datetime
 from typing import Any
 
 from llmserver.errors import InvalidRequest
 from llmserver.store import SQLiteStore
 
+LATEST = datetime(9999, 12, 31, tzinfo=UTC).timestamp()
+
 
 def parse_time(value: str | None, default: float, param: str) -> float:
     """Unix seconds or ISO-8601 (UTC when no offset is given)."""
     if value is None or value == "":
         return default
+    problem = InvalidRequest(f"{param} must be unix seconds or an ISO-8601 time (years 1970 to 9999).", param=param)
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        raise InvalidRequest(f"{param} must be unix seconds or an ISO-8601 time.", param=param) from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()
+        try:
+            moment = datetime.fromisoformat(value)
+        except ValueError:
+            raise problem from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        seconds = moment.timestamp()
+    if not math.isfinite(seconds) or not 0 <= seconds <= LATEST:
+        raise problem
+    return seconds
 
 
 def summarise(store: SQLiteStore, key_id: str | None, since: float, until: float) -> dict[str, Any]:
