@@ -112,6 +112,13 @@ def test_crash_looping_instance_is_given_up(start_server: Callable[..., Server])
     time.sleep(1.5)
     assert pids_of_children_named("llama-server", server.process.pid) == []
     assert httpx.get(server.url + "/ready").status_code == 503
+    refused = httpx.post(
+        server.url + "/api/generate",
+        json={"prompt": "hi", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {create_key(server.data_dir, 'k')}"},
+        timeout=10,
+    )
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "overloaded_error"
 
 
 def test_instance_that_cannot_restart_is_given_up(tmp_path: Path, start_server: Callable[..., Server]) -> None:

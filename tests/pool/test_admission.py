@@ -128,3 +128,25 @@ def test_scale_up_respects_max_instances_and_memory_budget(caplog: pytest.LogCap
             await instance.client.close()
 
     run(scenario)
+
+
+def test_no_running_instance_is_503_at_once() -> None:
+    async def scenario() -> None:
+        pool, _ = make_pool(queue_timeout=30)
+        given_up = await ready_instance(pool.config, 1)
+        given_up.status = Status.FAILED
+        pool.instances.append(given_up)
+        with pytest.raises(Overloaded) as caught:
+            await pool.acquire("k")
+        assert "No instance" in caught.value.message and caught.value.headers["Retry-After"] == "30"
+        given_up.restarting = True  # coming back: wait for it instead
+        waiter = asyncio.create_task(pool.acquire("k"))
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 1
+        given_up.restarting, given_up.status = False, Status.READY
+        pool.dispatch()
+        assert await waiter is given_up
+        assert given_up.client is not None
+        await given_up.client.close()
+
+    run(scenario)

@@ -62,6 +62,9 @@ class ModelPool:
         if instance is not None and not self._waiters:
             instance.begin(key_id)
             return instance
+        if not any(i.accepting or i.status == Status.STARTING or i.restarting for i in self.instances):
+            # Nothing is running or coming: waiting would only end in a timeout.
+            raise Overloaded(f"No instance of {self.name!r} is running; see the server's log.", retry_after=30)
         if len(self._waiters) >= self.config.max_queue:
             raise Overloaded(
                 f"The model {self.name!r} is at capacity: all slots are busy and {len(self._waiters)} requests "
