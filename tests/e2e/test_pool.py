@@ -37,7 +37,7 @@ min_instances = 1
 max_instances = 2
 parallel = 1
 max_queue = 1
-idle_timeout = 3
+idle_timeout = 5
 ctx_size = 512
 """
 
@@ -158,9 +158,9 @@ def test_full_queue_is_503_and_queueing_scales_up_then_idle_scales_down(pool: Se
     assert rejected.json()["error"]["type"] == "overloaded_error" and int(rejected.headers["Retry-After"]) >= 1
     # The queueing started a second instance (max_instances = 2) ...
     assert wait_for(lambda: len(instances(pool, "smol-b")) == 2, 30)
-    # ... which stops again after idle_timeout (3 s) without traffic, back to min_instances = 1.
+    # ... which stops again after idle_timeout (5 s) without traffic, back to min_instances = 1.
     assert wait_for(lambda: len(instances(pool, "smol-b")) == 1, 30), instances(pool, "smol-b")
-    assert "idle for 3 s: stopping it" in pool.log()
+    assert "idle for 5 s: stopping it" in pool.log()
 
 
 def test_start_and_drain_through_the_api(pool: Server) -> None:

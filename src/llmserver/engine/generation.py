@@ -13,10 +13,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from llmserver.auth.keys import Principal
 from llmserver.engine import translate
+from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import APIError, GatewayTimeout, InstanceUnavailable, InvalidRequest, ServerError, UpstreamError
 from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.router import Router
@@ -94,24 +96,34 @@ class GenerationService:
 
     async def _call_once_or_twice(self, tally: Tally, path: str, payload: JSON) -> JSON:
         for attempt in (1, 2):
-            async with self.router.lease(tally.model, tally.principal) as instance:
-                tally.instance_id = instance.id
-                client = instance.client
-                try:
-                    if client is None:
-                        raise InstanceUnavailable("The instance went away.")
-                    async with asyncio.timeout(self.settings.request_timeout):
-                        return await client.post_json(path, payload)
-                except TimeoutError:
-                    raise GatewayTimeout(
-                        f"The generation did not finish within {self.settings.request_timeout:.0f} s."
-                    ) from None
-                except InstanceUnavailable:
-                    self.router.instance_failed(instance)
-                    if attempt == 2:
-                        raise
-                    log.warning("instance %s failed under a request; retrying it once", instance.id)
+            try:
+                async with self._instance(tally) as client:
+                    return await client.post_json(path, payload)
+            except InstanceUnavailable:
+                if attempt == 2:
+                    raise
+                log.warning("instance %s failed under a request; retrying it once", tally.instance_id)
         raise AssertionError("unreachable")
+
+    @asynccontextmanager
+    async def _instance(self, tally: Tally) -> AsyncIterator[LlamaServerClient]:
+        """A slot on an instance of the tally's model for the block, bounded by request_timeout.
+
+        An instance that cannot be reached is reported to the supervisor (it may have died)."""
+        async with self.router.lease(tally.model, tally.principal) as instance:
+            tally.instance_id = instance.id
+            try:
+                if instance.client is None:
+                    raise InstanceUnavailable("The instance went away.")
+                async with asyncio.timeout(self.settings.request_timeout):
+                    yield instance.client
+            except TimeoutError:
+                raise GatewayTimeout(
+                    f"The generation did not finish within {self.settings.request_timeout:.0f} s."
+                ) from None
+            except InstanceUnavailable:
+                self.router.instance_failed(instance)
+                raise
 
     # Native API
 
@@ -318,22 +330,9 @@ class GenerationService:
         return body()
 
     async def _events(self, tally: Tally, path: str, payload: JSON) -> AsyncGenerator[JSON]:
-        async with self.router.lease(tally.model, tally.principal) as instance:
-            tally.instance_id = instance.id
-            client = instance.client
-            try:
-                if client is None:
-                    raise InstanceUnavailable("The instance went away.")
-                async with asyncio.timeout(self.settings.request_timeout):
-                    async for event in client.stream(path, payload):
-                        yield event
-            except TimeoutError:
-                raise GatewayTimeout(
-                    f"The generation did not finish within {self.settings.request_timeout:.0f} s."
-                ) from None
-            except InstanceUnavailable:
-                self.router.instance_failed(instance)
-                raise
+        async with self._instance(tally) as client:
+            async for event in client.stream(path, payload):
+                yield event
 
 
 def _choice(body: JSON) -> JSON:
