@@ -14,6 +14,9 @@ import pytest
 
 from tests.support import MODEL, Server, make_key, pids_of_children_named, process_alive
 
+# Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 ONE_SMALL_INSTANCE = f'[[models]]\nname = "{MODEL}"\nparallel = 1\nctx_size = 512\n'
 
 

@@ -13,6 +13,9 @@ from llmserver.catalog import embedded_model_path
 from tests.hub import StandInHub
 from tests.support import Server, cli, make_key
 
+# Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 REPO, FILE = "test-org/tiny-GGUF", "tiny-q4_1.gguf"
 
 

@@ -17,6 +17,9 @@ import pytest
 
 from tests.support import MODEL, Server, cli, make_key, wait_for
 
+# Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 ADMIN = "test-admin-key-0123456789"
 # Two models on the same GGUF file. MODEL: two fixed instances. "smol-b": one to two instances,
 # one slot each, a queue of one, and a short idle timeout.

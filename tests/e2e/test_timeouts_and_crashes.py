@@ -16,6 +16,9 @@ import pytest
 from llmserver.catalog import embedded_model_path
 from tests.support import MODEL, Server, create_key, pids_of_children_named, wait_for
 
+# Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 SHORT_TIMEOUT = f'request_timeout = 1.0\n[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
 # Greedy decoding of this prompt runs to max_tokens: 300 tokens, over 4 s on 2 cores.
 LONG = {"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 300, "temperature": 0}

@@ -10,9 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import MODEL, Server, cli, make_key, wait_for
+
+# Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
+pytestmark = pytest.mark.slow
 
 ADMIN = "usage-admin-key-0123456789"
 CONFIG = f'[[models]]\nname = "{MODEL}"\nparallel = 4\nctx_size = 1024\n'
