@@ -66,14 +66,9 @@ def test_a_killed_instance_is_replaced(start_server: Callable[..., Server]) -> N
     assert server.process is not None
     (child,) = pids_of_children_named("llama-server", server.process.pid)
     os.kill(child, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    replaced: list[int] = []
-    while time.monotonic() < deadline:
-        replaced = [p for p in pids_of_children_named("llama-server", server.process.pid) if p != child]
-        if replaced and httpx.get(server.url + "/ready").status_code == 200:
-            break
-        time.sleep(0.2)
-    assert replaced, server.log()
+    pid = server.process.pid
+    replaced = lambda: [p for p in pids_of_children_named("llama-server", pid) if p != child]  # noqa: E731
+    assert wait_for(lambda: replaced() and httpx.get(server.url + "/ready").status_code == 200, 30), server.log()
     assert server.generate_ok()
     assert "died with code -9; restarting it" in server.log()
 

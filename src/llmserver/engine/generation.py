@@ -12,8 +12,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from llmserver.auth.keys import Principal
@@ -77,14 +77,8 @@ class GenerationService:
 
     async def _call(self, tally: Tally, path: str, payload: JSON) -> JSON:
         """One non-streamed call, accounted in `tally`; retried once if the instance died before answering."""
-        try:
+        with self._closed_on_failure(tally):
             body = await self._call_once_or_twice(tally, path, payload)
-        except APIError as exc:
-            self.recorder.close(tally, exc.type)
-            raise
-        except BaseException:
-            self.recorder.close(tally, "cancelled")
-            raise
         counts = translate.usage(body)
         tally.prompt_tokens, tally.completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
         prompt_ms = (body.get("timings") or {}).get("prompt_ms")
@@ -93,6 +87,18 @@ class GenerationService:
             self.recorder.metrics.ttft.labels(tally.model).observe(tally.ttft)
         self.recorder.close(tally, "ok")
         return body
+
+    @contextmanager
+    def _closed_on_failure(self, tally: Tally) -> Iterator[None]:
+        """Account a request that fails before it produced anything: settled to nothing, outcome recorded."""
+        try:
+            yield
+        except APIError as exc:
+            self.recorder.close(tally, exc.type)
+            raise
+        except BaseException:
+            self.recorder.close(tally, "cancelled")
+            raise
 
     async def _call_once_or_twice(self, tally: Tally, path: str, payload: JSON) -> JSON:
         for attempt in (1, 2):
@@ -265,7 +271,7 @@ class GenerationService:
         # Progress events carry the prompt's token count up front: a client that leaves early is
         # still charged for its prompt, not only for the tokens it received.
         payload = {**payload, "return_progress": True}
-        try:
+        with self._closed_on_failure(tally):
             for attempt in (1, 2):
                 events = self._events(tally, path, payload)
                 try:
@@ -281,12 +287,6 @@ class GenerationService:
                 except BaseException:
                     await events.aclose()
                     raise
-        except APIError as exc:
-            self.recorder.close(tally, exc.type)
-            raise
-        except BaseException:
-            self.recorder.close(tally, "cancelled")
-            raise
 
         async def body() -> AsyncIterator[bytes]:
             outcome = "client_closed"
