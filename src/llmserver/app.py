@@ -19,6 +19,7 @@ from llmserver.auth.keys import KeyService
 from llmserver.auth.quota import QuotaService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, error_body
+from llmserver.inputs.documents import DocumentService
 from llmserver.jobs.runner import JobService
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
@@ -39,6 +40,7 @@ _STATUS_TYPES = {
     405: "invalid_request_error",
     413: "request_too_large",
     415: "unsupported_media_type",
+    422: "unprocessable_file",
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
@@ -60,8 +62,14 @@ def create_app(settings: Settings) -> FastAPI:
         metrics = Metrics(supervisor)
         recorder = UsageRecorder(store, QuotaService(store), RollingSpeed(store), metrics)
         app.state.recorder = recorder
+        documents = DocumentService(
+            timeout=settings.extract_timeout,
+            memory_mb=settings.extract_memory_mb,
+            workers=settings.extract_workers or None,
+        )
+        documents.warm_up()
         app.state.generation = GenerationService(
-            settings, Router(supervisor, settings.max_concurrency_per_key), recorder
+            settings, Router(supervisor, settings.max_concurrency_per_key), recorder, documents
         )
         app.state.started_at = time.time()
         job_service = JobService(settings, store)

@@ -7,7 +7,7 @@ import sys
 import click
 
 from llmserver import __version__
-from llmserver.commands import ask, config, instances, keys, models, serve
+from llmserver.commands import ask, config, extract, instances, keys, models, serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,6 +22,7 @@ cli.add_command(models.models)
 cli.add_command(config.config)
 cli.add_command(instances.instances)
 cli.add_command(ask.ask)
+cli.add_command(extract.extract)
 
 
 def main() -> None:

@@ -159,6 +159,15 @@ class Settings(BaseSettings):
     webhook_allow_private: bool = Field(
         default=False, description="Let webhooks reach private and loopback addresses. For tests only."
     )
+    extract_timeout: float = Field(
+        default=60.0, gt=0, description="Seconds extracting the text of one uploaded file may take (422 beyond)."
+    )
+    extract_memory_mb: int = Field(
+        default=1024, ge=64, description="Memory one file's extraction may use, in MiB, beyond its loaded code (422)."
+    )
+    extract_workers: int = Field(
+        default=0, ge=0, description="Files extracted at once across all requests; 0: the number of CPUs."
+    )
     usage_retention_days: float = Field(
         default=400.0, gt=0, description="Days the usage ledger keeps its rows (older ones are swept)."
     )

@@ -24,6 +24,8 @@ async def _submit(
     """The async extension: the same job as /api/generate's, whose result is this endpoint's object."""
     if body.stream:
         raise InvalidRequest("Async mode cannot be combined with stream: true.", param="stream")
+    if isinstance(body, ChatRequest):
+        generation(request).check_inputs(body)
     return await jobs(request).submit(principal, work, key=body.key, webhook_url=body.webhook_url)
 
 

@@ -20,6 +20,8 @@ from llmserver.auth.keys import Principal
 from llmserver.engine import translate
 from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import APIError, GatewayTimeout, InstanceUnavailable, InvalidRequest, ServerError, UpstreamError
+from llmserver.inputs import documents as files
+from llmserver.inputs.documents import DocumentService
 from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.router import Router
 from llmserver.schemas.common import Sampling
@@ -46,10 +48,11 @@ def prompt_bound(payload: JSON) -> int:
 
 
 class GenerationService:
-    def __init__(self, settings: Settings, router: Router, recorder: UsageRecorder) -> None:
+    def __init__(self, settings: Settings, router: Router, recorder: UsageRecorder, documents: DocumentService) -> None:
         self.settings = settings
         self.router = router
         self.recorder = recorder
+        self.documents = documents
         self.default_model = settings.models[0].name
 
     def _open(self, principal: Principal, endpoint: str, model: str, payload: JSON) -> Tally:
@@ -137,14 +140,19 @@ class GenerationService:
         model = self._model(request)
         payload = translate.sampling_payload(request, self._max_tokens(request.max_tokens), request.stop)
         started = time.perf_counter()
+        prompt = request.prompt
+        if request.files:
+            uploads = files.native_uploads(request.files)
+            blocks = [files.render(e) for e in await self.documents.extract_all(uploads)]
+            prompt = "\n".join([*blocks, prompt])
         if request.raw:
             system = f"{request.system}\n\n" if request.system else ""
-            payload["prompt"] = system + request.prompt
+            payload["prompt"] = system + prompt
             tally = self._open(principal, "/api/generate", model, payload)
             body = await self._call(tally, "/v1/completions", payload)
             text = _choice(body).get("text", "")
         else:
-            payload["messages"] = translate.native_messages(request.prompt, request.system)
+            payload["messages"] = translate.native_messages(prompt, request.system)
             tally = self._open(principal, "/api/generate", model, payload)
             body = await self._call(tally, "/v1/chat/completions", payload)
             text = (_choice(body).get("message") or {}).get("content") or ""
@@ -169,8 +177,25 @@ class GenerationService:
         max_tokens = self._max_tokens(request.max_completion_tokens or request.max_tokens, param)
         return translate.chat_payload(request, max_tokens, model, stream=request.stream)
 
+    def check_inputs(self, request: ChatRequest | GenerateRequest) -> None:
+        """The checks on attached files that need no extraction (run before an async job is accepted)."""
+        if isinstance(request, ChatRequest):
+            files.chat_uploads(request.messages)
+        elif request.files:
+            files.native_uploads(request.files)
+
+    async def _with_files(self, request: ChatRequest) -> ChatRequest:
+        """The request with each file part replaced by the text block extracted from it."""
+        uploads = files.chat_uploads(request.messages)
+        if not uploads:
+            return request
+        extracted = await self.documents.extract_all([upload for _, upload in uploads])
+        messages = files.merged_messages(request.messages, [index for index, _ in uploads], extracted)
+        return request.model_copy(update={"messages": messages})
+
     async def chat(self, principal: Principal, request: ChatRequest) -> JSON:
         model = self._model(request)
+        request = await self._with_files(request)
         payload = self._chat_payload(request, model)
         body = await self._call(
             self._open(principal, "/v1/chat/completions", model, payload), "/v1/chat/completions", payload
@@ -191,6 +216,7 @@ class GenerationService:
 
     async def chat_stream(self, principal: Principal, request: ChatRequest) -> AsyncIterator[bytes]:
         model = self._model(request)
+        request = await self._with_files(request)
         payload = self._chat_payload(request, model)
         head = translate.head("chatcmpl", "chat.completion.chunk", model)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, Field
 
 from llmserver.schemas.common import Sampling, StopList
@@ -12,6 +14,11 @@ class GenerateRequest(Sampling):
     system: str | None = Field(default=None, description="A system message before the prompt.")
     raw: bool = Field(default=False, description="Send the prompt as-is, without the chat template.")
     stop: StopList = Field(default_factory=list)
+    files: list[dict[str, Any]] | None = Field(
+        default=None,
+        description='Up to 5 files whose text goes before the prompt, each {"type": "file", "file": '
+        '{"filename", "data": "data:<mime>;base64,..."}} as in chat (or just the inner "file" object).',
+    )
 
 
 class GenerateResponse(BaseModel):

@@ -1,0 +1,41 @@
+"""`llmserver extract`: print the text of files exactly as a request would put it in the prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from llmserver.commands import load
+from llmserver.errors import APIError
+from llmserver.inputs.documents import MAX_FILE_BYTES, DocumentService, check_upload, count_check, render
+
+
+@click.command()
+@click.option(
+    "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+    help="TOML configuration file (for extract_timeout, extract_memory_mb).",
+)  # fmt: skip
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def extract(config_file: Path | None, files: tuple[Path, ...]) -> None:
+    """Extract FILES (up to 5, 15 MB each) with the server's own code path, limits and settings,
+    and print the blocks a chat request would carry. Nothing is sent anywhere."""
+    settings = load(config_file)
+    service = DocumentService(
+        timeout=settings.extract_timeout,
+        memory_mb=settings.extract_memory_mb,
+        workers=settings.extract_workers or None,
+    )
+    try:
+        count_check(len(files), "files")
+        uploads = []
+        for path in files:
+            if path.stat().st_size > MAX_FILE_BYTES:
+                raise click.ClickException(
+                    f"{path.name} is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB, the limit per file."
+                )
+            uploads.append(check_upload(path.name, path.read_bytes()))
+        blocks = [render(service.extract_blocking(upload)) for upload in uploads]
+    except APIError as exc:
+        raise click.ClickException(f"{exc.message} ({exc.status} {exc.type})") from None
+    click.echo("\n".join(blocks))

@@ -1,0 +1,100 @@
+"""Our own ZIP walker: every limit is checked from the central directory before a member is read.
+
+markitdown's ZipConverter recurses with no size, count, depth or ratio limit, so archives (and
+the ZIP containers inside Office and EPUB files) come through here first. Nothing is ever written
+to disk, so member names only label sections; absolute and `..` parts are dropped from the label.
+Runs in the extraction child, whose memory limit and timeout are the last line of defence.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ArchiveLimits:
+    max_entries: int = 1000  # members in one upload, nested archives included
+    max_total_bytes: int = 100 * MIB  # uncompressed bytes in one upload, nested archives included
+    max_ratio: int = 200  # uncompressed / compressed size of one member …
+    ratio_floor: int = MIB  # … for members larger than this (small files may compress very well)
+    max_depth: int = 3  # the upload is depth 1; a ZIP in it is depth 2
+
+
+class ArchiveRejected(Exception):
+    """The archive breaks a limit or cannot be read; the whole file is refused (422)."""
+
+
+@dataclass
+class Budget:
+    """What one upload may still spend, shared by every archive nested in it."""
+
+    limits: ArchiveLimits
+    entries: int = 0
+    total_bytes: int = 0
+
+
+def open_checked(data: bytes, label: str, budget: Budget) -> zipfile.ZipFile:
+    """The archive, after its central directory passed every limit (nothing decompressed yet)."""
+    limits = budget.limits
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+    except (zipfile.BadZipFile, ValueError, NotImplementedError, EOFError) as exc:
+        raise ArchiveRejected(f"{label} is not a readable ZIP archive ({exc}).") from None
+    infos = archive.infolist()
+    budget.entries += len(infos)
+    if budget.entries > limits.max_entries:
+        archive.close()
+        raise ArchiveRejected(
+            f"{label} holds too many entries: more than {limits.max_entries} in one upload, nested archives included."
+        )
+    for info in infos:
+        if info.is_dir():
+            continue
+        budget.total_bytes += info.file_size
+        if budget.total_bytes > limits.max_total_bytes:
+            archive.close()
+            raise ArchiveRejected(
+                f"{label} unpacks to more than {limits.max_total_bytes // MIB} MB, nested archives included."
+            )
+        if info.file_size > limits.ratio_floor and info.file_size > limits.max_ratio * max(info.compress_size, 1):
+            archive.close()
+            raise ArchiveRejected(
+                f"{label}: the entry {member_label(info.filename)!r} expands more than {limits.max_ratio} times "
+                "(a compression bomb)."
+            )
+    return archive
+
+
+def read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, label: str) -> bytes:
+    """A member's bytes, never more than its directory entry declared."""
+    try:
+        with archive.open(info) as member:
+            data = member.read(info.file_size + 1)
+    except (zipfile.BadZipFile, ValueError, NotImplementedError, EOFError, OSError) as exc:
+        raise ArchiveRejected(f"{label}: the entry {member_label(info.filename)!r} is corrupt ({exc}).") from None
+    if len(data) > info.file_size:
+        raise ArchiveRejected(f"{label}: the entry {member_label(info.filename)!r} is larger than its header says.")
+    return data
+
+
+def members(archive: zipfile.ZipFile) -> Iterator[zipfile.ZipInfo]:
+    """The files of an archive in directory order; folders are not members."""
+    for info in archive.infolist():
+        if not info.is_dir():
+            yield info
+
+
+def is_encrypted(info: zipfile.ZipInfo) -> bool:
+    return bool(info.flag_bits & 0x1)
+
+
+def member_label(name: str) -> str:
+    """A member's path for people: forward slashes, no leading `/`, no `.` or `..` parts."""
+    parts = [part for part in name.replace("\\", "/").split("/") if part not in ("", ".", "..")]
+    return posixpath.join(*parts) if parts else "(unnamed)"

@@ -1,0 +1,242 @@
+"""Files in chat: data URIs checked and decoded here, text extracted in a contained child process.
+
+Every check that the bytes allow runs for every file before any extraction starts: the count
+(5 per request), the form (a base64 `data:` URI, never a URL), the size (15 MB raw), the real type
+(images, audio, video and other binaries are refused with 415). Extraction then runs in a child
+forked from a forkserver that has the converters loaded (so a child starts in milliseconds), under
+an address-space limit and a wall-clock timeout; a file that breaks either gets 422 naming it, and
+the server itself never holds a decompressed document.
+
+The text goes into the prompt as one delimited block per file, in the order given, before the
+message's own text; `render()` is the single place that writes the block, for requests and for
+`llmserver extract` alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmserver.errors import APIError, InvalidRequest, RequestTooLarge, UnsupportedMediaType
+from llmserver.inputs.extraction import MAX_CHARS, Extracted, child_main
+from llmserver.inputs.formats import sniff
+from llmserver.schemas.openai import ChatMessage, FilePart, TextPart
+
+log = logging.getLogger(__name__)
+
+MAX_FILES = 5
+MAX_FILE_BYTES = 15 * 1024 * 1024
+
+
+class UnprocessableFile(APIError):
+    status = 422
+    type = "unprocessable_file"
+
+
+@dataclass(frozen=True)
+class Upload:
+    filename: str
+    data: bytes
+    format: str
+
+
+def count_check(count: int, param: str = "messages") -> None:
+    if count > MAX_FILES:
+        raise InvalidRequest(f"The request has {count} files; at most {MAX_FILES} are accepted.", param=param)
+
+
+def decode_upload(file: dict[str, Any], param: str) -> Upload:
+    """One `file` object (`filename` and `data`, or OpenAI's `file_data`) → its checked bytes."""
+    filename = file.get("filename")
+    if filename is not None and not isinstance(filename, str):
+        raise InvalidRequest("file.filename must be a string.", param=param)
+    name = (filename or "").strip()[:255] or "file"
+    data = file.get("data", file.get("file_data"))
+    if "file_id" in file and data is None:
+        raise InvalidRequest(
+            "Uploaded file ids are not supported: send the file inline in file.data as a data: URI.", param=param
+        )
+    if not isinstance(data, str) or not data.startswith("data:"):
+        raise InvalidRequest(
+            f"{name}: file.data must be a data: URI (data:<mime>;base64,...); URLs are not accepted for files.",
+            param=param,
+        )
+    header, comma, payload = data[5:].partition(",")
+    if not comma or not header.lower().endswith(";base64"):
+        raise InvalidRequest(f"{name}: file.data must be a base64 data: URI (data:<mime>;base64,...).", param=param)
+    payload = payload.strip()
+    # The raw size is known from the base64 length: a 100 MB body is refused without decoding it.
+    if (len(payload) * 3) // 4 - payload[-2:].count("=") > MAX_FILE_BYTES:
+        raise RequestTooLarge(_too_large(name), param=param)
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{name}: file.data is not valid base64.", param=param) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise RequestTooLarge(_too_large(name), param=param)
+    return check_upload(name, raw, param)
+
+
+def check_upload(name: str, raw: bytes, param: str | None = None) -> Upload:
+    """The checks on the bytes themselves: something there, and a format that can hold text."""
+    if not raw:
+        raise UnprocessableFile(f"{name} is empty: there is no text to extract.", param=param)
+    kind = sniff(raw)
+    if kind.family in ("image", "audio", "video", "binary"):
+        raise UnsupportedMediaType(
+            f"{name} is a {kind.format}, which has no extractable text. Files must be documents, archives or text"
+            " (PDF, Office, OpenDocument, EPUB, HTML, ZIP, source and config files…).",
+            param=param,
+        )
+    if kind.family == "encrypted":
+        raise UnprocessableFile(f"{name} is encrypted (a {kind.format}); remove the password and send it again.")
+    return Upload(name, raw, kind.format)
+
+
+def chat_uploads(messages: Sequence[ChatMessage]) -> list[tuple[int, Upload]]:
+    """Every file part of a chat request, checked and decoded, with the index of its message."""
+    found = [
+        (index, position, part)
+        for index, message in enumerate(messages)
+        if isinstance(message.content, list)
+        for position, part in enumerate(message.content)
+        if isinstance(part, FilePart)
+    ]
+    count_check(len(found))
+    return [
+        (index, decode_upload(part.file, f"messages.{index}.content.{position}.file"))
+        for index, position, part in found
+    ]
+
+
+def native_uploads(items: Sequence[dict[str, Any]]) -> list[Upload]:
+    """The native API's `files`: each a chat file part, or just its inner `file` object."""
+    count_check(len(items), "files")
+    uploads = []
+    for position, item in enumerate(items):
+        file = item.get("file") if item.get("type") == "file" else item
+        if not isinstance(file, dict):
+            raise InvalidRequest('Each file must be {"type": "file", "file": {"filename", "data"}}.', param="files")
+        uploads.append(decode_upload(file, f"files.{position}"))
+    return uploads
+
+
+def merged_messages(
+    messages: Sequence[ChatMessage], owners: Sequence[int], extracted: Sequence[Extracted]
+) -> list[ChatMessage]:
+    """The messages with their files' text blocks first, in the order given, then their own parts."""
+    blocks: dict[int, list[TextPart]] = {}
+    for index, result in zip(owners, extracted, strict=True):
+        blocks.setdefault(index, []).append(TextPart(type="text", text=render(result)))
+    merged = []
+    for index, message in enumerate(messages):
+        if index in blocks and isinstance(message.content, list):
+            rest = [part for part in message.content if not isinstance(part, FilePart)]
+            message = message.model_copy(update={"content": [*blocks[index], *rest]})
+        merged.append(message)
+    return merged
+
+
+def _too_large(name: str) -> str:
+    return f"{name} is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB, the limit per file (before encoding)."
+
+
+def render(extracted: Extracted) -> str:
+    """The block one file becomes in the prompt: named, delimited, visibly truncated, skips listed."""
+    lines = [f'<file name="{_attribute(extracted.filename)}" format="{extracted.format}">', extracted.text]
+    if extracted.truncated:
+        lines.append(f"[truncated: only the first {MAX_CHARS:,} characters of this file are included]")
+    if extracted.skipped:
+        shown = extracted.skipped[:50]
+        more = len(extracted.skipped) - len(shown)
+        lines.append("[skipped: " + "; ".join(shown) + (f"; and {more} more" if more else "") + "]")
+    lines.append("</file>")
+    return "\n".join(lines)
+
+
+def _attribute(value: str) -> str:
+    return value.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;").replace("\n", " ")
+
+
+class DocumentService:
+    """Runs extractions in child processes, a bounded number at a time."""
+
+    def __init__(self, *, timeout: float, memory_mb: int, workers: int | None = None) -> None:
+        self.timeout = timeout
+        self.memory_bytes = memory_mb * 1024 * 1024
+        self._slots = threading.BoundedSemaphore(workers or os.cpu_count() or 1)
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["llmserver.inputs.extraction", "markitdown.converters"])
+
+    def warm_up(self) -> None:
+        """Start the forkserver (it imports the converters once: about 2 s) so the first file is fast."""
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+    async def extract(self, upload: Upload) -> Extracted:
+        return await asyncio.to_thread(self.extract_blocking, upload)
+
+    async def extract_all(self, uploads: Sequence[Upload]) -> list[Extracted]:
+        return list(await asyncio.gather(*(self.extract(upload) for upload in uploads)))
+
+    def extract_blocking(self, upload: Upload) -> Extracted:
+        with self._slots:
+            outcome = self._run_child(upload)
+        kind = outcome[0]
+        if kind == "ok":
+            result: Extracted = outcome[1]
+            log.info(
+                "extracted a %s: %d chars%s, %d skipped, %.2f s, peak RSS %d MB",
+                result.format,
+                len(result.text),
+                " (truncated)" if result.truncated else "",
+                len(result.skipped),
+                result.seconds,
+                result.peak_rss_kb // 1024,
+            )
+            return result
+        log.info("extraction refused a %s (%s)", upload.format, kind)
+        if kind == "unextractable":
+            raise UnprocessableFile(outcome[1])
+        if kind == "memory":
+            raise UnprocessableFile(
+                f"{upload.filename} needs more than the {self.memory_bytes // (1024 * 1024)} MB of memory allowed "
+                "for extracting one file."
+            )
+        if kind == "timeout":
+            raise UnprocessableFile(
+                f"{upload.filename} took longer than the {self.timeout:g} s allowed for extracting one file."
+            )
+        raise UnprocessableFile(f"{upload.filename} could not be extracted: the extractor stopped unexpectedly.")
+
+    def _run_child(self, upload: Upload) -> tuple[Any, ...]:
+        receiver, sender = self._context.Pipe(duplex=False)
+        cpu_seconds = int(self.timeout) + 5
+        process = self._context.Process(
+            target=child_main,
+            args=(sender, upload.filename, upload.data, self.memory_bytes, cpu_seconds),
+            daemon=True,
+        )
+        process.start()
+        sender.close()
+        try:
+            if not receiver.poll(self.timeout):
+                return ("timeout",)
+            outcome: tuple[Any, ...] = receiver.recv()
+            return outcome
+        except (EOFError, OSError):
+            return ("crashed",)
+        finally:
+            receiver.close()
+            process.kill()
+            process.join()
+            process.close()

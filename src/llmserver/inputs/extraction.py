@@ -1,0 +1,256 @@
+"""Text out of one uploaded file. This module runs in the extraction child process.
+
+`extract()` is the whole conversion: it sniffs the bytes, walks ZIP archives with our own limits,
+hands each document to the matching markitdown converter (never markitdown's own type guessing or
+ZIP recursion) and stops collecting at the character cap. `child_main()` wraps it with the
+process's memory and CPU limits and sends the outcome back over a pipe; the parent
+(`inputs.documents`) owns the wall-clock timeout and the process.
+"""
+
+from __future__ import annotations
+
+import io
+import resource
+import time
+import zipfile
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from llmserver.inputs.archives import (
+    ArchiveLimits,
+    ArchiveRejected,
+    Budget,
+    is_encrypted,
+    member_label,
+    members,
+    open_checked,
+    read_member,
+)
+from llmserver.inputs.formats import Sniffed, decode_text, is_html, sniff
+
+MAX_CHARS = 40_000
+
+_ODF_TEXT_NS = "urn:oasis:names:tc:opendocument:xmlns:text:1.0"
+
+
+class Unextractable(Exception):
+    """This file (or archive member) has no text we can get at; the message says why."""
+
+
+@dataclass
+class Extracted:
+    filename: str
+    format: str
+    text: str  # at most max_chars characters
+    truncated: bool
+    skipped: list[str] = field(default_factory=list)  # archive members that were not converted, and why
+    seconds: float = 0.0
+    peak_rss_kb: int = 0
+
+
+@dataclass
+class _Collector:
+    max_chars: int
+    parts: list[str] = field(default_factory=list)
+    chars: int = 0
+    truncated: bool = False
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def full(self) -> bool:
+        return self.chars >= self.max_chars
+
+    def add(self, text: str) -> None:
+        room = self.max_chars - self.chars
+        if len(text) > room:
+            text, self.truncated = text[:room], True
+        self.parts.append(text)
+        self.chars += len(text)
+
+
+def extract(
+    filename: str, data: bytes, *, max_chars: int = MAX_CHARS, limits: ArchiveLimits | None = None
+) -> Extracted:
+    """The text of one file, cut at `max_chars`; raises Unextractable or ArchiveRejected."""
+    started = time.monotonic()
+    budget = Budget(limits or ArchiveLimits())
+    kind = sniff(data)
+    collector = _Collector(max_chars)
+    if kind.family == "archive":
+        _walk(data, filename, "", 1, budget, collector)
+        if not collector.parts:
+            reasons = "; ".join(collector.skipped[:5]) or "it is empty"
+            raise Unextractable(f"{filename} holds no file with extractable text ({reasons}).")
+        text = "\n\n".join(collector.parts)
+    else:
+        text = _convert(data, kind, filename, budget).strip()
+        if not text:
+            raise Unextractable(f"{filename} has no extractable text.")
+        collector.add(text)
+        text = collector.parts[0]
+    return Extracted(
+        filename=filename,
+        format=kind.format,
+        text=text,
+        truncated=collector.truncated,
+        skipped=collector.skipped,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _walk(data: bytes, label: str, prefix: str, depth: int, budget: Budget, out: _Collector) -> None:
+    """Each readable member becomes a section headed by its path; the rest are listed as skipped."""
+    with open_checked(data, label, budget) as archive:
+        for info in members(archive):
+            path = prefix + member_label(info.filename)
+            if out.full:
+                out.skipped.append(f"{path} (not read: the {out.max_chars:,}-character limit was reached)")
+                continue
+            if is_encrypted(info):
+                out.skipped.append(f"{path} (encrypted)")
+                continue
+            content = read_member(archive, info, label)
+            kind = sniff(content)
+            if kind.family == "archive":
+                if depth >= budget.limits.max_depth:
+                    raise ArchiveRejected(
+                        f"{label}: {path} nests archives more than {budget.limits.max_depth} levels deep."
+                    )
+                _walk(content, label, path + "/", depth + 1, budget, out)
+                continue
+            if not kind.readable:
+                out.skipped.append(f"{path} ({kind.format})")
+                continue
+            try:
+                text = _convert(content, kind, path, budget).strip()
+            except Unextractable as exc:
+                out.skipped.append(f"{path} ({exc})")
+                continue
+            if not text:
+                out.skipped.append(f"{path} (no text)")
+                continue
+            out.add(f"--- {path} ---\n{text}")
+
+
+def _convert(data: bytes, kind: Sniffed, name: str, budget: Budget) -> str:
+    if kind.family == "encrypted":
+        raise Unextractable(f"{name} is encrypted (a {kind.format}); remove the password and send it again.")
+    if kind.family == "text":
+        return _markitdown("html", data, name) if is_html(data) else decode_text(data)
+    if kind.format == "PDF document":
+        return _pdf(data, name)
+    # Every other document format is a ZIP container: its directory passes the archive limits first.
+    open_checked(data, name, budget).close()
+    if kind.format.startswith("OpenDocument"):
+        return _opendocument(data, name)
+    converter = {
+        "Word document": "docx",
+        "Excel workbook": "xlsx",
+        "PowerPoint presentation": "pptx",
+        "EPUB book": "epub",
+    }[kind.format]
+    return _markitdown(converter, data, name)
+
+
+def _markitdown(converter: str, data: bytes, name: str) -> str:
+    # Imported here: the parent never needs markitdown, the forkserver preloads it for the children.
+    from markitdown import StreamInfo
+    from markitdown.converters import DocxConverter, EpubConverter, HtmlConverter, PptxConverter, XlsxConverter
+
+    classes: dict[str, Any] = {
+        "docx": (DocxConverter, ".docx"),
+        "xlsx": (XlsxConverter, ".xlsx"),
+        "pptx": (PptxConverter, ".pptx"),
+        "epub": (EpubConverter, ".epub"),
+        "html": (HtmlConverter, ".html"),
+    }
+    cls, extension = classes[converter]
+    try:
+        result = cls().convert(io.BytesIO(data), StreamInfo(extension=extension, charset="utf-8"))
+    except MemoryError:
+        raise
+    except Exception as exc:  # each library fails in its own way on a broken file
+        raise Unextractable(f"{name} could not be read ({type(exc).__name__}); the file may be corrupt.") from None
+    return str(result.markdown or "")
+
+
+def _pdf(data: bytes, name: str) -> str:
+    from markitdown import StreamInfo
+    from markitdown.converters import PdfConverter
+    from pdfminer.pdfdocument import PDFDocument, PDFEncryptionError, PDFPasswordIncorrect
+    from pdfminer.pdfparser import PDFParser
+
+    try:
+        PDFDocument(PDFParser(io.BytesIO(data)))
+    except (PDFPasswordIncorrect, PDFEncryptionError):
+        raise Unextractable(f"{name} is an encrypted PDF; remove the password and send it again.") from None
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise Unextractable(f"{name} is not a readable PDF ({type(exc).__name__}).") from None
+    try:
+        result = PdfConverter().convert(io.BytesIO(data), StreamInfo(extension=".pdf"))
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise Unextractable(f"{name} could not be read ({type(exc).__name__}); the PDF may be corrupt.") from None
+    return str(result.markdown or "")
+
+
+def _opendocument(data: bytes, name: str) -> str:
+    """OpenDocument text, spreadsheets and slides: the paragraphs and headings of content.xml."""
+    from defusedxml import ElementTree
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            root = ElementTree.fromstring(archive.read("content.xml"))
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise Unextractable(f"{name} could not be read ({type(exc).__name__}); the file may be corrupt.") from None
+    lines = []
+    for element in root.iter():
+        if element.tag in (f"{{{_ODF_TEXT_NS}}}p", f"{{{_ODF_TEXT_NS}}}h"):
+            line = "".join(element.itertext()).strip()
+            if line:
+                lines.append(line)
+    return "\n".join(lines)
+
+
+# The child process
+
+
+def peak_rss_kb() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[0])
+    return pages * resource.getpagesize()
+
+
+def child_main(conn: Connection, filename: str, data: bytes, memory_bytes: int, cpu_seconds: int) -> None:
+    """Extract one file under an address-space limit (what is loaded already, plus `memory_bytes`)
+    and a CPU-time limit (a backstop: the parent kills the child at its wall-clock timeout)."""
+    limit = _address_space() + memory_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 5))
+    outcome: tuple[Any, ...]
+    try:
+        result = extract(filename, data)
+        result.peak_rss_kb = peak_rss_kb()
+        outcome = ("ok", result)
+    except (Unextractable, ArchiveRejected) as exc:
+        outcome = ("unextractable", str(exc), peak_rss_kb())
+    except MemoryError:
+        outcome = ("memory", "", peak_rss_kb())
+    except RecursionError:
+        outcome = ("unextractable", f"{filename} is nested too deeply to read.", peak_rss_kb())
+    conn.send(outcome)
+    conn.close()
