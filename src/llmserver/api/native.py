@@ -25,7 +25,7 @@ async def generate(request: Request) -> dict[str, Any]:
         return (await service.generate(principal, body)).model_dump()
 
     if body.mode == "async":
-        service.check_inputs(body)
+        await service.check_inputs(body)
         return await jobs(request).submit(principal, work, key=body.key, webhook_url=body.webhook_url)
     # A sync request that outlasts sync_timeout turns into an async job and answers with its payload.
     return await cancel_on_disconnect(request, jobs(request).sync_or_fallback(principal, work))

@@ -25,7 +25,7 @@ async def _submit(
     if body.stream:
         raise InvalidRequest("Async mode cannot be combined with stream: true.", param="stream")
     if isinstance(body, ChatRequest):
-        generation(request).check_inputs(body)
+        await generation(request).check_inputs(body)
     return await jobs(request).submit(principal, work, key=body.key, webhook_url=body.webhook_url)
 
 

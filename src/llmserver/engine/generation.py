@@ -142,7 +142,7 @@ class GenerationService:
         started = time.perf_counter()
         prompt = request.prompt
         if request.files:
-            uploads = files.native_uploads(request.files)
+            uploads = await asyncio.to_thread(files.native_uploads, request.files)
             blocks = [files.render(e) for e in await self.documents.extract_all(uploads)]
             prompt = "\n".join([*blocks, prompt])
         if request.raw:
@@ -177,16 +177,19 @@ class GenerationService:
         max_tokens = self._max_tokens(request.max_completion_tokens or request.max_tokens, param)
         return translate.chat_payload(request, max_tokens, model, stream=request.stream)
 
-    def check_inputs(self, request: ChatRequest | GenerateRequest) -> None:
+    async def check_inputs(self, request: ChatRequest | GenerateRequest) -> None:
         """The checks on attached files that need no extraction (run before an async job is accepted)."""
         if isinstance(request, ChatRequest):
-            files.chat_uploads(request.messages)
+            await asyncio.to_thread(files.chat_uploads, request.messages)
         elif request.files:
-            files.native_uploads(request.files)
+            await asyncio.to_thread(files.native_uploads, request.files)
 
     async def _with_files(self, request: ChatRequest) -> ChatRequest:
         """The request with each file part replaced by the text block extracted from it."""
-        uploads = files.chat_uploads(request.messages)
+        if not any(isinstance(m.content, list) for m in request.messages):
+            return request
+        # Decoding and sniffing up to 75 MB is real work: off the event loop.
+        uploads = await asyncio.to_thread(files.chat_uploads, request.messages)
         if not uploads:
             return request
         extracted = await self.documents.extract_all([upload for _, upload in uploads])

@@ -39,9 +39,36 @@ class Budget:
     total_bytes: int = 0
 
 
+def declared_entries(data: bytes) -> int | None:
+    """The entry count the end-of-central-directory record declares, read without parsing the
+    directory (100,000 entries take seconds to parse); None when the record cannot be found."""
+    end = data.rfind(b"PK\x05\x06", max(0, len(data) - 65_557))
+    if end < 0 or end + 22 > len(data):
+        return None
+    count = int.from_bytes(data[end + 10 : end + 12], "little")
+    if count != 0xFFFF:
+        return count
+    # ZIP64: the count is in the ZIP64 end record, which a locator just before this one points to.
+    locator = end - 20
+    if locator >= 0 and data[locator : locator + 4] == b"PK\x06\x07":
+        offset = int.from_bytes(data[locator + 8 : locator + 16], "little")
+        if data[offset : offset + 4] == b"PK\x06\x06":
+            return int.from_bytes(data[offset + 32 : offset + 40], "little")
+    return None
+
+
+def _too_many(label: str, limits: ArchiveLimits) -> ArchiveRejected:
+    return ArchiveRejected(
+        f"{label} holds too many entries: more than {limits.max_entries} in one upload, nested archives included."
+    )
+
+
 def open_checked(data: bytes, label: str, budget: Budget) -> zipfile.ZipFile:
     """The archive, after its central directory passed every limit (nothing decompressed yet)."""
     limits = budget.limits
+    declared = declared_entries(data)
+    if declared is not None and budget.entries + declared > limits.max_entries:
+        raise _too_many(label, limits)
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
     except (zipfile.BadZipFile, ValueError, NotImplementedError, EOFError) as exc:
@@ -50,9 +77,7 @@ def open_checked(data: bytes, label: str, budget: Budget) -> zipfile.ZipFile:
     budget.entries += len(infos)
     if budget.entries > limits.max_entries:
         archive.close()
-        raise ArchiveRejected(
-            f"{label} holds too many entries: more than {limits.max_entries} in one upload, nested archives included."
-        )
+        raise _too_many(label, limits)
     for info in infos:
         if info.is_dir():
             continue

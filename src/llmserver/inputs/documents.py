@@ -40,6 +40,10 @@ class UnprocessableFile(APIError):
     status = 422
     type = "unprocessable_file"
 
+    # The extraction child's peak resident memory and its limit, when it got as far as reporting them.
+    peak_rss_kb: int | None = None
+    limit_kb: int | None = None
+
 
 @dataclass(frozen=True)
 class Upload:
@@ -206,17 +210,21 @@ class DocumentService:
             return result
         log.info("extraction refused a %s (%s)", upload.format, kind)
         if kind == "unextractable":
-            raise UnprocessableFile(outcome[1])
-        if kind == "memory":
-            raise UnprocessableFile(
+            error = UnprocessableFile(outcome[1])
+        elif kind == "memory":
+            error = UnprocessableFile(
                 f"{upload.filename} needs more than the {self.memory_bytes // (1024 * 1024)} MB of memory allowed "
                 "for extracting one file."
             )
-        if kind == "timeout":
-            raise UnprocessableFile(
+        elif kind == "timeout":
+            error = UnprocessableFile(
                 f"{upload.filename} took longer than the {self.timeout:g} s allowed for extracting one file."
             )
-        raise UnprocessableFile(f"{upload.filename} could not be extracted: the extractor stopped unexpectedly.")
+        else:
+            error = UnprocessableFile(f"{upload.filename} could not be extracted: the extractor stopped unexpectedly.")
+        if len(outcome) > 3:
+            error.peak_rss_kb, error.limit_kb = outcome[2], outcome[3]
+        raise error
 
     def _run_child(self, upload: Upload) -> tuple[Any, ...]:
         receiver, sender = self._context.Pipe(duplex=False)

@@ -46,7 +46,8 @@ class Extracted:
     truncated: bool
     skipped: list[str] = field(default_factory=list)  # archive members that were not converted, and why
     seconds: float = 0.0
-    peak_rss_kb: int = 0
+    peak_rss_kb: int = 0  # the child's peak resident memory …
+    limit_kb: int = 0  # … and its address-space limit
 
 
 @dataclass
@@ -62,6 +63,8 @@ class _Collector:
         return self.chars >= self.max_chars
 
     def add(self, text: str) -> None:
+        if self.parts:
+            text = "\n\n" + text
         room = self.max_chars - self.chars
         if len(text) > room:
             text, self.truncated = text[:room], True
@@ -82,7 +85,7 @@ def extract(
         if not collector.parts:
             reasons = "; ".join(collector.skipped[:5]) or "it is empty"
             raise Unextractable(f"{filename} holds no file with extractable text ({reasons}).")
-        text = "\n\n".join(collector.parts)
+        text = "".join(collector.parts)
     else:
         text = _convert(data, kind, filename, budget).strip()
         if not text:
@@ -244,13 +247,13 @@ def child_main(conn: Connection, filename: str, data: bytes, memory_bytes: int, 
     outcome: tuple[Any, ...]
     try:
         result = extract(filename, data)
-        result.peak_rss_kb = peak_rss_kb()
+        result.peak_rss_kb, result.limit_kb = peak_rss_kb(), limit // 1024
         outcome = ("ok", result)
     except (Unextractable, ArchiveRejected) as exc:
-        outcome = ("unextractable", str(exc), peak_rss_kb())
+        outcome = ("unextractable", str(exc), peak_rss_kb(), limit // 1024)
     except MemoryError:
-        outcome = ("memory", "", peak_rss_kb())
+        outcome = ("memory", "", peak_rss_kb(), limit // 1024)
     except RecursionError:
-        outcome = ("unextractable", f"{filename} is nested too deeply to read.", peak_rss_kb())
+        outcome = ("unextractable", f"{filename} is nested too deeply to read.", peak_rss_kb(), limit // 1024)
     conn.send(outcome)
     conn.close()

@@ -12,6 +12,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import Literal
 
+from llmserver.inputs.archives import declared_entries
+
 Family = Literal["document", "archive", "text", "image", "audio", "video", "binary", "encrypted"]
 
 SNIFF_BYTES = 8192
@@ -56,6 +58,9 @@ _OPENDOCUMENT = {
     "application/vnd.oasis.opendocument.spreadsheet": "OpenDocument spreadsheet",
     "application/vnd.oasis.opendocument.presentation": "OpenDocument presentation",
 }
+
+# Office files hold tens of members; a ZIP directory larger than this is not parsed to find out.
+_MAX_CONTAINER_ENTRIES = 1000
 
 # Text formats that are converted rather than passed through as they are.
 HTML_START = (b"<!doctype html", b"<html")
@@ -116,6 +121,10 @@ def _sniff_riff(head: bytes) -> Sniffed | None:
 
 
 def _sniff_zip(data: bytes) -> Sniffed:
+    """Office, OpenDocument and EPUB files are ZIPs known by their members; other ZIPs are archives."""
+    entries = declared_entries(data)
+    if entries is None or entries > _MAX_CONTAINER_ENTRIES:
+        return Sniffed("archive", "ZIP archive")  # not parsed here: the archive limits judge it in the child
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             names = set(archive.namelist())

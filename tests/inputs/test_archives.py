@@ -1,0 +1,92 @@
+"""The ZIP walker and extraction, in this process: each limit is hit and named, sections are labelled."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserver.inputs.archives import ArchiveLimits, ArchiveRejected, declared_entries, member_label
+from llmserver.inputs.extraction import Unextractable, extract
+from tests import documents
+
+
+def test_members_become_sections_and_the_rest_is_listed_as_skipped() -> None:
+    archive = documents.make_zip(
+        {
+            "docs/report.docx": documents.make_docx(),
+            "inner.zip": documents.make_zip({"deck.pptx": documents.make_pptx()}),
+            "photo.png": documents.PNG,
+            "../../etc/notes.txt": documents.MARKERS["txt"].encode(),
+        }
+    )
+    result = extract("bundle.zip", archive)
+    assert result.format == "ZIP archive"
+    assert "--- docs/report.docx ---" in result.text and documents.MARKERS["docx"] in result.text
+    assert "--- inner.zip/deck.pptx ---" in result.text and documents.MARKERS["pptx"] in result.text
+    assert "--- etc/notes.txt ---" in result.text  # `..` parts never reach a label
+    assert result.skipped == ["photo.png (PNG image)"]
+    assert not result.truncated
+
+
+def test_text_is_cut_at_the_character_limit() -> None:
+    result = extract("long.txt", b"abcdefghij" * 5000)
+    assert len(result.text) == 40_000 and result.truncated
+    archive = documents.make_zip({f"{i}.txt": b"x" * 15_000 for i in range(5)})
+    result = extract("many.zip", archive)
+    assert len(result.text) == 40_000 and result.truncated
+    assert result.skipped == [f"{i}.txt (not read: the 40,000-character limit was reached)" for i in (3, 4)]
+
+
+def test_too_many_entries_is_refused_from_the_directory_record() -> None:
+    archive = documents.many_entries_zip(100_000)
+    assert declared_entries(archive) == 100_000
+    with pytest.raises(ArchiveRejected, match="too many entries: more than 1000"):
+        extract("many.zip", archive)
+
+
+def test_a_high_ratio_entry_is_refused_before_it_is_read() -> None:
+    bomb = documents.zeros_entry_zip("zeros.txt", 50 * 1024 * 1024)
+    assert len(bomb) < 100_000
+    with pytest.raises(ArchiveRejected, match="expands more than 200 times"):
+        extract("bomb.zip", bomb)
+
+
+def test_the_uncompressed_total_is_bounded() -> None:
+    members = {f"{i}.txt": b"x" * 300_000 for i in range(4)}
+    limits = ArchiveLimits(max_total_bytes=1024 * 1024)
+    with pytest.raises(ArchiveRejected, match="unpacks to more than 1 MB"):
+        extract("big.zip", documents.make_zip(members), limits=limits)
+    nested = documents.make_zip({"a.zip": documents.make_zip(members), "b.txt": b"x"})
+    with pytest.raises(ArchiveRejected, match="unpacks to more than 1 MB"):  # nested archives count too
+        extract("nested.zip", nested, limits=ArchiveLimits(max_total_bytes=1_100_000))
+
+
+def test_nesting_depth_is_bounded() -> None:
+    with pytest.raises(ArchiveRejected, match="more than 3 levels deep"):
+        extract("deep.zip", documents.deeply_nested_zip(10))
+    assert documents.MARKERS["txt"] in extract("ok.zip", documents.deeply_nested_zip(3)).text
+
+
+def test_a_nested_bomb_is_refused() -> None:
+    with pytest.raises(ArchiveRejected):
+        extract("42.zip", documents.nested_bomb())
+
+
+def test_a_corrupt_member_is_skipped_but_a_corrupt_upload_is_refused() -> None:
+    result = extract("mixed.zip", documents.make_zip({"bad.docx": documents.corrupt_docx(), "ok.txt": b"fine"}))
+    assert result.text == "--- ok.txt ---\nfine"
+    assert result.skipped[0].startswith("bad.docx (bad.docx could not be read")
+    with pytest.raises(Unextractable, match="could not be read"):
+        extract("bad.docx", documents.corrupt_docx())
+    with pytest.raises(ArchiveRejected, match="not a readable ZIP"):
+        extract("cut.zip", documents.make_zip({"a.txt": b"a" * 1000})[:-30])
+
+
+def test_an_archive_with_nothing_readable() -> None:
+    with pytest.raises(Unextractable, match="holds no file with extractable text"):
+        extract("pics.zip", documents.make_zip({"a.png": documents.PNG}))
+
+
+def test_member_labels() -> None:
+    assert member_label("/abs/path.txt") == "abs/path.txt"
+    assert member_label("a/../../b\\c.txt") == "a/b/c.txt"
+    assert member_label("..") == "(unnamed)"
