@@ -13,7 +13,7 @@ from tests.support import MODEL, Server, create_key
 # A small per-request context so that the context-length limit is cheap to hit.
 TEST_CONFIG = f"""
 max_tokens_limit = 512
-max_request_bytes = 1048576
+max_request_bytes = 25165824  # 24 MiB: room for one 16 MB file, base64-encoded
 
 [[models]]
 name = "{MODEL}"

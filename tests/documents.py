@@ -81,6 +81,40 @@ def make_zip(members: dict[str, bytes], *, compression: int = zipfile.ZIP_DEFLAT
     return out.getvalue()
 
 
+def make_odt(text: str) -> bytes:
+    content = (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<office:document-content xmlns:office="urn:oasis:names:tc:opendocument:xmlns:office:1.0" '
+        'xmlns:text="urn:oasis:names:tc:opendocument:xmlns:text:1.0"><office:body><office:text>'
+        f"<text:h>Title</text:h><text:p>{text}</text:p>"
+        "</office:text></office:body></office:document-content>"
+    )
+    return make_zip({"mimetype": b"application/vnd.oasis.opendocument.text", "content.xml": content.encode()})
+
+
+def make_epub(text: str) -> bytes:
+    container = (
+        '<?xml version="1.0"?><container version="1.0" xmlns="urn:oasis:names:tc:opendocument:xmlns:container">'
+        '<rootfiles><rootfile full-path="OEBPS/content.opf" media-type="application/oebps-package+xml"/>'
+        "</rootfiles></container>"
+    )
+    opf = (
+        '<?xml version="1.0"?><package xmlns="http://www.idpf.org/2007/opf" version="3.0">'
+        '<metadata xmlns:dc="http://purl.org/dc/elements/1.1/"><dc:title>Book</dc:title></metadata>'
+        '<manifest><item id="c1" href="chapter.xhtml" media-type="application/xhtml+xml"/></manifest>'
+        '<spine><itemref idref="c1"/></spine></package>'
+    )
+    chapter = f"<html><body><h1>Chapter</h1><p>{text}</p></body></html>"
+    return make_zip(
+        {
+            "mimetype": b"application/epub+zip",
+            "META-INF/container.xml": container.encode(),
+            "OEBPS/content.opf": opf.encode(),
+            "OEBPS/chapter.xhtml": chapter.encode(),
+        }
+    )
+
+
 # Hostile files
 
 

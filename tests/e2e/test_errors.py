@@ -116,12 +116,12 @@ def test_prompt_longer_than_the_context(client: httpx.Client) -> None:
 
 
 def test_body_over_the_limit_is_413(client: httpx.Client) -> None:
-    big = {"prompt": "x" * (1024 * 1024 + 10)}
+    big = {"prompt": "x" * (24 * 1024 * 1024 + 10)}
     assert_error(client.post("/api/generate", json=big), 413, "request_too_large")
 
     def chunks():  # no Content-Length: the limit is enforced while reading
         yield b'{"prompt": "'
-        for _ in range(1100):
+        for _ in range(24 * 1024 + 100):
             yield b"x" * 1024
         yield b'"}'
 

@@ -86,6 +86,19 @@ def test_an_archive_with_nothing_readable() -> None:
         extract("pics.zip", documents.make_zip({"a.png": documents.PNG}))
 
 
+def test_other_formats_in_this_process() -> None:
+    odt = extract("letter.odt", documents.make_odt("Dear reader, hello."))
+    assert (odt.format, odt.text) == ("OpenDocument text", "Title\nDear reader, hello.")
+    epub = extract("book.epub", documents.make_epub("Once upon a time."))
+    assert epub.format == "EPUB book" and "Once upon a time." in epub.text
+    html = extract("page.html", b"<!doctype html><html><body><h1>Hi</h1><p>A <b>bold</b> claim.</p></body></html>")
+    assert "# Hi" in html.text and "**bold**" in html.text and "<p>" not in html.text
+    source = b'key: value\nlist:\n  - "caf\xc3\xa9"\n'
+    assert extract("config.yaml", source).text == source.decode().strip()
+    with pytest.raises(Unextractable, match="no extractable text"):
+        extract("blank.txt", b"   \n\n")
+
+
 def test_member_labels() -> None:
     assert member_label("/abs/path.txt") == "abs/path.txt"
     assert member_label("a/../../b\\c.txt") == "a/b/c.txt"

@@ -6,21 +6,18 @@ from pathlib import Path
 
 import click
 
-from llmserver.commands import load
+from llmserver.commands import load, settings_options
 from llmserver.errors import APIError
 from llmserver.inputs.documents import MAX_FILE_BYTES, DocumentService, check_upload, count_check, render
 
 
 @click.command()
-@click.option(
-    "--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="TOML configuration file (for extract_timeout, extract_memory_mb).",
-)  # fmt: skip
+@settings_options
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-def extract(config_file: Path | None, files: tuple[Path, ...]) -> None:
+def extract(config_file: Path | None, data_dir: Path | None, files: tuple[Path, ...]) -> None:
     """Extract FILES (up to 5, 15 MB each) with the server's own code path, limits and settings,
     and print the blocks a chat request would carry. Nothing is sent anywhere."""
-    settings = load(config_file)
+    settings = load(config_file, data_dir=data_dir)
     service = DocumentService(
         timeout=settings.extract_timeout,
         memory_mb=settings.extract_memory_mb,

@@ -199,7 +199,7 @@ class DocumentService:
         if kind == "ok":
             result: Extracted = outcome[1]
             log.info(
-                "extracted a %s: %d chars%s, %d skipped, %.2f s, peak RSS %d MB",
+                "extracted one file (%s): %d chars%s, %d skipped, %.2f s, peak RSS %d MB",
                 result.format,
                 len(result.text),
                 " (truncated)" if result.truncated else "",
@@ -208,7 +208,7 @@ class DocumentService:
                 result.peak_rss_kb // 1024,
             )
             return result
-        log.info("extraction refused a %s (%s)", upload.format, kind)
+        log.info("extraction refused one file (%s): %s", upload.format, kind)
         if kind == "unextractable":
             error = UnprocessableFile(outcome[1])
         elif kind == "memory":
