@@ -20,6 +20,7 @@ from llmserver.auth.quota import QuotaService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, error_body
 from llmserver.inputs.documents import DocumentService
+from llmserver.inputs.images import ImageService
 from llmserver.jobs.runner import JobService
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
@@ -68,8 +69,9 @@ def create_app(settings: Settings) -> FastAPI:
             workers=settings.extract_workers or None,
         )
         documents.warm_up()
+        images = ImageService(timeout=settings.image_fetch_timeout, allow_hosts=settings.fetch_allow_hosts)
         app.state.generation = GenerationService(
-            settings, Router(supervisor, settings.max_concurrency_per_key), recorder, documents
+            settings, Router(supervisor, settings.max_concurrency_per_key), recorder, documents, images
         )
         app.state.started_at = time.time()
         job_service = JobService(settings, store)

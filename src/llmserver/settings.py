@@ -44,6 +44,13 @@ class ModelConfig(BaseModel):
     )
     hf_file: str | None = Field(default=None, description="File in hf_repo: the GGUF to fetch.")
     hf_revision: str = Field(default="main", description="Branch, tag or commit of hf_repo.")
+    mmproj: Path | None = Field(
+        default=None,
+        description="Local multimodal projector GGUF (mmproj) for this model: makes it vision-capable.",
+    )
+    mmproj_hf_file: str | None = Field(
+        default=None, description="File in hf_repo: the mmproj GGUF to fetch with the model (vision-capable)."
+    )
     min_instances: int = Field(default=1, ge=0, le=64, description="Instances kept running at all times.")
     max_instances: int = Field(
         default=1, ge=1, le=64, description="Most instances; more than min start while requests queue."
@@ -74,11 +81,19 @@ class ModelConfig(BaseModel):
     def _check_bounds(self) -> ModelConfig:
         if self.min_instances > self.max_instances:
             raise ValueError("min_instances cannot exceed max_instances")
+        if self.mmproj is not None and self.mmproj_hf_file is not None:
+            raise ValueError("give mmproj or mmproj_hf_file, not both")
+        if self.mmproj_hf_file is not None and self.hf_repo is None:
+            raise ValueError("mmproj_hf_file needs hf_repo")
         if (self.hf_repo is None) != (self.hf_file is None):
             raise ValueError("hf_repo and hf_file go together")
         if self.hf_repo is not None and self.path is not None:
             raise ValueError("a model has either a path or hf_repo + hf_file, not both")
         return self
+
+    @property
+    def vision_capable(self) -> bool:
+        return self.mmproj is not None or self.mmproj_hf_file is not None
 
 
 class Settings(BaseSettings):
@@ -158,6 +173,13 @@ class Settings(BaseSettings):
     )
     webhook_allow_private: bool = Field(
         default=False, description="Let webhooks reach private and loopback addresses. For tests only."
+    )
+    image_fetch_timeout: float = Field(
+        default=20.0, gt=0, description="Seconds fetching one image URL may take, redirects included (400 beyond)."
+    )
+    fetch_allow_hosts: list[str] = Field(
+        default_factory=list,
+        description="host:port pairs image URLs may be fetched from although private. For tests only.",
     )
     extract_timeout: float = Field(
         default=60.0, gt=0, description="Seconds extracting the text of one uploaded file may take (422 beyond)."

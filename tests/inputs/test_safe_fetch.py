@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from urllib.parse import quote, unquote
 
 import pytest
 
-from llmserver.inputs.safe_fetch import PinnedResolver, UnsafeURL, check_url, is_public
+from llmserver.errors import InvalidRequest, RequestTooLarge
+from llmserver.inputs.safe_fetch import PinnedResolver, UnsafeURL, check_url, fetch_bytes, is_public
+from tests.local_http import LocalHTTPServer, QuietHandler
 
 
 @pytest.mark.parametrize(
@@ -54,3 +58,84 @@ def test_public_literal_is_accepted_and_pinned() -> None:
 def test_private_allowed_only_when_asked() -> None:
     checked = asyncio.run(check_url("http://127.0.0.1:9/hook", param="webhook_url", allow_private=True))
     assert checked.addresses == ("127.0.0.1",)
+
+
+# fetch_bytes against real HTTP servers on 127.0.0.1
+
+
+class Files(QuietHandler):
+    """/small: 1 KB; /big: 9 MB; /to?url=U: a 302 to U; /loop: a redirect to itself."""
+
+    def do_GET(self) -> None:
+        path, _, query = self.path.partition("?")
+        if path == "/to":
+            self._redirect(unquote(query.removeprefix("url=")))
+        elif path == "/loop":
+            self._redirect("/loop")
+        elif path in ("/small", "/big"):
+            body = b"x" * (1024 if path == "/small" else 9 * 1024 * 1024)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        else:
+            self.send_error(404)
+
+    def _redirect(self, location: str) -> None:
+        self.send_response(302)
+        self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@pytest.fixture
+def two_servers() -> Iterator[tuple[str, str]]:
+    allowed, other = LocalHTTPServer(), LocalHTTPServer()
+    allowed.serve(Files)
+    other.serve(Files)
+    yield allowed.base_url, other.base_url
+    allowed.stop()
+    other.stop()
+
+
+def fetch(url: str, allowed_base: str, **options: object) -> bytes:
+    allow = [allowed_base.removeprefix("http://")]
+    request = fetch_bytes(url, param="image", max_bytes=8 * 1024 * 1024, timeout=10, allow_hosts=allow, **options)  # type: ignore[arg-type]
+    return asyncio.run(request)
+
+
+def test_an_allowed_server_is_fetched_and_a_large_body_cut_off(two_servers: tuple[str, str]) -> None:
+    allowed, _ = two_servers
+    assert fetch(allowed + "/small", allowed) == b"x" * 1024
+    with pytest.raises(RequestTooLarge):
+        fetch(allowed + "/big", allowed)
+    with pytest.raises(InvalidRequest, match="HTTP 404"):
+        fetch(allowed + "/missing", allowed)
+    with pytest.raises(InvalidRequest, match="redirects more than 3 times"):
+        fetch(allowed + "/loop", allowed)
+
+
+def test_private_servers_are_refused_by_address_and_by_name(two_servers: tuple[str, str]) -> None:
+    allowed, other = two_servers
+    with pytest.raises(UnsafeURL, match="private, loopback or reserved"):
+        fetch(other + "/small", allowed)
+    port = other.rsplit(":", 1)[1]
+    with pytest.raises(UnsafeURL, match="private, loopback or reserved"):
+        fetch(f"http://localhost:{port}/small", allowed)
+
+
+def test_a_redirect_to_a_private_server_is_refused(two_servers: tuple[str, str]) -> None:
+    allowed, other = two_servers
+    with pytest.raises(UnsafeURL, match="private, loopback or reserved"):
+        fetch(f"{allowed}/to?url={quote(other + '/small', safe='')}", allowed)
+
+
+def test_a_public_name_that_resolves_to_a_private_address_is_refused(two_servers: tuple[str, str]) -> None:
+    allowed, other = two_servers
+    port = int(other.rsplit(":", 1)[1])
+
+    async def rebinding(host: str, port: int) -> list[str]:
+        return ["127.0.0.1"] if host == "images.example.com" else ["93.184.215.14"]
+
+    with pytest.raises(UnsafeURL, match="private, loopback or reserved"):
+        fetch(f"http://images.example.com:{port}/small", allowed, resolve=rebinding)

@@ -23,6 +23,6 @@ async def list_models(request: Request) -> dict[str, Any]:
         average = speed.average(model.name)  # in memory: no ledger scan; omitted while there is no data
         if average is not None:
             entry["avg_tokens_per_second"] = average
-        entry["vision_capable"] = False
+        entry["vision_capable"] = model.vision_capable
         data.append(entry)
     return {"object": "list", "data": data}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from llmserver.catalog import BUILTIN, ModelFileError, model_path
+from llmserver.catalog import BUILTIN, ModelFileError, mmproj_path, model_path
 from llmserver.commands import load, models_from_args, settings_options
 
 
@@ -42,6 +42,9 @@ def pull(config_file: Path | None, data_dir: Path | None, names: tuple[str, ...]
     for model in models_from_args(names, settings.models) or []:
         try:
             path = model_path(model, settings.model_cache_dir, settings.hf_endpoint)
+            mmproj = mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)
         except ModelFileError as exc:
             raise click.ClickException(str(exc)) from None
         click.echo(f"{model.name}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+        if mmproj is not None:
+            click.echo(f"{model.name} (vision): {mmproj} ({mmproj.stat().st_size / 2**20:.1f} MiB)")

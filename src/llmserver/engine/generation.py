@@ -22,11 +22,13 @@ from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import APIError, GatewayTimeout, InstanceUnavailable, InvalidRequest, ServerError, UpstreamError
 from llmserver.inputs import documents as files
 from llmserver.inputs.documents import DocumentService
+from llmserver.inputs.images import IMAGE_TOKEN_ALLOWANCE, ImageService
+from llmserver.inputs.images import count_check as image_count_check
 from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.router import Router
 from llmserver.schemas.common import Sampling
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
-from llmserver.schemas.openai import ChatRequest, CompletionRequest
+from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest, ImagePart, ImageURL
 from llmserver.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -43,16 +45,34 @@ def prompt_bound(payload: JSON) -> int:
     """An upper bound of the prompt's tokens without tokenizing: a token is at least one UTF-8 byte
     (byte-level BPE), plus room for the chat template's own tokens (a default system prompt included)."""
     if "messages" in payload:
-        return 64 + sum(8 + len(str(m.get("content") or "").encode()) for m in payload["messages"])
+        return 64 + sum(8 + _content_bound(m.get("content")) for m in payload["messages"])
     return 8 + len(str(payload.get("prompt", "")).encode())
 
 
+def _content_bound(content: Any) -> int:
+    if isinstance(content, list):  # text and image parts: an image counts its allowance, not its bytes
+        return sum(
+            IMAGE_TOKEN_ALLOWANCE if part.get("type") == "image_url" else len(str(part.get("text", "")).encode())
+            for part in content
+        )
+    return len(str(content or "").encode())
+
+
 class GenerationService:
-    def __init__(self, settings: Settings, router: Router, recorder: UsageRecorder, documents: DocumentService) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        router: Router,
+        recorder: UsageRecorder,
+        documents: DocumentService,
+        images: ImageService,
+    ) -> None:
         self.settings = settings
         self.router = router
         self.recorder = recorder
         self.documents = documents
+        self.images = images
+        self.vision_models = {model.name for model in settings.models if model.vision_capable}
         self.default_model = settings.models[0].name
 
     def _open(self, principal: Principal, endpoint: str, model: str, payload: JSON) -> Tally:
@@ -145,6 +165,8 @@ class GenerationService:
             uploads = await asyncio.to_thread(files.native_uploads, request.files)
             blocks = [files.render(e) for e in await self.documents.extract_all(uploads)]
             prompt = "\n".join([*blocks, prompt])
+        if request.images and request.raw:
+            raise InvalidRequest("Images need the chat template: they cannot be sent with raw: true.", param="images")
         if request.raw:
             system = f"{request.system}\n\n" if request.system else ""
             payload["prompt"] = system + prompt
@@ -152,7 +174,8 @@ class GenerationService:
             body = await self._call(tally, "/v1/completions", payload)
             text = _choice(body).get("text", "")
         else:
-            payload["messages"] = translate.native_messages(prompt, request.system)
+            messages = translate.native_messages(request.system, prompt, request.images or [])
+            payload["messages"] = translate.chat_messages(await self._with_images(messages, model))
             tally = self._open(principal, "/api/generate", model, payload)
             body = await self._call(tally, "/v1/chat/completions", payload)
             text = (_choice(body).get("message") or {}).get("content") or ""
@@ -175,7 +198,7 @@ class GenerationService:
     def _chat_payload(self, request: ChatRequest, model: str) -> JSON:
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(request.max_completion_tokens or request.max_tokens, param)
-        return translate.chat_payload(request, max_tokens, model, stream=request.stream)
+        return translate.chat_payload(request, max_tokens, stream=request.stream)
 
     async def check_inputs(self, request: ChatRequest | GenerateRequest) -> None:
         """The checks on attached files that need no extraction (run before an async job is accepted)."""
@@ -184,21 +207,58 @@ class GenerationService:
         elif request.files:
             await asyncio.to_thread(files.native_uploads, request.files)
 
-    async def _with_files(self, request: ChatRequest) -> ChatRequest:
-        """The request with each file part replaced by the text block extracted from it."""
+    async def _with_inputs(self, request: ChatRequest, model: str) -> ChatRequest:
+        """The request with file parts replaced by their text blocks and images by the ones we made."""
         if not any(isinstance(m.content, list) for m in request.messages):
             return request
+        messages = await self._with_images(request.messages, model)
         # Decoding and sniffing up to 75 MB is real work: off the event loop.
-        uploads = await asyncio.to_thread(files.chat_uploads, request.messages)
-        if not uploads:
-            return request
-        extracted = await self.documents.extract_all([upload for _, upload in uploads])
-        messages = files.merged_messages(request.messages, [index for index, _ in uploads], extracted)
+        uploads = await asyncio.to_thread(files.chat_uploads, messages)
+        if uploads:
+            extracted = await self.documents.extract_all([upload for _, upload in uploads])
+            messages = files.merged_messages(messages, [index for index, _ in uploads], extracted)
         return request.model_copy(update={"messages": messages})
+
+    async def _with_images(self, messages: list[ChatMessage], model: str) -> list[ChatMessage]:
+        found = [
+            (index, position, part)
+            for index, message in enumerate(messages)
+            if isinstance(message.content, list)
+            for position, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        ]
+        if not found:
+            return messages
+        index, position, _ = found[0]
+        if model not in self.vision_models:
+            raise InvalidRequest(
+                f"The model {model!r} is not vision-capable: it does not accept image parts.",
+                param=f"messages.{index}.content.{position}",
+            )
+        image_count_check(len(found), "messages")
+        prepared = await asyncio.gather(
+            *(
+                self.images.prepare(part.image_url.url, f"messages.{index}.content.{position}.image_url.url")
+                for index, position, part in found
+            )
+        )
+        replaced = {(index, position): image for (index, position, _), image in zip(found, prepared, strict=True)}
+        result = []
+        for index, message in enumerate(messages):
+            if isinstance(message.content, list):
+                parts = [
+                    ImagePart(type="image_url", image_url=ImageURL(url=replaced[index, position].data_uri))
+                    if (index, position) in replaced
+                    else part
+                    for position, part in enumerate(message.content)
+                ]
+                message = message.model_copy(update={"content": parts})
+            result.append(message)
+        return result
 
     async def chat(self, principal: Principal, request: ChatRequest) -> JSON:
         model = self._model(request)
-        request = await self._with_files(request)
+        request = await self._with_inputs(request, model)
         payload = self._chat_payload(request, model)
         body = await self._call(
             self._open(principal, "/v1/chat/completions", model, payload), "/v1/chat/completions", payload
@@ -219,7 +279,7 @@ class GenerationService:
 
     async def chat_stream(self, principal: Principal, request: ChatRequest) -> AsyncIterator[bytes]:
         model = self._model(request)
-        request = await self._with_files(request)
+        request = await self._with_inputs(request, model)
         payload = self._chat_payload(request, model)
         head = translate.head("chatcmpl", "chat.completion.chunk", model)
 

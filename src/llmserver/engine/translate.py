@@ -9,9 +9,8 @@ import secrets
 import time
 from typing import Any
 
-from llmserver.errors import InvalidRequest
 from llmserver.schemas.common import Sampling, normalize_stop
-from llmserver.schemas.openai import ChatMessage, ChatRequest, ImagePart, TextPart
+from llmserver.schemas.openai import ChatMessage, ChatRequest, ContentPart, FilePart, ImagePart, ImageURL, TextPart
 
 JSON = dict[str, Any]
 
@@ -33,40 +32,49 @@ def sampling_payload(request: Sampling, max_tokens: int, stop: list[str] | None)
     return payload
 
 
-def chat_messages(messages: list[ChatMessage], model_name: str) -> list[JSON]:
-    """Messages with their content as plain text, in the form llama-server's chat template takes."""
+def chat_messages(messages: list[ChatMessage]) -> list[JSON]:
+    """Messages in the form llama-server's chat template takes: text parts joined into one string;
+    a message with images keeps its parts in order, each image already one we decoded and re-encoded."""
     result: list[JSON] = []
-    for index, message in enumerate(messages):
+    for message in messages:
         role = "system" if message.role == "developer" else message.role
         content = message.content
         if isinstance(content, list):
-            texts: list[str] = []
-            for part in content:
-                if isinstance(part, TextPart):
-                    texts.append(part.text)
-                elif isinstance(part, ImagePart):
-                    raise InvalidRequest(
-                        f"The model {model_name!r} is not vision-capable: it does not accept image parts.",
-                        param=f"messages.{index}.content",
-                    )
-                else:  # file parts were replaced by their text before this point
-                    raise AssertionError("a file part reached the payload")
-            content = "\n".join(texts)
+            # File parts were replaced by their text, and image URLs by our own data URIs, before this.
+            assert not any(isinstance(part, FilePart) for part in content), "a file part reached the payload"
+            if any(isinstance(part, ImagePart) for part in content):
+                result.append({"role": role, "content": [_part(part) for part in content]})
+                continue
+            content = "\n".join(part.text for part in content if isinstance(part, TextPart))
         result.append({"role": role, "content": content or ""})
     return result
 
 
-def native_messages(prompt: str, system: str | None) -> list[JSON]:
-    messages: list[JSON] = []
+def _part(part: TextPart | ImagePart | FilePart) -> JSON:
+    if isinstance(part, ImagePart):
+        return {"type": "image_url", "image_url": {"url": part.image_url.url}}
+    assert isinstance(part, TextPart)
+    return {"type": "text", "text": part.text}
+
+
+def native_messages(system: str | None, prompt: str, images: list[str]) -> list[ChatMessage]:
+    """The native request as chat messages: an optional system turn, then the user's prompt and images."""
+    messages: list[ChatMessage] = []
     if system is not None:
-        messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": prompt})
+        messages.append(ChatMessage(role="system", content=system))
+    content: str | list[ContentPart] = prompt
+    if images:
+        content = [
+            TextPart(type="text", text=prompt),
+            *(ImagePart(type="image_url", image_url=ImageURL(url=url)) for url in images),
+        ]
+    messages.append(ChatMessage(role="user", content=content))
     return messages
 
 
-def chat_payload(request: ChatRequest, max_tokens: int, model_name: str, *, stream: bool) -> JSON:
+def chat_payload(request: ChatRequest, max_tokens: int, *, stream: bool) -> JSON:
     payload = sampling_payload(request, max_tokens, request.stop)
-    payload["messages"] = chat_messages(request.messages, model_name)
+    payload["messages"] = chat_messages(request.messages)
     payload["stream"] = stream
     if stream:
         # Always asked for, so the gateway knows the real counts; forwarded only when the client asked.

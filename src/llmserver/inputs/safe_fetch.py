@@ -3,7 +3,8 @@
 Rules: http or https only; the host name is resolved once and every address must be globally
 routable (loopback, private, link-local with 169.254.169.254, CGNAT, multicast, reserved and their
 IPv4-mapped forms are refused); the connection goes to the addresses that were checked, never to a
-second lookup (DNS rebinding); redirects are not followed; connect and total times are capped.
+second lookup (DNS rebinding); connect and total times are capped. Webhooks follow no redirects;
+fetches follow at most 3, each checked like the first, and stop reading at their size limit.
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from llmserver.errors import InvalidRequest
+from llmserver.errors import InvalidRequest, RequestTooLarge
 
 MAX_URL_LENGTH = 2048
+MAX_REDIRECTS = 3
+_REDIRECTS = (301, 302, 303, 307, 308)
 
 
 class UnsafeURL(InvalidRequest):
@@ -42,8 +46,25 @@ def is_public(address: str) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-async def check_url(url: str, *, param: str, allow_private: bool = False) -> CheckedURL:
-    """Validate and resolve `url`; UnsafeURL (400) if it must not be fetched."""
+Resolve = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def system_resolve(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+async def check_url(
+    url: str,
+    *,
+    param: str,
+    allow_private: bool = False,
+    allow_hosts: Collection[str] = (),
+    resolve: Resolve = system_resolve,
+) -> CheckedURL:
+    """Validate and resolve `url`; UnsafeURL (400) if it must not be fetched.
+
+    `allow_hosts` ("host:port") and `allow_private` exist for tests, whose servers are all local."""
     if len(url) > MAX_URL_LENGTH:
         raise UnsafeURL(f"{param} is longer than {MAX_URL_LENGTH} characters.", param=param)
     parts = urlsplit(url)
@@ -57,13 +78,13 @@ async def check_url(url: str, *, param: str, allow_private: bool = False) -> Che
         raise UnsafeURL(f"{param} has an invalid port.", param=param) from None
     host = parts.hostname
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
+        addresses = tuple(dict.fromkeys(await resolve(host, port)))
+    except (OSError, UnicodeError):
         raise UnsafeURL(f"{param}: the host name does not resolve.", param=param) from None
-    addresses = tuple(dict.fromkeys(str(info[4][0]) for info in infos))
     if not addresses:
         raise UnsafeURL(f"{param}: the host name does not resolve.", param=param)
-    if not allow_private and not all(is_public(a) for a in addresses):
+    allowed = allow_private or f"{host}:{port}" in allow_hosts
+    if not allowed and not all(is_public(a) for a in addresses):
         raise UnsafeURL(f"{param} points to a private, loopback or reserved address.", param=param)
     return CheckedURL(url=url, host=host, port=port, addresses=addresses)
 
@@ -108,3 +129,52 @@ async def post_json(checked: CheckedURL, payload: Any, *, timeout: float) -> int
     ):
         await response.read()
         return response.status
+
+
+async def fetch_bytes(
+    url: str,
+    *,
+    param: str,
+    max_bytes: int,
+    timeout: float,
+    allow_hosts: Collection[str] = (),
+    resolve: Resolve = system_resolve,
+) -> bytes:
+    """GET a public URL's body: every hop checked, at most MAX_REDIRECTS redirects, `max_bytes`
+    read at most (413 beyond), all within `timeout`. Failures are 400s that say what went wrong."""
+    try:
+        async with asyncio.timeout(timeout):
+            for _ in range(MAX_REDIRECTS + 1):
+                checked = await check_url(url, param=param, allow_hosts=allow_hosts, resolve=resolve)
+                status, location, body = await _get_once(checked, max_bytes, param)
+                if status in _REDIRECTS and location:
+                    url = urljoin(url, location)
+                    continue
+                if status != 200:
+                    raise InvalidRequest(f"{param}: fetching the URL answered HTTP {status}.", param=param)
+                return body
+    except TimeoutError:
+        raise InvalidRequest(f"{param}: fetching the URL took longer than {timeout:g} s.", param=param) from None
+    except aiohttp.ClientError:
+        raise InvalidRequest(f"{param}: the URL could not be fetched.", param=param) from None
+    raise InvalidRequest(f"{param}: the URL redirects more than {MAX_REDIRECTS} times.", param=param)
+
+
+async def _get_once(checked: CheckedURL, max_bytes: int, param: str) -> tuple[int, str | None, bytes]:
+    connector = aiohttp.TCPConnector(resolver=PinnedResolver(checked), use_dns_cache=False)
+    client_timeout = aiohttp.ClientTimeout(sock_connect=5.0)
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session,
+        session.get(checked.url, allow_redirects=False) as response,
+    ):
+        if response.status in _REDIRECTS:
+            return response.status, response.headers.get("Location"), b""
+        too_large = RequestTooLarge(f"{param}: the URL's content is larger than {max_bytes // 2**20} MB.", param=param)
+        if response.content_length is not None and response.content_length > max_bytes:
+            raise too_large
+        body = bytearray()
+        async for chunk in response.content.iter_chunked(64 * 1024):
+            body += chunk
+            if len(body) > max_bytes:
+                raise too_large
+        return response.status, None, bytes(body)

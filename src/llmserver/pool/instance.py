@@ -59,7 +59,10 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def llama_server_args(binary: Path, model_file: Path, model: ModelConfig, host: str, port: int) -> list[str]:
+def llama_server_args(
+    binary: Path, model_file: Path, model: ModelConfig, host: str, port: int, mmproj: Path | None = None
+) -> list[str]:
+    vision = ["--mmproj", str(mmproj)] if mmproj is not None else []
     return [
         str(binary),
         "--model", str(model_file),
@@ -75,6 +78,7 @@ def llama_server_args(binary: Path, model_file: Path, model: ModelConfig, host: 
         "--cache-ram", str(model.cache_ram_mb),
         "--no-webui",
         "--jinja",
+        *vision,
     ]  # fmt: skip
 
 
@@ -182,12 +186,12 @@ class Instance:
             "last_activity": self.last_activity_iso(),
         }
 
-    async def start(self, binary: Path, model_file: Path, timeout: float) -> None:
+    async def start(self, binary: Path, model_file: Path, timeout: float, mmproj: Path | None = None) -> None:
         """Spawn llama-server and wait until it answers /health; InstanceStartError otherwise."""
         self.status = Status.STARTING
         self.cpu_percent = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        args = llama_server_args(binary, model_file, self.model, self.host, self.port)
+        args = llama_server_args(binary, model_file, self.model, self.host, self.port, mmproj)
         with self.log_path.open("ab") as log_file:
             log_file.write(f"\n=== {datetime.now(UTC).isoformat()} starting: {' '.join(args)}\n".encode())
             log_file.flush()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from llmserver.catalog import llama_server_binary, model_path
+from llmserver.catalog import llama_server_binary, mmproj_path, model_path
 from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamError
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
 from llmserver.pool.pool import ModelPool
@@ -46,6 +46,7 @@ class Supervisor:
         self.memory_budget_mb = budget
         self._binary: Path | None = None
         self._files: dict[str, Path] = {}
+        self._mmproj: dict[str, Path | None] = {}
         self._claimed_ports: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
@@ -62,6 +63,7 @@ class Supervisor:
         cache, endpoint = self.settings.model_cache_dir, self.settings.hf_endpoint
         for model in self.settings.models:
             self._files[model.name] = await asyncio.to_thread(model_path, model, cache, endpoint)
+            self._mmproj[model.name] = await asyncio.to_thread(mmproj_path, model, cache, endpoint)
         starts = [self._add_instance(pool) for pool in self.pools.values() for _ in range(pool.config.min_instances)]
         results = await asyncio.gather(*starts, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -133,7 +135,12 @@ class Supervisor:
     async def _launch(self, instance: Instance) -> None:
         assert self._binary is not None
         try:
-            await instance.start(self._binary, self._files[instance.model.name], self.settings.instance_start_timeout)
+            await instance.start(
+                self._binary,
+                self._files[instance.model.name],
+                self.settings.instance_start_timeout,
+                self._mmproj[instance.model.name],
+            )
         except InstanceStartError as exc:
             log.error("instance %s (%s) failed to start: %s", instance.id, instance.model.name, exc)
             raise

@@ -14,6 +14,10 @@ class GenerateRequest(Sampling):
     system: str | None = Field(default=None, description="A system message before the prompt.")
     raw: bool = Field(default=False, description="Send the prompt as-is, without the chat template.")
     stop: StopList = Field(default_factory=list)
+    images: list[str] | None = Field(
+        default=None,
+        description="Up to 4 images for a vision-capable model: data: URIs (base64) or public http(s) URLs.",
+    )
     files: list[dict[str, Any]] | None = Field(
         default=None,
         description='Up to 5 files whose text goes before the prompt, each {"type": "file", "file": '
