@@ -1,0 +1,221 @@
+"""The workload: streamed chat requests at a fixed concurrency, and tiny non-streamed ones.
+
+Every request is timed on the client: time to first token (the first content chunk), the gaps
+between content chunks (inter-token latencies), end-to-end latency and the output tokens the
+server reports. Prompts are fixed and decoding is greedy, so every target generates the same
+tokens and the same lengths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import statistics
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import aiohttp
+import psutil
+
+from bench.targets import Target
+
+PROMPTS = (
+    "Count from 1 to 1000, separated by commas.",
+    "List the numbers from 500 to 1500, one per line.",
+    "Write the alphabet again and again, letters separated by spaces.",
+    "Count backwards from 2000 to 1, separated by commas.",
+)
+
+
+@dataclass
+class Sample:
+    ttft: float
+    itls: list[float]
+    latency: float
+    tokens: int
+
+
+@dataclass
+class LevelResult:
+    target: str
+    concurrency: int
+    samples: list[Sample] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the runs, summed
+
+    @property
+    def tokens(self) -> int:
+        return sum(sample.tokens for sample in self.samples)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def requests_per_second(self) -> float:
+        return len(self.samples) / self.seconds if self.seconds else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def chat_body(target: Target, prompt: str, max_tokens: int, *, stream: bool) -> dict[str, object]:
+    body: dict[str, object] = {
+        "model": target.model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 1,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def streamed(session: aiohttp.ClientSession, target: Target, prompt: str, max_tokens: int) -> Sample:
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    body = chat_body(target, prompt, max_tokens, stream=True)
+    async with post(session, target, body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{target.name} answered {response.status}: {await response.text()}")
+        async for line in response.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                continue  # read on to the end, so the connection is reused only when the server allows it
+            event = json.loads(data)
+            choices = event.get("choices") or []
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                arrivals.append(time.perf_counter())
+            if event.get("usage"):
+                tokens = int(event["usage"].get("completion_tokens") or 0)
+    finished = time.perf_counter()
+    if not arrivals:
+        raise RuntimeError(f"{target.name} streamed no content")
+    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
+    return Sample(arrivals[0] - started, gaps, finished - started, tokens or len(arrivals))
+
+
+async def tiny(session: aiohttp.ClientSession, target: Target) -> float:
+    """One max_tokens=1 non-streamed request: its latency."""
+    started = time.perf_counter()
+    body = chat_body(target, "Hi", 1, stream=False)
+    async with post(session, target, body) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{target.name} answered {response.status}")
+    return time.perf_counter() - started
+
+
+def session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=900))
+
+
+RESENT: collections.Counter[str] = collections.Counter()
+
+
+@asynccontextmanager
+async def post(
+    client: aiohttp.ClientSession, target: Target, body: dict[str, object]
+) -> AsyncIterator[aiohttp.ClientResponse]:
+    """POST a chat request, sent again once if the connection dropped before any answer (llama-server
+    may close connections just after a streamed answer; the time of both tries is counted)."""
+    for attempt in (1, 2):
+        try:
+            response = await client.post(target.url + "/v1/chat/completions", json=body, headers=target.headers)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            if attempt == 2:
+                raise
+            RESENT[target.name] += 1
+            continue
+        try:
+            yield response
+        finally:
+            response.release()
+        return
+
+
+async def run_level(target: Target, concurrency: int, per_client: int, max_tokens: int) -> tuple[list[Sample], float]:
+    """`concurrency` clients, each sending `per_client` streamed requests back to back."""
+    async with session() as client:
+
+        async def worker(index: int) -> list[Sample]:
+            return [
+                await streamed(client, target, PROMPTS[(index + i) % len(PROMPTS)], max_tokens)
+                for i in range(per_client)
+            ]
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        seconds = time.perf_counter() - started
+    return [sample for samples in results for sample in samples], seconds
+
+
+async def overhead(targets: list[Target], count: int) -> dict[str, list[float]]:
+    """Tiny requests one at a time, alternating targets request by request."""
+    latencies: dict[str, list[float]] = {target.name: [] for target in targets}
+    async with session() as client:
+        for target in targets:  # warm: connections, prompt cache
+            for _ in range(3):
+                await tiny(client, target)
+        for i in range(count):
+            for target in targets if i % 2 == 0 else list(reversed(targets)):
+                latencies[target.name].append(await tiny(client, target))
+    return latencies
+
+
+async def capacity(target: Target, concurrency: int, seconds: float) -> tuple[float, float]:
+    """Tiny requests from `concurrency` clients for `seconds`: requests/s and median latency."""
+    latencies: list[float] = []
+    async with session() as client:
+        deadline = time.perf_counter() + seconds
+
+        async def worker() -> None:
+            while time.perf_counter() < deadline:
+                latencies.append(await tiny(client, target))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return len(latencies) / elapsed, statistics.median(latencies)
+
+
+class RSSSampler:
+    """The peak resident memory of one process, sampled every 0.1 s in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss(self) -> int:
+        return int(self.process.memory_info().rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self.peak = max(self.peak, self.rss())
+
+    def __enter__(self) -> RSSSampler:
+        self.peak = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,144 @@
+"""`python -m bench`: llmserver against direct llama-server (and llama-cpp-python when installed),
+in one run on this machine, with a Markdown report and charts.
+
+    .venv/bin/python -m bench            # full: the report committed in bench/results/
+    .venv/bin/python -m bench --quick    # under 3 minutes: a smoke test of the harness
+
+Each concurrency level is run on every target in turn, the order alternating between repeats, so
+that drift in the machine's speed hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import load, report
+from bench.targets import (
+    Target,
+    llama_cpp_python_available,
+    model_config,
+    start_llama_cpp_python,
+    start_llama_server,
+    start_llmserver,
+)
+
+
+@dataclass
+class Plan:
+    mode: str
+    levels: list[int]
+    per_client: int
+    repeats: int
+    max_tokens: int
+    overhead_requests: int
+    capacity_levels: list[int]
+    capacity_seconds: float
+    parallel: int = 4
+    ctx_size: int = 2048
+    threads: int = 2
+
+
+QUICK = Plan("quick", [1, 4, 16], 1, 1, 32, 60, [1, 4], 3.0)
+FULL = Plan("full", [1, 4, 16], 3, 2, 128, 400, [1, 2, 4, 8, 16], 8.0)
+
+
+@dataclass
+class Results:
+    plan: Plan
+    targets: list[str]
+    levels: dict[str, dict[int, load.LevelResult]] = field(default_factory=dict)
+    overhead: dict[str, list[float]] = field(default_factory=dict)
+    capacity: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
+    rss_idle: int = 0
+    rss_peak: int = 0
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run(plan: Plan, out: Path) -> Results:
+    started = time.perf_counter()
+    model = model_config(plan.parallel, plan.ctx_size, plan.threads)
+    logs = Path(tempfile.mkdtemp(prefix="llmserver-bench-logs-"))
+    progress(f"{plan.mode} run; server logs in {logs}")
+    targets: list[Target] = []
+    notes: list[str] = []
+    try:
+        progress("starting llmserver and a plain llama-server with the same model, slots and threads")
+        targets.append(start_llmserver(model, logs))
+        targets.append(start_llama_server(model, logs))
+        if llama_cpp_python_available():
+            progress("starting llama-cpp-python's OpenAI server")
+            targets.append(start_llama_cpp_python(model, logs))
+        else:
+            notes.append(
+                "llama-cpp-python is not installed, so it was not measured "
+                "(`pip install 'llama-cpp-python[server]'` adds it to the next run)."
+            )
+            progress("llama-cpp-python is not installed: skipping it")
+        results = Results(plan, [t.name for t in targets], notes=notes)
+        gateway = targets[0]
+        sampler = load.RSSSampler(gateway.pid)
+        time.sleep(1.0)
+        results.rss_idle = sampler.rss()
+        with sampler:
+            _throughput(plan, targets, results)
+            progress(f"gateway overhead: {plan.overhead_requests} max_tokens=1 requests per target, alternating")
+            results.overhead = asyncio.run(load.overhead(targets[:2], plan.overhead_requests))
+            for concurrency in plan.capacity_levels:
+                for target in targets[:2]:
+                    progress(f"capacity: {target.name}, {concurrency} clients, {plan.capacity_seconds:g} s")
+                    rps, median = asyncio.run(load.capacity(target, concurrency, plan.capacity_seconds))
+                    results.capacity.setdefault(target.name, []).append((concurrency, rps, median))
+        results.rss_peak = sampler.peak
+    finally:
+        for target in targets:
+            target.stop()
+    results.seconds = time.perf_counter() - started
+    report.write(results, out)
+    progress(f"done in {results.seconds:.0f} s: {out / 'report.md'}")
+    return results
+
+
+def _throughput(plan: Plan, targets: list[Target], results: Results) -> None:
+    for target in targets:  # warm up: first-request costs are not what we measure
+        asyncio.run(load.run_level(target, 1, 1, 8))
+    for concurrency in plan.levels:
+        for repeat in range(plan.repeats):
+            order = targets if repeat % 2 == 0 else list(reversed(targets))
+            for target in order:
+                requests = concurrency * plan.per_client
+                progress(
+                    f"concurrency {concurrency}, repeat {repeat + 1}/{plan.repeats}: {target.name}, "
+                    f"{requests} streamed requests of {plan.max_tokens} tokens"
+                )
+                samples, seconds = asyncio.run(load.run_level(target, concurrency, plan.per_client, plan.max_tokens))
+                level = results.levels.setdefault(target.name, {}).setdefault(
+                    concurrency, load.LevelResult(target.name, concurrency)
+                )
+                level.samples += samples
+                level.seconds += seconds
+                rate = sum(s.tokens for s in samples) / seconds
+                ttft = statistics.median(s.ttft for s in samples) * 1000
+                progress(f"  {rate:.1f} tok/s, median TTFT {ttft:.0f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (under 3 minutes) to check the harness")
+    parser.add_argument("--out", type=Path, default=None, help="report folder (default: bench/results[/quick])")
+    args = parser.parse_args()
+    plan = QUICK if args.quick else FULL
+    default = Path(__file__).resolve().parent / "results"
+    out = args.out or (default / "quick" if args.quick else default)
+    run(plan, out)

@@ -1,0 +1,125 @@
+"""The servers under test, each started fresh by the benchmark on this machine.
+
+- `llmserver`: the gateway with one instance of the model.
+- `llama-server`: a plain llama-server started with exactly the arguments llmserver gives its
+  instance (same model, slots, context, threads), so the difference is the gateway alone.
+- `llama-cpp-python`: its own OpenAI server on the same GGUF, when the package is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from llmserver.auth.keys import KeyService
+from llmserver.catalog import embedded_model_path, llama_server_binary
+from llmserver.pool.instance import llama_server_args
+from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
+from llmserver.store import SQLiteStore
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    headers: dict[str, str] = field(default_factory=dict)
+    model: str = DEFAULT_MODEL_NAME
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_ready(target: Target, path: str, timeout: float = 180) -> Target:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if target.process.poll() is not None:
+            raise RuntimeError(f"{target.name} exited with {target.process.returncode} while starting")
+        try:
+            if httpx.get(target.url + path, timeout=2).status_code == 200:
+                return target
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    target.stop()
+    raise RuntimeError(f"{target.name} was not ready within {timeout:.0f} s")
+
+
+def model_config(parallel: int, ctx_size: int, threads: int) -> ModelConfig:
+    return ModelConfig(name=DEFAULT_MODEL_NAME, parallel=parallel, ctx_size=ctx_size, threads=threads)
+
+
+def start_llmserver(model: ModelConfig, log_dir: Path) -> Target:
+    data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-"))
+    config = data_dir / "config.toml"
+    config.write_text(
+        f'[[models]]\nname = "{model.name}"\nparallel = {model.parallel}\nctx_size = {model.ctx_size}\n'
+        f"threads = {model.threads}\n"
+    )
+    store = SQLiteStore(data_dir / "llmserver.db")
+    key = KeyService(store).create("bench")[1]
+    store.close()
+    port = free_port()
+    env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(free_port())}
+    with (log_dir / "llmserver.log").open("ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "llmserver", "serve", "--config", str(config), "--data-dir", str(data_dir),
+             "--port", str(port), "--log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    target = Target("llmserver", f"http://127.0.0.1:{port}", process, {"Authorization": f"Bearer {key}"})
+    return wait_ready(target, "/ready")
+
+
+def start_llama_server(model: ModelConfig, log_dir: Path) -> Target:
+    port = free_port()
+    args = llama_server_args(llama_server_binary(None), embedded_model_path(), model, "127.0.0.1", port)
+    with (log_dir / "llama-server.log").open("ab") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return wait_ready(Target("llama-server", f"http://127.0.0.1:{port}", process), "/health")
+
+
+def llama_cpp_python_available() -> bool:
+    return (
+        importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("llama_cpp.server") is not None
+    )
+
+
+def start_llama_cpp_python(model: ModelConfig, log_dir: Path) -> Target:
+    port = free_port()
+    args = [
+        sys.executable, "-m", "llama_cpp.server",
+        "--model", str(embedded_model_path()),
+        "--model_alias", model.name,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--n_ctx", str(model.ctx_size),
+        "--n_threads", str(model.threads), "--n_threads_batch", str(model.threads),
+    ]  # fmt: skip
+    with (log_dir / "llama-cpp-python.log").open("ab") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return wait_ready(Target("llama-cpp-python", f"http://127.0.0.1:{port}", process), "/v1/models")
