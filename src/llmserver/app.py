@@ -84,6 +84,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await job_service.stop()
             await supervisor.stop()
+            recorder.flush()
             store.close()
 
     app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)

@@ -59,6 +59,7 @@ def test_quota_holds_under_concurrency_and_survives_restart(
     server = start_server(CONFIG, env={"LLMSERVER_ADMIN_KEY": ADMIN})
     key = make_key(tmp_path, "quota", quota_tokens=QUOTA, quota_period="day", max_concurrency=64)
     key_id = key_id_of(tmp_path, "quota")
+    answered = 0
     for round_ in (1, 2):
         responses = fire(server, key, 40)
         ok = [r for r in responses if r.status_code == 200]
@@ -67,6 +68,9 @@ def test_quota_holds_under_concurrency_and_survives_restart(
         for r in refused:
             assert r.status_code == 429 and json.loads(r.read())["error"]["type"] == "insufficient_quota"
             assert int(r.headers["Retry-After"]) > 0
+        answered += len(ok)
+        # Ledger rows are written just after each response goes out.
+        assert wait_for(lambda: len(ledger(tmp_path, key_id)) == answered, 5)  # noqa: B023
         rows = ledger(tmp_path, key_id)
         used = sum(row["prompt_tokens"] + row["completion_tokens"] for row in rows)
         assert 0 < used <= QUOTA

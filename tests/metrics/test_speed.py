@@ -18,10 +18,12 @@ def test_thirty_day_window_persisted(tmp_path: Path) -> None:
     store = SQLiteStore(tmp_path / "s.db")
     speed = RollingSpeed(store, clock)
     assert speed.average("m") is None
-    speed.add("m", 100, 2.0)
-    clock.now += 3600
-    speed.add("m", 50, 3.0)
-    speed.add("m", 0, 1.0)  # nothing generated: not counted
+    for tokens, seconds, later in ((100, 2.0, 3600), (50, 3.0, 0), (0, 1.0, 0)):
+        increment = speed.add("m", tokens, seconds)
+        if increment is not None:  # the recorder persists it (batched)
+            store.add_speed(*increment)
+        clock.now += later
+    assert speed.add("m", 0, 1.0) is None  # nothing generated: not counted
     assert speed.average("m") == 30.0
     assert RollingSpeed(store, clock).average("m") == 30.0  # survives a restart
     clock.now += 30 * 24 * 3600 - 1800  # the first bucket is now older than 30 days

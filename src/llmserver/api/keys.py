@@ -102,4 +102,5 @@ async def usage(
         wanted = None
     start = parse_time(since, 0.0, "since")
     end = parse_time(until, time.time() + 1, "until")
+    request.app.state.recorder.flush()  # rows of requests that just finished
     return summarise(request.app.state.store, wanted, start, end)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -10,6 +12,8 @@ from llmserver.auth.quota import QuotaService, Reservation
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.store import SQLiteStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,6 +39,34 @@ class UsageRecorder:
         self.quota = quota
         self.speed = speed
         self.metrics = metrics
+        # Ledger rows and speed increments are written just after the response goes out, many per
+        # transaction under load, not one commit inside each request (that was 0.15 ms of its latency).
+        self._rows: list[dict[str, object]] = []
+        self._speeds: list[tuple[str, int, float, float]] = []
+        self._flush_scheduled = False
+
+    def flush(self) -> None:
+        """Write what is pending. Runs soon after each request; reads of the ledger call it first."""
+        self._flush_scheduled = False
+        rows, speeds = self._rows, self._speeds
+        if not rows and not speeds:
+            return
+        self._rows, self._speeds = [], []
+        try:
+            self._store.record_usage_and_speed(rows, speeds)
+        except Exception:
+            log.exception("could not write %d usage rows", len(rows))
+
+    def _schedule_flush(self) -> None:
+        if self._flush_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        self._flush_scheduled = True
+        loop.call_soon(self.flush)
 
     def token(self, tally: Tally) -> None:
         """A streamed token went out: time to first token, then the gaps."""
@@ -55,7 +87,7 @@ class UsageRecorder:
         charged = tally.prompt_tokens + tally.completion_tokens if tally.completion_tokens or outcome == "ok" else 0
         self.quota.settle(tally.reservation, charged)
         speed = tally.completion_tokens / latency if latency > 0 and tally.completion_tokens else None
-        self._store.record_usage(
+        self._rows.append(
             {
                 "time": time.time(),
                 "key_id": tally.principal.key_id,
@@ -75,4 +107,7 @@ class UsageRecorder:
             self.metrics.prompt_tokens.labels(tally.model).inc(tally.prompt_tokens)
             self.metrics.completion_tokens.labels(tally.model).inc(tally.completion_tokens)
         if outcome == "ok":
-            self.speed.add(tally.model, tally.completion_tokens, latency)
+            increment = self.speed.add(tally.model, tally.completion_tokens, latency)
+            if increment is not None:
+                self._speeds.append(increment)
+        self._schedule_flush()

@@ -38,12 +38,13 @@ class RollingSpeed:
         total[0] += tokens
         total[1] += seconds
 
-    def add(self, model: str, tokens: int, seconds: float) -> None:
+    def add(self, model: str, tokens: int, seconds: float) -> tuple[str, int, float, float] | None:
+        """Count a successful request; the bucket increment for the caller to persist (None: nothing)."""
         if tokens <= 0 or seconds <= 0:
-            return
+            return None
         minute = self._minute()
         self._add_memory(model, minute, tokens, seconds)
-        self._store.add_speed(model, minute, tokens, seconds)
+        return (model, minute, float(tokens), seconds)
 
     def average(self, model: str) -> float | None:
         """tokens/s over the last 30 days; None while the model has no successful requests."""

@@ -147,14 +147,32 @@ class SQLiteStore:
     # The usage ledger and the per-minute speed buckets
 
     def record_usage(self, entry: dict[str, object]) -> None:
+        self.record_usage_and_speed([entry], [])
+
+    def record_usage_and_speed(
+        self, entries: list[dict[str, object]], speeds: list[tuple[str, int, float, float]]
+    ) -> None:
+        """Ledger rows and speed-bucket increments (model, minute, tokens, seconds), in one transaction."""
         with self._lock:
-            self._db.execute(
-                "INSERT INTO usage_ledger (time, key_id, model, instance_id, endpoint, prompt_tokens,"
-                " completion_tokens, latency_ms, ttft_ms, tokens_per_second, outcome) VALUES"
-                " (:time, :key_id, :model, :instance_id, :endpoint, :prompt_tokens, :completion_tokens,"
-                " :latency_ms, :ttft_ms, :tokens_per_second, :outcome)",
-                entry,
-            )
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT INTO usage_ledger (time, key_id, model, instance_id, endpoint, prompt_tokens,"
+                    " completion_tokens, latency_ms, ttft_ms, tokens_per_second, outcome) VALUES"
+                    " (:time, :key_id, :model, :instance_id, :endpoint, :prompt_tokens, :completion_tokens,"
+                    " :latency_ms, :ttft_ms, :tokens_per_second, :outcome)",
+                    entries,
+                )
+                self._db.executemany(
+                    "INSERT INTO speed_buckets (model, minute, tokens, seconds) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT (model, minute) DO UPDATE SET tokens = tokens + excluded.tokens,"
+                    " seconds = seconds + excluded.seconds",
+                    speeds,
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def usage_rows(self, key_id: str | None, since: float, until: float) -> list[dict[str, object]]:
         query = "SELECT * FROM usage_ledger WHERE time >= ? AND time < ?"
@@ -171,14 +189,8 @@ class SQLiteStore:
             cursor = self._db.execute("DELETE FROM usage_ledger WHERE time < ?", (moment,))
         return cursor.rowcount
 
-    def add_speed(self, model: str, minute: int, tokens: int, seconds: float) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO speed_buckets (model, minute, tokens, seconds) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT (model, minute) DO UPDATE SET tokens = tokens + excluded.tokens,"
-                " seconds = seconds + excluded.seconds",
-                (model, minute, tokens, seconds),
-            )
+    def add_speed(self, model: str, minute: int, tokens: float, seconds: float) -> None:
+        self.record_usage_and_speed([], [(model, minute, tokens, seconds)])
 
     def speed_since(self, minute: int) -> list[tuple[str, int, int, float]]:
         with self._lock:
