@@ -219,9 +219,11 @@ def _others(results: Results) -> list[str]:
     resent = ", ".join(f"{name} {count}" for name, count in sorted(load.RESENT.items())) or "none"
     lines += [
         "",
-        f"Requests the benchmark client sent again because the connection dropped before any answer: {resent}. "
-        "(llama-server may close a kept-alive connection just after a streamed answer; llmserver does the same "
-        "one quiet resend towards its instances.)",
+        f"Requests the benchmark client sent again because the connection was dropped before any answer: {resent}. "
+        "Plain llama-server closes connections beyond its HTTP threads (parallel + 4 = "
+        f"{results.plan.parallel + 4} here) and may drop a kept-alive one just after a streamed answer; "
+        "llmserver queues its clients instead, keeps its own connections to an instance within those threads "
+        "and resends once when one is dropped.",
     ]
     return lines
 

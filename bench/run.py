@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -137,8 +138,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (under 3 minutes) to check the harness")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default: bench/results[/quick])")
+    parser.add_argument("--threads", type=int, default=None, help="llama-server threads (default: 2)")
+    parser.add_argument("--parallel", type=int, default=None, help="slots per instance (default: 4)")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
+    if args.threads is not None:
+        plan = dataclasses.replace(plan, threads=args.threads)
+    if args.parallel is not None:
+        plan = dataclasses.replace(plan, parallel=args.parallel)
     default = Path(__file__).resolve().parent / "results"
     out = args.out or (default / "quick" if args.quick else default)
     run(plan, out)

@@ -201,11 +201,35 @@ class GenerationService:
         return translate.chat_payload(request, max_tokens, stream=request.stream)
 
     async def check_inputs(self, request: ChatRequest | GenerateRequest) -> None:
-        """The checks on attached files that need no extraction (run before an async job is accepted)."""
+        """The checks on attached images and files that need no fetching or extraction (run before an
+        async job is accepted, so that such a request is refused at once)."""
+        model = self._model(request)
         if isinstance(request, ChatRequest):
+            self._image_parts(request.messages, model)
             await asyncio.to_thread(files.chat_uploads, request.messages)
-        elif request.files:
+            return
+        if request.images:
+            self._image_parts(translate.native_messages(None, request.prompt, request.images), model)
+        if request.files:
             await asyncio.to_thread(files.native_uploads, request.files)
+
+    def _image_parts(self, messages: list[ChatMessage], model: str) -> list[tuple[int, int, ImagePart]]:
+        """Every image part with its place; 400 for images to a text-only model, or too many."""
+        found = [
+            (index, position, part)
+            for index, message in enumerate(messages)
+            if isinstance(message.content, list)
+            for position, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        ]
+        if found and model not in self.vision_models:
+            index, position, _ = found[0]
+            raise InvalidRequest(
+                f"The model {model!r} is not vision-capable: it does not accept image parts.",
+                param=f"messages.{index}.content.{position}",
+            )
+        image_count_check(len(found), "messages")
+        return found
 
     async def _with_inputs(self, request: ChatRequest, model: str) -> ChatRequest:
         """The request with file parts replaced by their text blocks and images by the ones we made."""
@@ -220,22 +244,9 @@ class GenerationService:
         return request.model_copy(update={"messages": messages})
 
     async def _with_images(self, messages: list[ChatMessage], model: str) -> list[ChatMessage]:
-        found = [
-            (index, position, part)
-            for index, message in enumerate(messages)
-            if isinstance(message.content, list)
-            for position, part in enumerate(message.content)
-            if isinstance(part, ImagePart)
-        ]
+        found = self._image_parts(messages, model)
         if not found:
             return messages
-        index, position, _ = found[0]
-        if model not in self.vision_models:
-            raise InvalidRequest(
-                f"The model {model!r} is not vision-capable: it does not accept image parts.",
-                param=f"messages.{index}.content.{position}",
-            )
-        image_count_check(len(found), "messages")
         prepared = await asyncio.gather(
             *(
                 self.images.prepare(part.image_url.url, f"messages.{index}.content.{position}.image_url.url")

@@ -217,7 +217,9 @@ class Instance:
             await self.stop()
             self.status = Status.FAILED
             raise
-        self.client = LlamaServerClient(self.base_url, connections=self.model.parallel * 2)
+        # llama-server serves HTTP with parallel + 4 threads (on up to 9 CPUs) and drops connections
+        # beyond them; at most `parallel` requests are leased to an instance, plus health probes.
+        self.client = LlamaServerClient(self.base_url, connections=self.model.parallel + 2)
         with contextlib.suppress(psutil.Error):
             self._ps = psutil.Process(self.process.pid)
             self._ps.cpu_percent(None)  # primes the interval measure; this first value means nothing
