@@ -28,7 +28,7 @@ from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.router import Router
 from llmserver.schemas.common import Sampling
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
-from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest, ImagePart, ImageURL
+from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest, FilePart, ImagePart, ImageURL
 from llmserver.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -236,6 +236,8 @@ class GenerationService:
         if not any(isinstance(m.content, list) for m in request.messages):
             return request
         messages = await self._with_images(request.messages, model)
+        if not any(isinstance(part, FilePart) for m in messages if isinstance(m.content, list) for part in m.content):
+            return request.model_copy(update={"messages": messages})
         # Decoding and sniffing up to 75 MB is real work: off the event loop.
         uploads = await asyncio.to_thread(files.chat_uploads, messages)
         if uploads:
