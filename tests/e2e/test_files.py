@@ -85,21 +85,19 @@ def test_streamed_and_native_requests_take_files(client: httpx.Client) -> None:
 
 
 def test_the_openai_sdk_sends_files(server: Server, api_key: str) -> None:
-    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0)
     pdf = documents.make_pdf()
-    answer = sdk.chat.completions.create(
-        model=MODEL,
-        max_tokens=2,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "file", "file": {"filename": "paper.pdf", "file_data": documents.data_uri(pdf)}},
-                    {"type": "text", "text": "Summarize."},
-                ],
-            }
-        ],
-    )
+    file = {"filename": "paper.pdf", "file_data": documents.data_uri(pdf)}
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0) as sdk:
+        answer = sdk.chat.completions.create(
+            model=MODEL,
+            max_tokens=2,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "file", "file": file}, {"type": "text", "text": "Summarize."}],
+                }
+            ],
+        )
     assert answer.usage is not None and answer.usage.prompt_tokens > 30
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -12,8 +13,9 @@ from tests.support import MODEL, Server
 
 
 @pytest.fixture(scope="module")
-def sdk(server: Server, api_key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+def sdk(server: Server, api_key: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=120) as client:
+        yield client
 
 
 MESSAGES = [
@@ -105,6 +107,8 @@ def test_sdk_sees_errors_as_errors(sdk: openai.OpenAI, server: Server) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         sdk.chat.completions.create(model="no-such-model", messages=MESSAGES)
     assert caught.value.body["type"] == "model_not_found"  # type: ignore[index]
-    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with (
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad,
+        pytest.raises(openai.AuthenticationError),
+    ):
         bad.models.list()

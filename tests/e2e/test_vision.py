@@ -116,20 +116,20 @@ def test_the_native_api_and_the_openai_sdk_take_images(vision_server: Server, cl
     assert_error(raw, 400, "invalid_request_error", "images")
 
     key = client.headers["Authorization"].removeprefix("Bearer ")
-    sdk = openai.OpenAI(base_url=vision_server.url + "/v1", api_key=key, max_retries=0)
-    answer = sdk.chat.completions.create(
-        model=VISION,
-        max_tokens=2,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "Describe."},
-                    {"type": "image_url", "image_url": {"url": images.data_uri(PHOTO)}},
-                ],
-            }
-        ],
-    )
+    with openai.OpenAI(base_url=vision_server.url + "/v1", api_key=key, max_retries=0) as sdk:
+        answer = sdk.chat.completions.create(
+            model=VISION,
+            max_tokens=2,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Describe."},
+                        {"type": "image_url", "image_url": {"url": images.data_uri(PHOTO)}},
+                    ],
+                }
+            ],
+        )
     assert answer.usage is not None and answer.usage.prompt_tokens > IMAGE_TOKENS
 
 
