@@ -91,8 +91,12 @@ def model_path(
         path = fetch(model, cache_dir, endpoint, offline=not download)
     else:
         path = model.path.expanduser() if model.path is not None else embedded_model_path()
+    return _checked_gguf(path, model, "GGUF file")
+
+
+def _checked_gguf(path: Path, model: ModelConfig, what: str) -> Path:
     if not path.is_file():
-        raise ModelFileError(f"model {model.name!r}: GGUF file not found: {path}")
+        raise ModelFileError(f"model {model.name!r}: {what} not found: {path}")
     with path.open("rb") as file:
         if file.read(4) != GGUF_MAGIC:
             raise ModelFileError(f"model {model.name!r}: {path} is not a GGUF file")
@@ -113,12 +117,7 @@ def mmproj_path(
         path = model.mmproj.expanduser()
     else:
         return None
-    if not path.is_file():
-        raise ModelFileError(f"model {model.name!r}: mmproj file not found: {path}")
-    with path.open("rb") as file:
-        if file.read(4) != GGUF_MAGIC:
-            raise ModelFileError(f"model {model.name!r}: {path} is not a GGUF file")
-    return path
+    return _checked_gguf(path, model, "mmproj file")
 
 
 def llama_server_binary(configured: Path | None) -> Path:

@@ -15,8 +15,6 @@ message's own text; `render()` is the single place that writes the block, for re
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import multiprocessing
 import os
@@ -25,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llmserver.errors import APIError, InvalidRequest, RequestTooLarge, UnsupportedMediaType
+from llmserver.errors import APIError, InvalidRequest, UnsupportedMediaType
+from llmserver.inputs import data_uri
 from llmserver.inputs.extraction import MAX_CHARS, Extracted, child_main
 from llmserver.inputs.formats import sniff
 from llmserver.schemas.openai import ChatMessage, FilePart, TextPart
@@ -73,19 +72,16 @@ def decode_upload(file: dict[str, Any], param: str) -> Upload:
             f"{name}: file.data must be a data: URI (data:<mime>;base64,...); URLs are not accepted for files.",
             param=param,
         )
-    header, comma, payload = data[5:].partition(",")
-    if not comma or not header.lower().endswith(";base64"):
+    uri = data_uri.parse(data)
+    if uri is None:
         raise InvalidRequest(f"{name}: file.data must be a base64 data: URI (data:<mime>;base64,...).", param=param)
-    payload = payload.strip()
-    # The raw size is known from the base64 length: a 100 MB body is refused without decoding it.
-    if (len(payload) * 3) // 4 - payload[-2:].count("=") > MAX_FILE_BYTES:
-        raise RequestTooLarge(_too_large(name), param=param)
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest(f"{name}: file.data is not valid base64.", param=param) from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise RequestTooLarge(_too_large(name), param=param)
+    raw = data_uri.decode(
+        uri,
+        max_bytes=MAX_FILE_BYTES,
+        too_large=_too_large(name),
+        invalid=f"{name}: file.data is not valid base64.",
+        param=param,
+    )
     return check_upload(name, raw, param)
 
 

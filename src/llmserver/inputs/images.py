@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import io
 import logging
 from collections.abc import Collection
@@ -18,7 +17,8 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from llmserver.errors import InvalidRequest, RequestTooLarge
+from llmserver.errors import InvalidRequest
+from llmserver.inputs import data_uri
 from llmserver.inputs.safe_fetch import Resolve, fetch_bytes, system_resolve
 
 log = logging.getLogger(__name__)
@@ -48,22 +48,20 @@ def count_check(count: int, param: str) -> None:
 
 
 def decode_data_uri(url: str, param: str) -> bytes:
-    header, comma, payload = url[5:].partition(",")
-    media_type = header.split(";")[0].strip().lower()
-    if not comma or not header.lower().endswith(";base64"):
+    uri = data_uri.parse(url)
+    if uri is None:
         raise InvalidRequest(f"{param}: an image data URI must be base64 (data:image/png;base64,...).", param=param)
-    if not media_type.startswith("image/"):
-        raise InvalidRequest(f"{param}: the data URI's type is {media_type or 'missing'}, not an image.", param=param)
-    payload = payload.strip()
-    if (len(payload) * 3) // 4 - payload[-2:].count("=") > MAX_IMAGE_BYTES:
-        raise RequestTooLarge(_too_large(param), param=param)
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest(f"{param}: the image data is not valid base64.", param=param) from None
-    if len(raw) > MAX_IMAGE_BYTES:
-        raise RequestTooLarge(_too_large(param), param=param)
-    return raw
+    if not uri.media_type.startswith("image/"):
+        raise InvalidRequest(
+            f"{param}: the data URI's type is {uri.media_type or 'missing'}, not an image.", param=param
+        )
+    return data_uri.decode(
+        uri,
+        max_bytes=MAX_IMAGE_BYTES,
+        too_large=_too_large(param),
+        invalid=f"{param}: the image data is not valid base64.",
+        param=param,
+    )
 
 
 def _too_large(param: str) -> str:
