@@ -86,7 +86,8 @@ def render(results: Results) -> str:
         f"- Settings: one instance, `--parallel {plan.parallel}`, `--ctx-size {plan.ctx_size}` per slot, "
         f"`--threads {plan.threads}`; the plain llama-server gets the same arguments",
         f"- Workload: streamed chat, greedy, {plan.max_tokens} output tokens, {len(plan.levels)} levels "
-        f"({', '.join(map(str, plan.levels))} clients), {plan.per_client} requests per client per repeat, "
+        f"({', '.join(map(str, plan.levels))} clients), {plan.per_client} requests per client per repeat "
+        f"(at least {plan.min_requests} per level), "
         f"{plan.repeats} repeat(s) alternating the order of the targets; {plan.overhead_requests} "
         f"`max_tokens: 1` requests per target for the overhead; run time {results.seconds:.0f} s",
         "",
@@ -111,8 +112,9 @@ def render(results: Results) -> str:
         "",
         "## Latency (streamed), ms: llmserver (ratio to direct)",
         "",
-        "| clients | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | ITL p99 | end-to-end p50 | p90 | p99 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| clients | requests | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | ITL p99 "
+        "| end-to-end p50 | p90 | p99 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in plan.levels:
         cells = []
@@ -120,7 +122,7 @@ def render(results: Results) -> str:
             for q in (0.5, 0.9, 0.99):
                 g, d = _lat(gateway[c], which, q), _lat(direct[c], which, q)
                 cells.append(f"{_ms(g)} ({_ratio(g, d)})")
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines.append(f"| {c} | {len(gateway[c].samples)} | " + " | ".join(cells) + " |")
     lines += ["", "Direct llama-server, ms, for reference:", "", "| clients | TTFT p50 | ITL p50 | end-to-end p50 |"]
     lines.append("|---|---|---|---|")
     for c in plan.levels:

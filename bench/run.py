@@ -36,6 +36,7 @@ class Plan:
     mode: str
     levels: list[int]
     per_client: int
+    min_requests: int  # per level and repeat: a single client sends more than per_client
     repeats: int
     max_tokens: int
     overhead_requests: int
@@ -46,8 +47,12 @@ class Plan:
     threads: int = 2
 
 
-QUICK = Plan("quick", [1, 4, 16], 1, 1, 32, 60, [1, 4], 3.0)
-FULL = Plan("full", [1, 4, 16], 3, 2, 128, 400, [1, 2, 4, 8, 16], 8.0)
+QUICK = Plan("quick", [1, 4, 16], 1, 1, 1, 32, 60, [1, 4], 3.0)
+FULL = Plan("full", [1, 4, 16], 3, 12, 2, 128, 400, [1, 2, 4, 8, 16], 8.0)
+
+
+def per_client(plan: Plan, concurrency: int) -> int:
+    return max(plan.per_client, -(-plan.min_requests // concurrency))
 
 
 @dataclass
@@ -118,12 +123,13 @@ def _throughput(plan: Plan, targets: list[Target], results: Results) -> None:
         for repeat in range(plan.repeats):
             order = targets if repeat % 2 == 0 else list(reversed(targets))
             for target in order:
-                requests = concurrency * plan.per_client
+                each = per_client(plan, concurrency)
+                requests = concurrency * each
                 progress(
                     f"concurrency {concurrency}, repeat {repeat + 1}/{plan.repeats}: {target.name}, "
                     f"{requests} streamed requests of {plan.max_tokens} tokens"
                 )
-                samples, seconds = asyncio.run(load.run_level(target, concurrency, plan.per_client, plan.max_tokens))
+                samples, seconds = asyncio.run(load.run_level(target, concurrency, each, plan.max_tokens))
                 level = results.levels.setdefault(target.name, {}).setdefault(
                     concurrency, load.LevelResult(target.name, concurrency)
                 )
