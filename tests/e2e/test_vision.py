@@ -23,7 +23,10 @@ PHOTO = images.png(2000, 1000)
 
 
 class ImageFiles(QuietHandler):
+    hits = 0
+
     def do_GET(self) -> None:
+        ImageFiles.hits += 1
         body = PHOTO if self.path == "/photo.png" else b"\x89PNG" + bytes(9 * 1024 * 1024)
         self.send_response(200)
         self.send_header("Content-Type", "image/png")
@@ -171,3 +174,14 @@ def test_a_pixel_bomb_is_refused_without_decoding_it(vision_server: Server, clie
     error = assert_error(client.post("/v1/chat/completions", json=chat(bomb)), 400, "invalid_request_error")
     assert "pixels" in str(error["message"])
     assert peak_rss_mb() - before < 50  # decoded, it would be 1.2 GB
+
+
+def test_files_are_checked_before_any_image_is_fetched(client: httpx.Client, image_server: str) -> None:
+    before = ImageFiles.hits
+    bad_file = {"type": "file", "file": {"filename": "a.pdf", "data": "https://example.com/a.pdf"}}
+    body = chat(images.image_part(image_server + "/photo.png"), bad_file)
+    assert_error(client.post("/v1/chat/completions", json=body), 400, "invalid_request_error")
+    assert ImageFiles.hits == before
+    native = {"model": VISION, "prompt": "Hi", "images": [image_server + "/photo.png"], "files": [bad_file]}
+    assert_error(client.post("/api/generate", json=native), 400, "invalid_request_error")
+    assert ImageFiles.hits == before

@@ -160,13 +160,18 @@ class GenerationService:
         model = self._model(request)
         payload = translate.sampling_payload(request, self._max_tokens(request.max_tokens), request.stop)
         started = time.perf_counter()
-        prompt = request.prompt
-        if request.files:
-            uploads = await asyncio.to_thread(files.native_uploads, request.files)
-            blocks = [files.render(e) for e in await self.documents.extract_all(uploads)]
-            prompt = "\n".join([*blocks, prompt])
         if request.images and request.raw:
             raise InvalidRequest("Images need the chat template: they cannot be sent with raw: true.", param="images")
+        # The cheap checks on every image and file first, before anything is fetched or extracted.
+        self._check_images(len(request.images or []), model, "images")
+        uploads = await asyncio.to_thread(files.native_uploads, request.files) if request.files else []
+        images = await asyncio.gather(
+            *(self.images.prepare(url, f"images.{index}") for index, url in enumerate(request.images or []))
+        )
+        prompt = request.prompt
+        if uploads:
+            blocks = [files.render(e) for e in await self.documents.extract_all(uploads)]
+            prompt = "\n".join([*blocks, prompt])
         if request.raw:
             system = f"{request.system}\n\n" if request.system else ""
             payload["prompt"] = system + prompt
@@ -174,8 +179,8 @@ class GenerationService:
             body = await self._call(tally, "/v1/completions", payload)
             text = _choice(body).get("text", "")
         else:
-            messages = translate.native_messages(request.system, prompt, request.images or [])
-            payload["messages"] = translate.chat_messages(await self._with_images(messages, model))
+            messages = translate.native_messages(request.system, prompt, [image.data_uri for image in images])
+            payload["messages"] = translate.chat_messages(messages)
             tally = self._open(principal, "/api/generate", model, payload)
             body = await self._call(tally, "/v1/chat/completions", payload)
             text = (_choice(body).get("message") or {}).get("content") or ""
@@ -208,13 +213,20 @@ class GenerationService:
             self._image_parts(request.messages, model)
             await asyncio.to_thread(files.chat_uploads, request.messages)
             return
-        if request.images:
-            self._image_parts(translate.native_messages(None, request.prompt, request.images), model)
+        self._check_images(len(request.images or []), model, "images")
         if request.files:
             await asyncio.to_thread(files.native_uploads, request.files)
 
+    def _check_images(self, count: int, model: str, param: str) -> None:
+        """400 for images sent to a text-only model, or for too many of them."""
+        if count and model not in self.vision_models:
+            raise InvalidRequest(
+                f"The model {model!r} is not vision-capable: it does not accept image parts.", param=param
+            )
+        image_count_check(count, param)
+
     def _image_parts(self, messages: list[ChatMessage], model: str) -> list[tuple[int, int, ImagePart]]:
-        """Every image part with its place; 400 for images to a text-only model, or too many."""
+        """Every image part of the messages with its place, checked."""
         found = [
             (index, position, part)
             for index, message in enumerate(messages)
@@ -222,33 +234,32 @@ class GenerationService:
             for position, part in enumerate(message.content)
             if isinstance(part, ImagePart)
         ]
-        if found and model not in self.vision_models:
+        if found:
             index, position, _ = found[0]
-            raise InvalidRequest(
-                f"The model {model!r} is not vision-capable: it does not accept image parts.",
-                param=f"messages.{index}.content.{position}",
-            )
-        image_count_check(len(found), "messages")
+            self._check_images(len(found), model, f"messages.{index}.content.{position}")
         return found
 
     async def _with_inputs(self, request: ChatRequest, model: str) -> ChatRequest:
         """The request with file parts replaced by their text blocks and images by the ones we made."""
-        if not any(isinstance(m.content, list) for m in request.messages):
+        messages = request.messages
+        if not any(isinstance(m.content, list) for m in messages):
             return request
-        messages = await self._with_images(request.messages, model)
-        if not any(isinstance(part, FilePart) for m in messages if isinstance(m.content, list) for part in m.content):
-            return request.model_copy(update={"messages": messages})
-        # Decoding and sniffing up to 75 MB is real work: off the event loop.
-        uploads = await asyncio.to_thread(files.chat_uploads, messages)
+        # The cheap checks on every image and file first, before anything is fetched or extracted;
+        # decoding and sniffing up to 75 MB of files is real work, so off the event loop.
+        found = self._image_parts(messages, model)
+        has_files = any(isinstance(p, FilePart) for m in messages if isinstance(m.content, list) for p in m.content)
+        uploads = await asyncio.to_thread(files.chat_uploads, messages) if has_files else []
+        if found:
+            messages = await self._replace_images(messages, found)
         if uploads:
             extracted = await self.documents.extract_all([upload for _, upload in uploads])
             messages = files.merged_messages(messages, [index for index, _ in uploads], extracted)
         return request.model_copy(update={"messages": messages})
 
-    async def _with_images(self, messages: list[ChatMessage], model: str) -> list[ChatMessage]:
-        found = self._image_parts(messages, model)
-        if not found:
-            return messages
+    async def _replace_images(
+        self, messages: list[ChatMessage], found: list[tuple[int, int, ImagePart]]
+    ) -> list[ChatMessage]:
+        """The messages with each image part pointing at the image we fetched, checked and downscaled."""
         prepared = await asyncio.gather(
             *(
                 self.images.prepare(part.image_url.url, f"messages.{index}.content.{position}.image_url.url")
