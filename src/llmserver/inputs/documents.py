@@ -172,7 +172,11 @@ class DocumentService:
     def __init__(self, *, timeout: float, memory_mb: int, workers: int | None = None) -> None:
         self.timeout = timeout
         self.memory_bytes = memory_mb * 1024 * 1024
-        self._slots = threading.BoundedSemaphore(workers or os.cpu_count() or 1)
+        slots = workers or os.cpu_count() or 1
+        self._slots = threading.BoundedSemaphore(slots)
+        # Waiting for a slot happens here, not in a worker thread: waiting threads would take the
+        # event loop's thread pool from the image and upload decoding that share it.
+        self._waiting = asyncio.Semaphore(slots)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["llmserver.inputs.extraction", "markitdown.converters"])
 
@@ -183,7 +187,8 @@ class DocumentService:
         forkserver.ensure_running()
 
     async def extract(self, upload: Upload) -> Extracted:
-        return await asyncio.to_thread(self.extract_blocking, upload)
+        async with self._waiting:
+            return await asyncio.to_thread(self.extract_blocking, upload)
 
     async def extract_all(self, uploads: Sequence[Upload]) -> list[Extracted]:
         return list(await asyncio.gather(*(self.extract(upload) for upload in uploads)))
