@@ -18,6 +18,9 @@ from tests.local_http import LocalHTTPServer, QuietHandler
 from tests.support import MODEL, Server, create_key
 from tests.vision_model import IMAGE_TOKENS, write_vision_model
 
+# This module starts a server of its own (two models, one vision-capable): selected out by -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 VISION = "tiny-vision"
 PHOTO = images.png(2000, 1000)
 
