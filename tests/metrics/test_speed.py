@@ -21,7 +21,7 @@ def test_thirty_day_window_persisted(tmp_path: Path) -> None:
     for tokens, seconds, later in ((100, 2.0, 3600), (50, 3.0, 0), (0, 1.0, 0)):
         increment = speed.add("m", tokens, seconds)
         if increment is not None:  # the recorder persists it (batched)
-            store.add_speed(*increment)
+            store.record_usage_and_speed([], [increment])
         clock.now += later
     assert speed.add("m", 0, 1.0) is None  # nothing generated: not counted
     assert speed.average("m") == 30.0

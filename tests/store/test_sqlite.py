@@ -36,7 +36,6 @@ def test_usage_retention(tmp_path: Path) -> None:
         "key_id": "k", "model": "m", "instance_id": None, "endpoint": "/api/generate", "prompt_tokens": 1,
         "completion_tokens": 1, "latency_ms": 1.0, "ttft_ms": None, "tokens_per_second": None, "outcome": "ok",
     }  # fmt: skip
-    store.record_usage({**row, "time": 100.0})
-    store.record_usage({**row, "time": 200.0})
+    store.record_usage_and_speed([{**row, "time": 100.0}, {**row, "time": 200.0}], [])
     assert store.delete_usage_before(150.0) == 1
     assert [r["time"] for r in store.usage_rows(None, 0, 1000)] == [200.0]

@@ -28,7 +28,15 @@ from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.router import Router
 from llmserver.schemas.common import Sampling
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
-from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest, FilePart, ImagePart, ImageURL
+from llmserver.schemas.openai import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    FilePart,
+    ImagePart,
+    ImageURL,
+    parts_of,
+)
 from llmserver.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -227,13 +235,7 @@ class GenerationService:
 
     def _image_parts(self, messages: list[ChatMessage], model: str) -> list[tuple[int, int, ImagePart]]:
         """Every image part of the messages with its place, checked."""
-        found = [
-            (index, position, part)
-            for index, message in enumerate(messages)
-            if isinstance(message.content, list)
-            for position, part in enumerate(message.content)
-            if isinstance(part, ImagePart)
-        ]
+        found = parts_of(messages, ImagePart)
         if found:
             index, position, _ = found[0]
             self._check_images(len(found), model, f"messages.{index}.content.{position}")
@@ -247,7 +249,7 @@ class GenerationService:
         # The cheap checks on every image and file first, before anything is fetched or extracted;
         # decoding and sniffing up to 75 MB of files is real work, so off the event loop.
         found = self._image_parts(messages, model)
-        has_files = any(isinstance(p, FilePart) for m in messages if isinstance(m.content, list) for p in m.content)
+        has_files = bool(parts_of(messages, FilePart))
         uploads = await asyncio.to_thread(files.chat_uploads, messages) if has_files else []
         if found:
             messages = await self._replace_images(messages, found)

@@ -27,7 +27,7 @@ from llmserver.errors import APIError, InvalidRequest, UnsupportedMediaType
 from llmserver.inputs import data_uri
 from llmserver.inputs.extraction import MAX_CHARS, Extracted, child_main
 from llmserver.inputs.formats import sniff
-from llmserver.schemas.openai import ChatMessage, FilePart, TextPart
+from llmserver.schemas.openai import ChatMessage, FilePart, TextPart, parts_of
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +103,7 @@ def check_upload(name: str, raw: bytes, param: str | None = None) -> Upload:
 
 def chat_uploads(messages: Sequence[ChatMessage]) -> list[tuple[int, Upload]]:
     """Every file part of a chat request, checked and decoded, with the index of its message."""
-    found = [
-        (index, position, part)
-        for index, message in enumerate(messages)
-        if isinstance(message.content, list)
-        for position, part in enumerate(message.content)
-        if isinstance(part, FilePart)
-    ]
+    found = parts_of(messages, FilePart)
     count_check(len(found))
     return [
         (index, decode_upload(part.file, f"messages.{index}.content.{position}.file"))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +32,7 @@ class FilePart(BaseModel):
 
 
 ContentPart = Annotated[TextPart | ImagePart | FilePart, Field(discriminator="type")]
+P = TypeVar("P", TextPart, ImagePart, FilePart)
 
 
 class ChatMessage(BaseModel):
@@ -38,6 +40,17 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
+
+
+def parts_of(messages: Sequence[ChatMessage], kind: type[P]) -> list[tuple[int, int, P]]:
+    """Every content part of one type, with the index of its message and its position there."""
+    return [
+        (index, position, part)
+        for index, message in enumerate(messages)
+        if isinstance(message.content, list)
+        for position, part in enumerate(message.content)
+        if isinstance(part, kind)
+    ]
 
 
 class StreamOptions(BaseModel):

@@ -146,9 +146,6 @@ class SQLiteStore:
 
     # The usage ledger and the per-minute speed buckets
 
-    def record_usage(self, entry: dict[str, object]) -> None:
-        self.record_usage_and_speed([entry], [])
-
     def record_usage_and_speed(
         self, entries: list[dict[str, object]], speeds: list[tuple[str, int, float, float]]
     ) -> None:
@@ -188,9 +185,6 @@ class SQLiteStore:
         with self._lock:
             cursor = self._db.execute("DELETE FROM usage_ledger WHERE time < ?", (moment,))
         return cursor.rowcount
-
-    def add_speed(self, model: str, minute: int, tokens: float, seconds: float) -> None:
-        self.record_usage_and_speed([], [(model, minute, tokens, seconds)])
 
     def speed_since(self, minute: int) -> list[tuple[str, int, int, float]]:
         with self._lock:
