@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import socket
@@ -24,7 +25,15 @@ from llmserver.auth.keys import KeyService
 from llmserver.catalog import embedded_model_path, llama_server_binary
 from llmserver.pool.instance import llama_server_args
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
-from llmserver.store import SQLiteStore
+from llmserver.store import open_store
+
+
+async def _create_key(data_dir: Path) -> str:
+    store = open_store(f"sqlite:///{data_dir / 'llmserver.db'}")
+    try:
+        return (await KeyService(store).create("bench"))[1]
+    finally:
+        await store.close()
 
 
 @dataclass
@@ -81,9 +90,7 @@ def start_llmserver(model: ModelConfig, log_dir: Path) -> Target:
         f'[[models]]\nname = "{model.name}"\nparallel = {model.parallel}\nctx_size = {model.ctx_size}\n'
         f"threads = {model.threads}\n"
     )
-    store = SQLiteStore(data_dir / "llmserver.db")
-    key = KeyService(store).create("bench")[1]
-    store.close()
+    key = asyncio.run(_create_key(data_dir))
     port = free_port()
     env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(free_port())}
     with (log_dir / "llmserver.log").open("ab") as log:

@@ -16,6 +16,9 @@ from pathlib import Path
 import httpx
 
 MODEL = "SmolLM2-135M-Instruct-Q4_1"
+# An untemplated counting prompt that the embedded model continues to max_tokens. Greedy chat answers
+# are not as long everywhere: "Count from 1 to 1000" stops after 122 tokens on some CPUs.
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 
 
 def _die_with_parent() -> None:
@@ -174,11 +177,17 @@ def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 
 
 def make_key(data_dir: Path, name: str, admin: bool = False, **limits: object) -> str:
     """A key written straight into the server's database (what `keys create` does, without a process)."""
-    from llmserver.auth.keys import KeyService
-    from llmserver.store import KeyLimits, SQLiteStore
+    import asyncio
 
-    store = SQLiteStore(data_dir / "llmserver.db")
-    try:
-        return KeyService(store).create(name, admin=admin, limits=KeyLimits(**limits))[1]  # type: ignore[arg-type]
-    finally:
-        store.close()
+    from llmserver.auth.keys import KeyService
+    from llmserver.store import KeyLimits
+    from llmserver.store.sqlite import SQLiteStore
+
+    async def create() -> str:
+        store = SQLiteStore(data_dir / "llmserver.db")
+        try:
+            return (await KeyService(store).create(name, admin=admin, limits=KeyLimits(**limits)))[1]  # type: ignore[arg-type]
+        finally:
+            await store.close()
+
+    return asyncio.run(create())

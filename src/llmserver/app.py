@@ -16,20 +16,24 @@ from llmserver import __version__
 from llmserver.api import health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api.deps import validation_error
 from llmserver.auth.keys import KeyService
+from llmserver.auth.limiters import open_limiters
 from llmserver.auth.quota import QuotaService
+from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, error_body
 from llmserver.inputs.documents import DocumentService
 from llmserver.inputs.images import ImageService
+from llmserver.inputs.prepare import InputService
 from llmserver.jobs.runner import JobService
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.middleware import AccessLog, BodySizeLimit, QuotaHeaders
+from llmserver.pool.admission import Admission
 from llmserver.pool.router import Router
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import Settings
-from llmserver.store import SQLiteStore
+from llmserver.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -52,47 +56,73 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        store = SQLiteStore(settings.db_path)
+        store = open_store(settings.store_url)
+        gateway = settings.gateway_name
         admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
         supervisor = Supervisor(settings)
+        metrics = Metrics(supervisor)
+        quota = QuotaService(store, gateway)
+        cleared = await quota.clear_own_reservations()
+        if cleared:
+            log.info("cleared %d quota reservations that gateway %s held when it last stopped", cleared, gateway)
+        speed = RollingSpeed(store)
+        await speed.load()
+        recorder = UsageRecorder(store, quota, speed, metrics)
+        rate, concurrency = open_limiters(settings.limiters)
+        admission = Admission(
+            Router(supervisor.pools),
+            rate,
+            concurrency,
+            quota,
+            recorder,
+            metrics,
+            default_concurrency=settings.max_concurrency_per_key,
+        )
+        documents = DocumentService(
+            timeout=settings.extract_timeout,
+            memory_mb=settings.extract_memory_mb,
+            limits=settings.file_limits,
+            workers=settings.extract_workers or None,
+            on_extraction=lambda outcome: metrics.file_extractions.labels(outcome).inc(),
+        )
+        documents.warm_up()
+        images = ImageService(
+            timeout=settings.image_fetch_timeout, limits=settings.image_limits, allow_hosts=settings.fetch_allow_hosts
+        )
+        inputs = InputService(images, documents, [m.name for m in settings.models if m.vision_capable])
+        calls = InstanceCalls(admission, attempts=settings.instance_attempts, timeout=settings.request_timeout)
+        job_service = JobService(settings, store, store)
+
         app.state.settings = settings
         app.state.store = store
         app.state.keys = KeyService(store, admin_key)
         app.state.supervisor = supervisor
-        store.quota_clear_reservations()
-        metrics = Metrics(supervisor)
-        recorder = UsageRecorder(store, QuotaService(store), RollingSpeed(store), metrics)
+        app.state.metrics = metrics
+        app.state.quota = quota
+        app.state.speed = speed
         app.state.recorder = recorder
-        documents = DocumentService(
-            timeout=settings.extract_timeout,
-            memory_mb=settings.extract_memory_mb,
-            workers=settings.extract_workers or None,
-        )
-        documents.warm_up()
-        images = ImageService(timeout=settings.image_fetch_timeout, allow_hosts=settings.fetch_allow_hosts)
-        app.state.generation = GenerationService(
-            settings, Router(supervisor, settings.max_concurrency_per_key), recorder, documents, images
-        )
-        app.state.started_at = time.time()
-        job_service = JobService(settings, store)
+        app.state.generation = GenerationService(settings, admission, inputs, calls, recorder)
         app.state.jobs = job_service
+        app.state.started_at = time.time()
         try:
             await job_service.start()
             await supervisor.start()
-            log.info("llmserver %s ready on http://%s:%s", __version__, settings.host, settings.port)
+            log.info(
+                "llmserver %s ready on http://%s:%s (gateway %s)", __version__, settings.host, settings.port, gateway
+            )
             yield
         finally:
             await job_service.stop()
             await supervisor.stop()
-            recorder.flush()
-            store.close()
+            await recorder.flush()
+            await store.close()
 
     app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     for module in (native, openai, models, jobs, instances, keys, metrics, health):
         app.include_router(module.router)
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
-    app.add_middleware(QuotaHeaders)
+    app.add_middleware(QuotaHeaders, quota=lambda: app.state.quota)
     app.add_middleware(AccessLog)
     return app
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserver.auth.quota import QuotaService
 from llmserver.errors import RequestTooLarge
 
 access_log = logging.getLogger("llmserver.access")
@@ -96,8 +98,9 @@ class AccessLog:
 class QuotaHeaders:
     """x-ratelimit-*-tokens on every answer to a key that has a token quota (errors included)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, quota: Callable[[], QuotaService]) -> None:
         self.app = app
+        self._quota = quota  # built in the app's lifespan, after this middleware
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -108,8 +111,8 @@ class QuotaHeaders:
             if message["type"] == "http.response.start":
                 principal = scope.get("state", {}).get("principal")
                 if principal is not None and principal.limits.quota_tokens is not None:
-                    quota = scope["app"].state.recorder.quota
-                    extra = [(k.encode(), v.encode()) for k, v in quota.headers(principal).items()]
+                    headers = await self._quota().headers(principal)
+                    extra = [(k.encode(), v.encode()) for k, v in headers.items()]
                     message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,9 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from llmserver.inputs.archives import ArchiveLimits
+from llmserver.inputs.limits import FileLimits, ImageLimits
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -111,6 +115,20 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Models to serve ([[models]] tables). Empty: the embedded default model.",
     )
+    database_url: str = Field(
+        default="",
+        description="Where keys, quotas, the usage ledger and jobs live; empty: sqlite:///DATA_DIR/llmserver.db.",
+    )
+    limiters: Literal["memory"] = Field(
+        default="memory",
+        description="Where the per-key requests-per-minute and in-flight counters live: `memory` (this process).",
+    )
+    gateway_id: str = Field(
+        default="",
+        max_length=200,
+        description="This gateway's name in shared state (its quota reservations and async jobs, which it clears "
+        "when it starts); empty: the host name. Gateways that share a database need distinct ones.",
+    )
     admin_key: SecretStr | None = Field(
         default=None, description="An extra admin API key, taken from the environment (for containers)."
     )
@@ -144,6 +162,13 @@ class Settings(BaseSettings):
     queue_timeout: float = Field(
         default=60.0, gt=0, description="Seconds a request may wait for a free slot before it fails with 504."
     )
+    instance_attempts: int = Field(
+        default=2,
+        ge=1,
+        le=5,
+        description="Times one request may be sent to an instance: again only if it could not be reached or "
+        "dropped the connection before answering.",
+    )
     max_concurrency_per_key: int = Field(
         default=16, ge=1, description="Requests one API key may have in flight at once; 429 beyond."
     )
@@ -158,6 +183,14 @@ class Settings(BaseSettings):
         default=5, ge=1, description="Crashes within restart_window after which an instance is given up."
     )
     restart_window: float = Field(default=300.0, gt=0, description="Seconds over which crashes are counted.")
+    restart_max_delay: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest wait before restarting a crashed instance (the wait doubles from 0.5 s).",
+    )
+    health_probe_misses: int = Field(
+        default=3, ge=1, le=100, description="Health probes missed in a row after which an instance counts as hung."
+    )
     sync_timeout: float = Field(
         default=90.0, gt=0, description="Seconds a sync native request may run before it turns into an async job."
     )
@@ -176,6 +209,61 @@ class Settings(BaseSettings):
     )
     image_fetch_timeout: float = Field(
         default=20.0, gt=0, description="Seconds fetching one image URL may take, redirects included (400 beyond)."
+    )
+    max_images: int = Field(
+        default=ImageLimits.max_images, ge=0, le=64, description="Images one request may carry (400 beyond)."
+    )
+    max_image_bytes: int = Field(
+        default=ImageLimits.max_bytes, ge=1024, description="Size of one image in bytes, before base64 (413 beyond)."
+    )
+    image_max_side: int = Field(
+        default=ImageLimits.max_side,
+        ge=64,
+        le=8192,
+        description="Images are downscaled to this many pixels on their longer side.",
+    )
+    image_max_pixels: int = Field(
+        default=ImageLimits.max_pixels,
+        ge=1,
+        description="Pixels an image may have, read from its header before decoding (400 beyond).",
+    )
+    image_token_allowance: int = Field(
+        default=ImageLimits.token_allowance,
+        ge=1,
+        description="Prompt tokens reserved from a key's quota per image until the instance has counted them.",
+    )
+    image_fetch_max_redirects: int = Field(
+        default=ImageLimits.max_redirects, ge=0, le=20, description="Redirects followed when fetching an image URL."
+    )
+    max_url_length: int = Field(
+        default=ImageLimits.max_url_length, ge=16, description="Longest image or webhook URL, in characters (400)."
+    )
+    max_files: int = Field(
+        default=FileLimits.max_files, ge=0, le=64, description="Files one request may carry (400 beyond)."
+    )
+    max_file_bytes: int = Field(
+        default=FileLimits.max_bytes, ge=1024, description="Size of one file in bytes, before base64 (413 beyond)."
+    )
+    file_max_chars: int = Field(
+        default=FileLimits.max_chars,
+        ge=1,
+        description="Characters of text kept per uploaded file (cut, visibly, beyond).",
+    )
+    archive_max_entries: int = Field(
+        default=ArchiveLimits.max_entries, ge=1, description="Members in one uploaded ZIP, nested ones included (422)."
+    )
+    archive_max_bytes: int = Field(
+        default=ArchiveLimits.max_total_bytes,
+        ge=1024,
+        description="Bytes one uploaded ZIP may unpack to, nested ones included (422 beyond).",
+    )
+    archive_max_ratio: int = Field(
+        default=ArchiveLimits.max_ratio,
+        ge=1,
+        description="Unpacked/packed size of one ZIP member larger than 1 MiB (422 beyond: a zip bomb).",
+    )
+    archive_max_depth: int = Field(
+        default=ArchiveLimits.max_depth, ge=1, le=16, description="ZIP nesting levels, the upload itself being 1 (422)."
     )
     fetch_allow_hosts: list[str] = Field(
         default_factory=list,
@@ -217,6 +305,38 @@ class Settings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.data_dir / "llmserver.db"
+
+    @property
+    def store_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.db_path}"
+
+    @property
+    def gateway_name(self) -> str:
+        return self.gateway_id or socket.gethostname()
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(
+            max_images=self.max_images,
+            max_bytes=self.max_image_bytes,
+            max_side=self.image_max_side,
+            max_pixels=self.image_max_pixels,
+            token_allowance=self.image_token_allowance,
+            max_redirects=self.image_fetch_max_redirects,
+            max_url_length=self.max_url_length,
+        )
+
+    @property
+    def file_limits(self) -> FileLimits:
+        archive = ArchiveLimits(
+            max_entries=self.archive_max_entries,
+            max_total_bytes=self.archive_max_bytes,
+            max_ratio=self.archive_max_ratio,
+            max_depth=self.archive_max_depth,
+        )
+        return FileLimits(
+            max_files=self.max_files, max_bytes=self.max_file_bytes, max_chars=self.file_max_chars, archive=archive
+        )
 
     @property
     def model_cache_dir(self) -> Path:

@@ -1,16 +1,19 @@
-"""Quota windows, reservations and rpm with an injectable clock (no waiting)."""
+"""Quota windows, reservations, adjustments and settlements, on a real SQLite file, with an injectable
+clock (no waiting)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from llmserver.auth.keys import Principal
-from llmserver.auth.quota import InsufficientQuota, QuotaService, window
-from llmserver.errors import RateLimited
-from llmserver.store import KeyLimits, SQLiteStore
+from llmserver.auth.quota import InsufficientQuota, QuotaService, Reservation, window
+from llmserver.store import KeyLimits, UsageBatch
+from llmserver.store.sqlite import SQLiteStore
 
 
 class Clock:
@@ -25,6 +28,23 @@ def principal(**limits: object) -> Principal:
     return Principal("key_q", "q", "qqqqqqqq", False, KeyLimits(**limits))  # type: ignore[arg-type]
 
 
+def with_store(tmp_path: Path, test: Callable[[SQLiteStore], Awaitable[None]]) -> None:
+    async def scenario() -> None:
+        store = SQLiteStore(tmp_path / "q.db")
+        try:
+            await test(store)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+async def settle(store: SQLiteStore, quota: QuotaService, reservation: Reservation | None, used: int) -> None:
+    """What the usage recorder does when a request closes: the settlement, written with the ledger."""
+    settlement = quota.settlement(reservation, used)
+    await store.record(UsageBatch(settlements=[settlement] if settlement else []))
+
+
 def test_windows() -> None:
     at = datetime(2026, 1, 31, 23, 59, 30, tzinfo=UTC).timestamp()
     day, month, total = window("day", at), window("month", at), window("total", at)
@@ -35,48 +55,75 @@ def test_windows() -> None:
 
 
 def test_reserve_settle_and_day_rollover(tmp_path: Path) -> None:
-    clock = Clock(datetime(2026, 3, 1, 23, 59, tzinfo=UTC))
-    quota = QuotaService(SQLiteStore(tmp_path / "q.db"), clock)
-    who = principal(quota_tokens=100, quota_period="day")
-    first = quota.reserve(who, 60)
-    with pytest.raises(InsufficientQuota) as caught:
-        quota.reserve(who, 50)  # 60 reserved + 50 > 100, whatever the first one will really use
-    assert caught.value.status == 429 and "2026-03-02T00:00:00+00:00" in caught.value.message
-    assert caught.value.headers["Retry-After"] == "60"
-    quota.settle(first, 30)  # the real count: 30 charged, 30 released
-    quota.settle(first, 30)  # settling twice changes nothing
-    assert quota.headers(who)["x-ratelimit-remaining-tokens"] == "70"
-    quota.reserve(who, 70)
-    with pytest.raises(InsufficientQuota):
-        quota.reserve(who, 1)
-    clock.now += 120  # a new UTC day: a fresh window
-    assert quota.reserve(who, 100) is not None
-    assert quota.headers(who) == {
-        "x-ratelimit-limit-tokens": "100",
-        "x-ratelimit-remaining-tokens": "0",
-        "x-ratelimit-reset-tokens": f"{24 * 3600 - 60}s",
-    }
+    async def test(store: SQLiteStore) -> None:
+        clock = Clock(datetime(2026, 3, 1, 23, 59, tzinfo=UTC))
+        quota = QuotaService(store, "gw1", clock)
+        who = principal(quota_tokens=100, quota_period="day")
+        first = await quota.reserve(who, 60)
+        with pytest.raises(InsufficientQuota) as caught:
+            await quota.reserve(who, 50)  # 60 reserved + 50 > 100, whatever the first one will really use
+        assert caught.value.status == 429 and "2026-03-02T00:00:00+00:00" in caught.value.message
+        assert "may use up to 50 tokens and 40 are left" in caught.value.message
+        assert caught.value.headers["Retry-After"] == "60"
+        await settle(store, quota, first, 30)  # the real count: 30 charged, 30 released
+        await settle(store, quota, first, 30)  # settling twice changes nothing
+        assert (await quota.headers(who))["x-ratelimit-remaining-tokens"] == "70"
+        await quota.reserve(who, 70)
+        with pytest.raises(InsufficientQuota):
+            await quota.reserve(who, 1)
+        clock.now += 120  # a new UTC day: a fresh window
+        assert await quota.reserve(who, 100) is not None
+        assert await quota.headers(who) == {
+            "x-ratelimit-limit-tokens": "100",
+            "x-ratelimit-remaining-tokens": "0",
+            "x-ratelimit-reset-tokens": f"{24 * 3600 - 60}s",
+        }
+
+    with_store(tmp_path, test)
+
+
+def test_adjust_shrinks_or_grows_within_what_is_left(tmp_path: Path) -> None:
+    async def test(store: SQLiteStore) -> None:
+        quota = QuotaService(store, "gw1", Clock(datetime(2026, 3, 1, tzinfo=UTC)))
+        who = principal(quota_tokens=100, quota_period="month")
+        held = await quota.reserve(who, 80)
+        await quota.adjust(held, 30)  # the inputs turned out smaller than their bound
+        assert held is not None and held.amount == 30
+        other = await quota.reserve(who, 60)
+        with pytest.raises(InsufficientQuota) as caught:
+            await quota.adjust(held, 41)  # 60 + 41 > 100
+        assert "may use up to 41 tokens and 40 are left" in caught.value.message
+        assert held.amount == 30  # a refused growth changes nothing
+        await quota.adjust(held, 40)  # exactly what is left
+        assert (await quota.headers(who))["x-ratelimit-remaining-tokens"] == "0"
+        await settle(store, quota, other, 0)
+        await settle(store, quota, held, 25)
+        assert (await quota.headers(who))["x-ratelimit-remaining-tokens"] == "75"
+
+    with_store(tmp_path, test)
+
+
+def test_start_up_clears_only_this_gateways_reservations(tmp_path: Path) -> None:
+    async def test(store: SQLiteStore) -> None:
+        clock = Clock(datetime(2026, 3, 1, tzinfo=UTC))
+        mine, theirs = QuotaService(store, "gw1", clock), QuotaService(store, "gw2", clock)
+        who = principal(quota_tokens=100, quota_period="total")
+        await mine.reserve(who, 30)
+        await theirs.reserve(who, 50)
+        assert await QuotaService(store, "gw1", clock).clear_own_reservations() == 1  # gw1 restarted
+        assert (await mine.headers(who))["x-ratelimit-remaining-tokens"] == "50"  # gw2's 50 still held
+
+    with_store(tmp_path, test)
 
 
 def test_total_quota_never_resets_and_keys_without_quota(tmp_path: Path) -> None:
-    quota = QuotaService(SQLiteStore(tmp_path / "q.db"), Clock(datetime(2026, 3, 1, tzinfo=UTC)))
-    who = principal(quota_tokens=10, quota_period="total")
-    quota.settle(quota.reserve(who, 10), 10)
-    with pytest.raises(InsufficientQuota) as caught:
-        quota.reserve(who, 1)
-    assert "does not reset" in caught.value.message and "Retry-After" not in caught.value.headers
-    assert quota.reserve(principal(), 10**9) is None and quota.headers(principal()) == {}
+    async def test(store: SQLiteStore) -> None:
+        quota = QuotaService(store, "gw1", Clock(datetime(2026, 3, 1, tzinfo=UTC)))
+        who = principal(quota_tokens=10, quota_period="total")
+        await settle(store, quota, await quota.reserve(who, 10), 10)
+        with pytest.raises(InsufficientQuota) as caught:
+            await quota.reserve(who, 1)
+        assert "does not reset" in caught.value.message and "Retry-After" not in caught.value.headers
+        assert await quota.reserve(principal(), 10**9) is None and await quota.headers(principal()) == {}
 
-
-def test_requests_per_minute(tmp_path: Path) -> None:
-    clock = Clock(datetime(2026, 3, 1, tzinfo=UTC))
-    quota = QuotaService(SQLiteStore(tmp_path / "q.db"), clock)
-    who = principal(rpm=2)
-    quota.check_rate(who)
-    clock.now += 10
-    quota.check_rate(who)
-    with pytest.raises(RateLimited) as caught:
-        quota.check_rate(who)
-    assert caught.value.headers["Retry-After"] == "51"
-    clock.now += 51
-    quota.check_rate(who)
+    with_store(tmp_path, test)

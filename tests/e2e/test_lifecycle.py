@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import MODEL, Server, make_key, pids_of_children_named, process_alive
+from tests.support import COUNTING, MODEL, Server, make_key, pids_of_children_named, process_alive
 
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -69,7 +69,7 @@ def test_health_and_ready(server: Server) -> None:
 def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path, start_server: Callable[..., Server]) -> None:
     server = start_server(ONE_SMALL_INSTANCE)
     key = make_key(tmp_path, "k")
-    body = {"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 120, "temperature": 0}
+    body = {"prompt": COUNTING, "raw": True, "max_tokens": 120, "temperature": 0}
     with concurrent.futures.ThreadPoolExecutor(1) as executor:
         pending = executor.submit(
             httpx.post, server.url + "/api/generate", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.support import MODEL, Server, wait_for
+from tests.support import COUNTING, MODEL, Server, wait_for
 
 
 def _busy_slots(server: Server) -> int:
@@ -56,7 +56,7 @@ def _cancellations(server: Server) -> int:
 
 
 def test_non_streamed_disconnect_frees_the_slot(server: Server, api_key: str) -> None:
-    body = {"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 512, "temperature": 0}
+    body = {"prompt": COUNTING, "raw": True, "max_tokens": 512, "temperature": 0}
     headers = {"Authorization": f"Bearer {api_key}"}
     cancelled_before = _cancellations(server)
     try:

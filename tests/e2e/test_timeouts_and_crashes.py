@@ -14,14 +14,15 @@ import httpx
 import pytest
 
 from llmserver.catalog import embedded_model_path
-from tests.support import MODEL, Server, create_key, pids_of_children_named, wait_for
+from tests.support import COUNTING, MODEL, Server, create_key, pids_of_children_named, wait_for
 
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
 
 SHORT_TIMEOUT = f'request_timeout = 1.0\n[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
-# Greedy decoding of this prompt runs to max_tokens: 300 tokens, over 4 s on 2 cores.
-LONG = {"prompt": "Count from 1 to 1000, separated by commas.", "max_tokens": 300, "temperature": 0}
+# Greedy decoding of this prompt runs to max_tokens: 300 tokens, about 3 s on 2 cores.
+LONG = {"prompt": COUNTING, "raw": True, "max_tokens": 300, "temperature": 0}
+STREAM = {"prompt": COUNTING, "temperature": 0, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +45,9 @@ def test_generation_over_the_timeout_is_504(impatient: tuple[Server, str]) -> No
 
 def test_stream_over_the_timeout_ends_with_an_error_event(impatient: tuple[Server, str]) -> None:
     server, key = impatient
-    body = {
-        "messages": [{"role": "user", "content": LONG["prompt"]}],
-        "max_tokens": 300,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = {**STREAM, "max_tokens": 300}
     with httpx.stream(
-        "POST", server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        "POST", server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
     ) as response:
         assert response.status_code == 200
         lines = [line for line in response.iter_lines() if line]
@@ -76,14 +72,9 @@ def test_a_killed_instance_is_replaced(start_server: Callable[..., Server]) -> N
 def test_instance_dying_mid_stream_ends_it_with_an_error_event(impatient: tuple[Server, str]) -> None:
     server, key = impatient
     assert server.process is not None
-    body = {
-        "messages": [{"role": "user", "content": LONG["prompt"]}],
-        "max_tokens": 50,
-        "temperature": 0,
-        "stream": True,
-    }
+    body = {**STREAM, "max_tokens": 50}
     with httpx.stream(
-        "POST", server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        "POST", server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
     ) as response:
         lines = response.iter_lines()
         seen = [next(lines) for _ in range(3)]

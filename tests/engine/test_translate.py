@@ -1,11 +1,9 @@
-"""Messages as llama-server takes them, and the quota's upper bound of a prompt."""
+"""Messages as llama-server takes them."""
 
 from __future__ import annotations
 
-from llmserver.engine.generation import prompt_bound
 from llmserver.engine.translate import chat_messages, native_messages
-from llmserver.inputs.images import IMAGE_TOKEN_ALLOWANCE
-from llmserver.schemas.openai import ChatMessage
+from llmserver.schemas.openai import ChatMessage, FilePart
 
 IMAGE = "data:image/jpeg;base64," + "A" * 100_000
 
@@ -29,11 +27,11 @@ def test_text_parts_are_joined_and_image_messages_keep_their_parts() -> None:
 
 
 def test_native_messages() -> None:
-    assert chat_messages(native_messages("sys", "hi", [])) == [
+    assert chat_messages(native_messages("sys", "hi", [], [])) == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "hi"},
     ]
-    with_image = chat_messages(native_messages(None, "hi", [IMAGE]))
+    with_image = chat_messages(native_messages(None, "hi", [IMAGE], []))
     assert with_image == [
         {
             "role": "user",
@@ -42,7 +40,8 @@ def test_native_messages() -> None:
     ]
 
 
-def test_an_image_counts_its_allowance_not_its_base64_bytes() -> None:
-    text_only = prompt_bound({"messages": chat_messages(native_messages(None, "hi", []))})
-    with_image = prompt_bound({"messages": chat_messages(native_messages(None, "hi", [IMAGE]))})
-    assert with_image - text_only == IMAGE_TOKEN_ALLOWANCE
+def test_native_files_go_before_the_prompt_and_images_after() -> None:
+    file = FilePart(type="file", file={"filename": "a.txt", "data": "data:text/plain;base64,aGk="})
+    (user,) = native_messages(None, "hi", [IMAGE], [file])
+    assert isinstance(user.content, list)
+    assert [part.type for part in user.content] == ["file", "text", "image_url"]

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from llmserver.inputs import extraction
 from llmserver.inputs.archives import ArchiveLimits, ArchiveRejected, declared_entries, member_label
-from llmserver.inputs.extraction import Unextractable, extract
+from llmserver.inputs.extraction import Extracted, Unextractable
+from llmserver.inputs.limits import FileLimits
 from tests import documents
+
+
+def extract(filename: str, data: bytes, limits: ArchiveLimits | None = None) -> Extracted:
+    """Extraction with the default character cap."""
+    return extraction.extract(filename, data, max_chars=FileLimits().max_chars, limits=limits)
 
 
 def test_members_become_sections_and_the_rest_is_listed_as_skipped() -> None:

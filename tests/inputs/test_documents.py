@@ -7,23 +7,23 @@ from collections.abc import Iterator
 import pytest
 
 from llmserver.errors import APIError
-from llmserver.inputs.documents import (
-    MAX_FILE_BYTES,
-    DocumentService,
-    UnprocessableFile,
-    chat_uploads,
-    decode_upload,
-    native_uploads,
-)
-from llmserver.schemas.openai import ChatMessage
+from llmserver.inputs import documents as uploads
+from llmserver.inputs.documents import DocumentService, UnprocessableFile, Upload, count_check, native_file_parts
+from llmserver.inputs.limits import FileLimits
 from tests import documents
 
 MEMORY_MB = 512
+LIMITS = FileLimits()
+MAX_FILE_BYTES = LIMITS.max_bytes
+
+
+def decode_upload(file: dict[str, object], param: str) -> Upload:
+    return uploads.decode_upload(file, param, LIMITS)
 
 
 @pytest.fixture(scope="module")
 def service() -> Iterator[DocumentService]:
-    yield DocumentService(timeout=60, memory_mb=MEMORY_MB, workers=2)
+    yield DocumentService(timeout=60, memory_mb=MEMORY_MB, limits=LIMITS, workers=2)
 
 
 def error_of(call: object) -> APIError:
@@ -85,13 +85,16 @@ def test_media_files_are_refused_by_their_bytes_not_their_names() -> None:
 
 
 def test_at_most_five_files_per_request() -> None:
-    part = documents.file_part("a.txt", b"hello")
-    five = [ChatMessage(role="user", content=[part] * 3), ChatMessage(role="user", content=[part] * 2)]
-    assert len(chat_uploads(five)) == 5
-    six = [*five, ChatMessage(role="user", content=[part])]
-    message = check(400, "invalid_request_error", lambda: chat_uploads(six))
+    count_check(5, "messages", LIMITS)
+    message = check(400, "invalid_request_error", lambda: count_check(6, "messages", LIMITS))
     assert message == "The request has 6 files; at most 5 are accepted."
-    check(400, "invalid_request_error", lambda: native_uploads([part] * 6))
+
+
+def test_native_files_take_both_forms() -> None:
+    part = documents.file_part("a.txt", b"hello")
+    inner = part["file"]
+    assert [p.file for p in native_file_parts([part, inner])] == [inner, inner]
+    check(400, "invalid_request_error", lambda: native_file_parts([{"type": "file", "file": "nope"}]))
 
 
 # Extraction in the child
@@ -155,7 +158,7 @@ def test_hostile_files_are_contained(service: DocumentService, name: str, build:
 
 
 def test_a_slow_extraction_is_stopped_at_the_timeout() -> None:
-    hurried = DocumentService(timeout=0.05, memory_mb=MEMORY_MB)
+    hurried = DocumentService(timeout=0.05, memory_mb=MEMORY_MB, limits=LIMITS)
     upload = decode_upload({"filename": "report.docx", "data": documents.data_uri(documents.make_docx())}, "p")
     message = check(422, "unprocessable_file", lambda: hurried.extract_blocking(upload))
     assert message == "report.docx took longer than the 0.05 s allowed for extracting one file."

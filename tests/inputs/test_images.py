@@ -9,8 +9,21 @@ import pytest
 from PIL import Image
 
 from llmserver.errors import APIError
-from llmserver.inputs.images import MAX_IMAGE_BYTES, decode_data_uri, prepare
+from llmserver.inputs import images as image_inputs
+from llmserver.inputs.images import PreparedImage
+from llmserver.inputs.limits import ImageLimits
 from tests import images
+
+LIMITS = ImageLimits()
+MAX_IMAGE_BYTES = LIMITS.max_bytes
+
+
+def prepare(raw: bytes, param: str) -> PreparedImage:
+    return image_inputs.prepare(raw, param, LIMITS)
+
+
+def decode_data_uri(url: str, param: str) -> bytes:
+    return image_inputs.decode_data_uri(url, param, LIMITS)
 
 
 def decoded(data_uri: str) -> Image.Image:

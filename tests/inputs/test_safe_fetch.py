@@ -100,7 +100,16 @@ def two_servers() -> Iterator[tuple[str, str]]:
 
 def fetch(url: str, allowed_base: str, **options: object) -> bytes:
     allow = [allowed_base.removeprefix("http://")]
-    request = fetch_bytes(url, param="image", max_bytes=8 * 1024 * 1024, timeout=10, allow_hosts=allow, **options)  # type: ignore[arg-type]
+    request = fetch_bytes(
+        url,
+        param="image",
+        max_bytes=8 * 1024 * 1024,
+        max_redirects=3,
+        max_url_length=2048,
+        timeout=10,
+        allow_hosts=allow,
+        **options,  # type: ignore[arg-type]
+    )
     return asyncio.run(request)
 
 

@@ -1,152 +1,185 @@
-"""The admission queue and the scale-up rule, on pool objects without processes behind them."""
+"""Admission's order and what a refusal leaves behind: a real SQLite store, the in-process limiters,
+and a model pool whose instance has no process behind it (nothing is sent anywhere)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from llmserver.auth.keys import Principal
-from llmserver.engine.client import LlamaServerClient
-from llmserver.errors import GatewayTimeout, Overloaded, RateLimited
-from llmserver.pool.instance import Instance, Status
-from llmserver.pool.pool import ModelPool
+from llmserver.auth.limiters import MemoryConcurrencyLimiter, MemoryRateLimiter
+from llmserver.auth.quota import InsufficientQuota, QuotaService
+from llmserver.errors import Overloaded, RateLimited
+from llmserver.metrics.prometheus import Metrics
+from llmserver.metrics.recorder import UsageRecorder
+from llmserver.metrics.speed import RollingSpeed
+from llmserver.pool.admission import Admission
 from llmserver.pool.router import Router
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import ModelConfig, Settings
+from llmserver.store import KeyLimits
+from llmserver.store.sqlite import SQLiteStore
+from tests.pool.test_pool import ready_instance
 
 
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(test())
+@dataclass
+class World:
+    admission: Admission
+    store: SQLiteStore
+    quota: QuotaService
+    rate: MemoryRateLimiter
+    places: MemoryConcurrencyLimiter
+    recorder: UsageRecorder
+    supervisor: Supervisor
+    metrics: Metrics
+
+    async def remaining(self, who: Principal) -> int:
+        await self.recorder.flush()
+        return int((await self.quota.headers(who))["x-ratelimit-remaining-tokens"])
+
+    def rejections(self, kind: str) -> float:
+        return self.metrics.quota_rejections.labels(kind)._value.get()
 
 
-async def ready_instance(model: ModelConfig, port: int) -> Instance:
-    instance = Instance(model=model, host="127.0.0.1", port=port, log_path=Path("/dev/null"))
-    instance.client = LlamaServerClient(instance.base_url)  # never called here
-    instance.status = Status.READY
-    return instance
-
-
-def make_pool(max_queue: int = 2, queue_timeout: float = 5.0, parallel: int = 1) -> tuple[ModelPool, list[ModelPool]]:
-    pressured: list[ModelPool] = []
-    config = ModelConfig(name="m", parallel=parallel, max_queue=max_queue)
-    return ModelPool(config, queue_timeout=queue_timeout, on_pressure=pressured.append), pressured
-
-
-def test_least_loaded_instance_then_fifo_queue_then_503() -> None:
-    async def scenario() -> None:
-        pool, pressured = make_pool(max_queue=2, parallel=2)
-        a, b = await ready_instance(pool.config, 1), await ready_instance(pool.config, 2)
-        pool.instances += [a, b]
-        assert await pool.acquire("k1") is a
-        assert await pool.acquire("k2") is b  # the least loaded
-        assert await pool.acquire("k1") is a
-        assert await pool.acquire("k3") is b
-        assert (a.status, b.status, len(a.users)) == (Status.BUSY, Status.BUSY, 1)
-        first = asyncio.create_task(pool.acquire("w1"))
-        second = asyncio.create_task(pool.acquire("w2"))
-        await asyncio.sleep(0)
-        assert pool.queue_depth == 2 and pressured == [pool, pool]
-        with pytest.raises(Overloaded) as caught:
-            await pool.acquire("w3")
-        assert caught.value.headers["Retry-After"] == "2"
-        pool.release(b, "k2")
-        assert await first is b  # first come, first served
-        pool.release(a, "k1")
-        assert await second is a
-        assert pool.queue_depth == 0
-        for instance in (a, b):
-            assert instance.client is not None
-            await instance.client.close()
-
-    run(scenario)
-
-
-def test_queue_wait_times_out_with_504_and_cancelled_waiters_leak_nothing() -> None:
-    async def scenario() -> None:
-        pool, _ = make_pool(queue_timeout=0.2)
-        only = await ready_instance(pool.config, 1)
-        pool.instances.append(only)
-        await pool.acquire("busy")
-        with pytest.raises(GatewayTimeout):
-            await pool.acquire("patient")
-        waiter = asyncio.create_task(pool.acquire("leaver"))
-        await asyncio.sleep(0)
-        pool.release(only, "busy")  # hands the slot to the waiter ...
-        waiter.cancel()  # ... which leaves before it could use it
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        assert only.in_flight == 0 and only.status == Status.READY and not only.users
-        assert only.client is not None
-        await only.client.close()
-
-    run(scenario)
-
-
-def test_per_key_concurrency_limit() -> None:
-    async def scenario() -> None:
-        settings = Settings(models=[ModelConfig(name="m", parallel=4)], max_concurrency_per_key=2)
-        supervisor = Supervisor(settings)
-        pool = supervisor.pools["m"]
-        pool.instances.append(await ready_instance(pool.config, 1))
-        router = Router(supervisor, settings.max_concurrency_per_key)
-        alice = Principal("key_a", "alice", "aaaaaaaa", False)
-        bob = Principal("key_b", "bob", "bbbbbbbb", False)
-        async with router.lease("m", alice), router.lease("m", alice):
-            with pytest.raises(RateLimited):
-                async with router.lease("m", alice):
-                    pass
-            async with router.lease("m", bob) as instance:
-                assert instance.describe()["active_users"] == 2
-        async with router.lease("m", alice):  # the count came back down
-            pass
-        assert pool.instances[0].client is not None
-        await pool.instances[0].client.close()
-
-    run(scenario)
-
-
-def test_scale_up_respects_max_instances_and_memory_budget(caplog: pytest.LogCaptureFixture) -> None:
-    async def scenario() -> None:
-        model = ModelConfig(name="m", min_instances=1, max_instances=2)
-        supervisor = Supervisor(Settings(models=[model], memory_budget_mb=1000))
-        pool = supervisor.pools["m"]
-        running = await ready_instance(pool.config, 1)
-        running.ram_used_mb = 600
-        pool.instances.append(running)
-        supervisor.scale_up(pool)  # 600 in use + ~600 for another > 1000
-        assert "would exceed the 1000 MiB budget" in caplog.text
-        assert len(pool.instances) == 1 and not supervisor._tasks
-        running.ram_used_mb = 400
-        pool.instances.append(await ready_instance(pool.config, 2))
-        supervisor.scale_up(pool)  # at max_instances: nothing to do
-        assert not supervisor._tasks
+@asynccontextmanager
+async def world(tmp_path: Path, max_queue: int = 1) -> AsyncIterator[World]:
+    settings = Settings(models=[ModelConfig(name="m", parallel=1, max_queue=max_queue)], max_concurrency_per_key=2)
+    supervisor = Supervisor(settings)
+    pool = supervisor.pools["m"]
+    pool.queue_timeout = 30
+    pool.instances.append(await ready_instance(pool.config, 1))
+    store = SQLiteStore(tmp_path / "a.db")
+    quota = QuotaService(store, "gw1")
+    metrics = Metrics(supervisor)
+    recorder = UsageRecorder(store, quota, RollingSpeed(store), metrics)
+    rate, places = MemoryRateLimiter(), MemoryConcurrencyLimiter()
+    admission = Admission(Router(supervisor.pools), rate, places, quota, recorder, metrics, default_concurrency=2)
+    try:
+        yield World(admission, store, quota, rate, places, recorder, supervisor, metrics)
+    finally:
         for instance in pool.instances:
             assert instance.client is not None
             await instance.client.close()
+        await recorder.flush()
+        await store.close()
 
-    run(scenario)
 
-
-def test_no_running_instance_is_503_at_once() -> None:
+def run(tmp_path: Path, test: Callable[[World], Awaitable[None]], **options: int) -> None:
     async def scenario() -> None:
-        pool, _ = make_pool(queue_timeout=30)
-        given_up = await ready_instance(pool.config, 1)
-        given_up.status = Status.FAILED
-        pool.instances.append(given_up)
-        with pytest.raises(Overloaded) as caught:
-            await pool.acquire("k")
-        assert "No instance" in caught.value.message and caught.value.headers["Retry-After"] == "30"
-        given_up.restarting = True  # coming back: wait for it instead
-        waiter = asyncio.create_task(pool.acquire("k"))
-        await asyncio.sleep(0)
-        assert pool.queue_depth == 1
-        given_up.restarting, given_up.status = False, Status.READY
-        pool.dispatch()
-        assert await waiter is given_up
-        assert given_up.client is not None
-        await given_up.client.close()
+        async with world(tmp_path, **options) as w:
+            await test(w)
 
-    run(scenario)
+    asyncio.run(scenario())
+
+
+def key(name: str = "k", **limits: object) -> Principal:
+    return Principal(f"key_{name}", name, "ffffffff", False, KeyLimits(**limits))  # type: ignore[arg-type]
+
+
+def test_rpm_comes_before_everything_and_takes_nothing(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        who = key(rpm=1, quota_tokens=100, quota_period="total")
+        ticket = await w.admission.admit(who, "/x", "m", 10)
+        ticket.close("ok")
+        with pytest.raises(RateLimited) as caught:
+            await w.admission.admit(who, "/x", "m", 10)
+        assert caught.value.headers["Retry-After"] == "60"
+        assert await w.places.held(who.key_id) == 0
+        assert await w.remaining(who) == 100  # the refused request reserved nothing; the first used 0
+        assert w.rejections("rate_limit_error") == 1
+
+    run(tmp_path, test)
+
+
+def test_concurrency_comes_before_the_quota(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        who = key(max_concurrency=1, quota_tokens=100, quota_period="total")
+        first = await w.admission.admit(who, "/x", "m", 60)
+        with pytest.raises(RateLimited) as caught:
+            await w.admission.admit(who, "/x", "m", 60)  # the quota would refuse it too: concurrency says first
+        assert "1 requests in flight" in caught.value.message
+        first.close("ok")
+        second = await w.admission.admit(who, "/x", "m", 60)  # its place and reservation came back
+        second.close("ok")
+
+    run(tmp_path, test)
+
+
+def test_a_quota_refusal_gives_the_place_in_flight_back(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        who = key(quota_tokens=50, quota_period="total")
+        with pytest.raises(InsufficientQuota):
+            await w.admission.admit(who, "/x", "m", 51)
+        assert await w.places.held(who.key_id) == 0
+        assert await w.remaining(who) == 50
+        assert w.rejections("insufficient_quota") == 1
+
+    run(tmp_path, test)
+
+
+def test_the_queue_lease_comes_last_and_a_full_queue_gives_everything_back(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        alice, bob, carol = (key(n, quota_tokens=100, quota_period="total") for n in ("a", "b", "c"))
+        running = await w.admission.admit(alice, "/x", "m", 10)
+        await w.admission.take_slot(running)  # the only slot
+        waiting = await w.admission.admit(bob, "/x", "m", 10)
+        queued = asyncio.ensure_future(w.admission.take_slot(waiting))  # the only place in the queue
+        await asyncio.sleep(0)
+        refused = await w.admission.admit(carol, "/x", "m", 10)
+        with pytest.raises(Overloaded):
+            await w.admission.take_slot(refused)  # 503: the ticket is closed by the refusal
+        assert await w.places.held(carol.key_id) == 0 and await w.remaining(carol) == 100
+        running.close("ok")
+        await queued  # the released slot went to the waiter
+        assert waiting.tally.instance_id == running.tally.instance_id
+        waiting.close("ok")
+        await w.recorder.flush()
+        rows = await w.store.usage_rows(None, 0, 2e9)
+        assert sorted(str(r["outcome"]) for r in rows) == ["ok", "ok", "overloaded_error"]
+
+    run(tmp_path, test)
+
+
+def test_a_ticket_settles_what_was_used_once(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        who = key(quota_tokens=100, quota_period="total")
+        ticket = await w.admission.admit(who, "/x", "m", 80)
+        await w.admission.resize(ticket, 30)  # the inputs turned out smaller
+        assert await w.remaining(who) == 70
+        with pytest.raises(InsufficientQuota):
+            await w.admission.resize(ticket, 101)  # grown past what is left: refused
+        ticket.tally.prompt_tokens, ticket.tally.completion_tokens = 12, 8
+        ticket.close("ok")
+        ticket.close("server_error")  # a second close changes nothing
+        assert await w.remaining(who) == 80
+        assert await w.places.held(who.key_id) == 0
+        rows = await w.store.usage_rows(who.key_id, 0, 2e9)
+        assert [(r["outcome"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [("ok", 12, 8)]
+
+    run(tmp_path, test)
+
+
+def test_precheck_refuses_an_exhausted_key_without_counting_it(tmp_path: Path) -> None:
+    async def test(w: World) -> None:
+        who = key(quota_tokens=10, quota_period="total", rpm=2)
+        await w.admission.precheck(who)  # nothing used yet
+        ticket = await w.admission.admit(who, "/x", "m", 10)
+        ticket.tally.completion_tokens = 10
+        ticket.close("ok")
+        await w.recorder.flush()
+        with pytest.raises(InsufficientQuota):
+            await w.admission.precheck(who)
+        assert await w.rate.wait(who.key_id, 2) is None  # one request counted, not two
+        busy = key("busy", max_concurrency=1)
+        held = await w.admission.admit(busy, "/x", "m", 1)
+        with pytest.raises(RateLimited):
+            await w.admission.precheck(busy)
+        held.close("ok")
+        await w.admission.precheck(busy)
+
+    run(tmp_path, test)

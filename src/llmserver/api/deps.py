@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -19,8 +19,10 @@ from llmserver.auth.keys import KeyService, Principal
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied
 from llmserver.jobs.runner import JobService
+from llmserver.metrics.recorder import UsageRecorder
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import Settings
+from llmserver.store import Store
 
 Model = TypeVar("Model", bound=BaseModel)
 T = TypeVar("T")
@@ -38,6 +40,16 @@ def keys(request: Request) -> KeyService:
 
 def generation(request: Request) -> GenerationService:
     value: GenerationService = request.app.state.generation
+    return value
+
+
+def recorder(request: Request) -> UsageRecorder:
+    value: UsageRecorder = request.app.state.recorder
+    return value
+
+
+def store(request: Request) -> Store:
+    value: Store = request.app.state.store
     return value
 
 
@@ -60,14 +72,14 @@ def bearer_token(request: Request) -> str | None:
     return None
 
 
-def authenticate(request: Request, body: dict[str, Any] | None = None) -> Principal:
+async def authenticate(request: Request, body: dict[str, Any] | None = None) -> Principal:
     """The caller, from `Authorization: Bearer`, else `api_key` in the body, else in the query."""
     presented = bearer_token(request)
     if presented is None and body is not None and isinstance(body.get("api_key"), str):
         presented = body["api_key"]
     if presented is None:
         presented = request.query_params.get("api_key")
-    principal = keys(request).authenticate(presented)
+    principal = await keys(request).authenticate(presented)
     request.state.principal = principal
     return principal
 
@@ -107,21 +119,46 @@ def validation_error(errors: Any) -> InvalidRequest:
     return InvalidRequest(f"{param}: {message}" if param else message, param=param)
 
 
-async def parse(request: Request, model: type[Model]) -> tuple[Principal, Model]:
-    """Authenticate, then validate the JSON body as `model`: a bad key is a 401 whatever the body."""
+# Bodies larger than this are not read before a key in the header or query string has been
+# checked against its limits (`gate`): parsing 100 MB of JSON takes 0.2 s.
+GATE_BYTES = 1024 * 1024
+
+
+async def parse(
+    request: Request, model: type[Model], gate: Callable[[Principal], Awaitable[None]] | None = None
+) -> tuple[Principal, Model]:
+    """Authenticate, then validate the JSON body as `model`: a bad key is a 401 whatever the body.
+
+    With a `gate` and a large body, a key sent outside the body is authenticated and gated before
+    the body is parsed; a refused request's body is read and dropped, never parsed."""
+    principal: Principal | None = None
+    if gate is not None and _large(request) and (bearer_token(request) or request.query_params.get("api_key")):
+        try:
+            principal = await authenticate(request)
+            await gate(principal)
+        except APIError:
+            async for _ in request.stream():
+                pass
+            raise
     try:
         body: dict[str, Any] | None = await json_body(request)
         problem: APIError | None = None
     except APIError as exc:
         body, problem = None, exc
-    principal = authenticate(request, body)
+    if principal is None:
+        principal = await authenticate(request, body)
     if problem is not None or body is None:
         raise problem or InvalidRequest("The request body must be a JSON object.")
     return principal, validate(model, body)
 
 
-def require_admin(request: Request) -> Principal:
-    principal = authenticate(request)
+def _large(request: Request) -> bool:
+    length = request.headers.get("content-length")
+    return not length or not length.isdigit() or int(length) > GATE_BYTES
+
+
+async def require_admin(request: Request) -> Principal:
+    principal = await authenticate(request)
     if not principal.is_admin:
         raise PermissionDenied("This endpoint needs an admin key.")
     return principal

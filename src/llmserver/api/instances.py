@@ -21,20 +21,20 @@ class StartInstance(BaseModel):
 
 @router.get("/api/instances")
 async def list_instances(request: Request) -> dict[str, Any]:
-    require_admin(request)
+    await require_admin(request)
     return {"object": "list", "data": [i.describe() for i in supervisor(request).all_instances()]}
 
 
 @router.get("/api/instances/{instance_id}")
 async def get_instance(request: Request, instance_id: str) -> dict[str, Any]:
-    require_admin(request)
+    await require_admin(request)
     return supervisor(request).find(instance_id).describe()
 
 
 @router.post("/api/instances", status_code=201, response_model=None)
 async def start_instance(request: Request) -> JSONResponse:
     """Start one more instance of a model; answers once it is ready (201) or has failed (502)."""
-    require_admin(request)
+    await require_admin(request)
     body = validate(StartInstance, await json_body(request))
     instance = await supervisor(request).start_instance(body.model)
     return JSONResponse(instance.describe(), status_code=201)
@@ -43,7 +43,7 @@ async def start_instance(request: Request) -> JSONResponse:
 @router.delete("/api/instances/{instance_id}")
 async def drain_instance(request: Request, instance_id: str) -> dict[str, Any]:
     """Drain: no new requests, in-flight ones finish (up to drain_timeout), then the process stops."""
-    require_admin(request)
+    await require_admin(request)
     pool = supervisor(request)
     instance = pool.find(instance_id)
     await pool.drain(instance)

@@ -26,19 +26,19 @@ class _OnceResponse(JSONResponse):
         try:
             await super().__call__(scope, receive, send)
         except BaseException:
-            service.undelivered(self._job)
+            await service.undelivered(self._job)
             raise
         # Handed to the server's transport: as delivered as HTTP can tell. (Asking is_disconnected()
         # now would race the client's own close after reading.)
-        service.delivered(self._job)
+        await service.delivered(self._job)
 
 
 @router.get("/api/async_result", response_model=None)
 async def async_result(request: Request, tracking_id: str | None = None) -> JSONResponse:
-    principal = authenticate(request)
+    principal = await authenticate(request)
     if not tracking_id:
         raise InvalidRequest("tracking_id: Field required", param="tracking_id")
-    answer, claimed = jobs(request).poll(principal, tracking_id)
+    answer, claimed = await jobs(request).poll(principal, tracking_id)
     if claimed is None:
         return JSONResponse(answer)
     return _OnceResponse(answer, request, claimed)

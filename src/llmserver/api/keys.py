@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserver.api.deps import authenticate, json_body, keys, require_admin, validate
+from llmserver.api.deps import authenticate, json_body, keys, recorder, require_admin, store, validate
 from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, summarise
 from llmserver.store import KeyLimits, KeyRecord
@@ -49,16 +49,16 @@ def describe(record: KeyRecord) -> dict[str, Any]:
 
 @router.get("/api/keys")
 async def list_keys(request: Request) -> dict[str, Any]:
-    require_admin(request)
-    return {"object": "list", "data": [describe(k) for k in keys(request).list()]}
+    await require_admin(request)
+    return {"object": "list", "data": [describe(k) for k in await keys(request).list()]}
 
 
 @router.post("/api/keys", status_code=201, response_model=None)
 async def create_key(request: Request) -> JSONResponse:
-    require_admin(request)
+    await require_admin(request)
     body = validate(CreateKey, await json_body(request))
     try:
-        record, key = keys(request).create(body.name, admin=body.admin, limits=body.limits())
+        record, key = await keys(request).create(body.name, admin=body.admin, limits=body.limits())
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     return JSONResponse({**describe(record), "key": key}, status_code=201)
@@ -67,13 +67,13 @@ async def create_key(request: Request) -> JSONResponse:
 @router.patch("/api/keys/{key_id}")
 async def update_key(request: Request, key_id: str) -> dict[str, Any]:
     """Replace a key's limits (fields left out are cleared)."""
-    require_admin(request)
+    await require_admin(request)
     body = validate(Limits, await json_body(request))
     try:
-        found = keys(request).update(key_id, body.limits())
+        found = await keys(request).update(key_id, body.limits())
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    record = keys(request).get(key_id) if found else None
+    record = await keys(request).get(key_id) if found else None
     if record is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
     return describe(record)
@@ -81,10 +81,10 @@ async def update_key(request: Request, key_id: str) -> dict[str, Any]:
 
 @router.delete("/api/keys/{key_id}")
 async def revoke_key(request: Request, key_id: str) -> dict[str, Any]:
-    require_admin(request)
-    if not keys(request).revoke(key_id):
+    await require_admin(request)
+    if not await keys(request).revoke(key_id):
         raise NotFound(f"No active key with id {key_id!r}.", param="key_id")
-    record = keys(request).get(key_id)
+    record = await keys(request).get(key_id)
     assert record is not None
     return describe(record)
 
@@ -94,7 +94,7 @@ async def usage(
     request: Request, key: str | None = None, since: str | None = None, until: str | None = None
 ) -> dict[str, Any]:
     """Usage of one key (default: the caller's own); admins may ask for any key, or all with key=*."""
-    principal = authenticate(request)
+    principal = await authenticate(request)
     wanted: str | None = key or principal.key_id
     if wanted != principal.key_id and not principal.is_admin:
         raise PermissionDenied("Only admin keys may read another key's usage.")
@@ -102,5 +102,5 @@ async def usage(
         wanted = None
     start = parse_time(since, 0.0, "since")
     end = parse_time(until, time.time() + 1, "until")
-    request.app.state.recorder.flush()  # rows of requests that just finished
-    return summarise(request.app.state.store, wanted, start, end)
+    await recorder(request).flush()  # rows of requests that just finished
+    return await summarise(store(request), wanted, start, end)

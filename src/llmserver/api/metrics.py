@@ -14,5 +14,5 @@ router = APIRouter()
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     if not settings(request).metrics_public:
-        require_admin(request)
-    return Response(request.app.state.recorder.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        await require_admin(request)
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -13,10 +13,10 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    authenticate(request)
+    await authenticate(request)
     config = settings(request)
     created = int(request.app.state.started_at)
-    speed = request.app.state.recorder.speed
+    speed = request.app.state.speed
     data = []
     for model in config.models:
         entry: dict[str, Any] = {"id": model.name, "object": "model", "created": created, "owned_by": config.owned_by}

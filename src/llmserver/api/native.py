@@ -7,6 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from llmserver.api.deps import body_schema, cancel_on_disconnect, generation, jobs, parse
+from llmserver.engine.generation import closed_on_failure
+from llmserver.jobs.runner import JobService
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
 
 router = APIRouter()
@@ -18,14 +20,18 @@ router = APIRouter()
     openapi_extra=body_schema(GenerateRequest),
 )
 async def generate(request: Request) -> dict[str, Any]:
-    principal, body = await parse(request, GenerateRequest)
     service = generation(request)
+    principal, body = await parse(request, GenerateRequest, gate=service.admission.precheck)
+    key = JobService.client_key(body.key) if body.mode == "async" else None
+    ticket = await service.admit(principal, body, "/api/generate")
 
     async def work() -> dict[str, Any]:
-        return (await service.generate(principal, body)).model_dump()
+        return (await service.generate(ticket, body)).model_dump()
 
-    if body.mode == "async":
-        await service.check_inputs(body)
-        return await jobs(request).submit(principal, work, key=body.key, webhook_url=body.webhook_url)
+    if key is not None:
+        await service.check_inputs(ticket, body)
+        with closed_on_failure(ticket):
+            return await jobs(request).submit(principal, work, key=key, webhook_url=body.webhook_url)
     # A sync request that outlasts sync_timeout turns into an async job and answers with its payload.
-    return await cancel_on_disconnect(request, jobs(request).sync_or_fallback(principal, work))
+    with closed_on_failure(ticket):
+        return await cancel_on_disconnect(request, jobs(request).sync_or_fallback(principal, work))

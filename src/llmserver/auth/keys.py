@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass
 
 from llmserver.errors import AuthenticationError
-from llmserver.store import NO_LIMITS, KeyLimits, KeyRecord, SQLiteStore
+from llmserver.store import NO_LIMITS, KeyLimits, KeyRecord, KeyStore
 
 KEY_PREFIX = "llms-"
 ADMIN_ENV_KEY_ID = "env-admin"
@@ -61,17 +61,17 @@ def fingerprint(key_hash: str) -> str:
 
 
 class KeyService:
-    def __init__(self, store: SQLiteStore, admin_key: str | None = None) -> None:
+    def __init__(self, store: KeyStore, admin_key: str | None = None) -> None:
         self._store = store
         self._admin_hash = hash_key(admin_key) if admin_key else None
 
-    def create(self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS) -> tuple[KeyRecord, str]:
+    async def create(self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
         if not name.strip():
             raise ValueError("a key needs a non-empty name")
         key = generate_key()
         key_hash = hash_key(key)
-        record = self._store.insert_key(
+        record = await self._store.insert_key(
             key_id="key_" + secrets.token_hex(6),
             name=name.strip(),
             key_hash=key_hash,
@@ -81,26 +81,26 @@ class KeyService:
         )
         return record, key
 
-    def update(self, key_id: str, limits: KeyLimits) -> bool:
-        return self._store.update_key_limits(key_id, check_limits(limits))
+    async def update(self, key_id: str, limits: KeyLimits) -> bool:
+        return await self._store.update_key_limits(key_id, check_limits(limits))
 
-    def get(self, key_id: str) -> KeyRecord | None:
-        return self._store.key_by_id(key_id)
+    async def get(self, key_id: str) -> KeyRecord | None:
+        return await self._store.key_by_id(key_id)
 
-    def list(self) -> list[KeyRecord]:
-        return self._store.list_keys()
+    async def list(self) -> list[KeyRecord]:
+        return await self._store.list_keys()
 
-    def revoke(self, key_id: str) -> bool:
-        return self._store.revoke_key(key_id)
+    async def revoke(self, key_id: str) -> bool:
+        return await self._store.revoke_key(key_id)
 
-    def authenticate(self, presented: str | None) -> Principal:
+    async def authenticate(self, presented: str | None) -> Principal:
         """The principal for a presented key; AuthenticationError when missing, unknown or revoked."""
         if not presented:
             raise AuthenticationError()
         key_hash = hash_key(presented)
         if self._admin_hash is not None and hmac.compare_digest(key_hash, self._admin_hash):
             return Principal(ADMIN_ENV_KEY_ID, "LLMSERVER_ADMIN_KEY", fingerprint(key_hash), True)
-        record = self._store.key_by_hash(key_hash)
+        record = await self._store.key_by_hash(key_hash)
         if record is None or not record.active:
             raise AuthenticationError()
         return Principal(record.id, record.name, record.fingerprint, record.is_admin, record.limits)

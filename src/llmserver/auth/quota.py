@@ -1,23 +1,24 @@
-"""Token quotas (reserve, then settle) and requests-per-minute limits, per key.
+"""Token quotas per key: reserve, adjust, then settle.
 
-Before a request is dispatched, an upper bound of its tokens (prompt bound + max_tokens) is reserved
-atomically in the store: concurrent requests can never overshoot a quota. When it ends, the
-reservation is settled to the real count (prompt + completion tokens) and the rest released; a
-request that failed before generating releases all of it. Counters are per period window: the UTC
-day, the UTC month, or one window for `total`. The clock is injectable, for tests of rollover.
+Before any work, an upper bound of a request's tokens is reserved atomically in the store, held by
+this gateway: concurrent requests (on any gateway sharing the store) can never overshoot a quota.
+Once its inputs are known the reservation is adjusted to the tighter bound (refused if it grew past
+what is left). When it ends, the reservation is settled to the real count (prompt + completion
+tokens) and the rest released; a request that failed before generating releases all of it.
+Counters are per period window: the UTC day, the UTC month, or one window for `total`. The clock
+is injectable, for tests of rollover.
 """
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from llmserver.auth.keys import Principal
-from llmserver.errors import APIError, RateLimited
-from llmserver.store import SQLiteStore
+from llmserver.errors import APIError
+from llmserver.store import QuotaStore, Settlement
 
 Clock = Callable[[], float]
 
@@ -36,6 +37,8 @@ class Window:
 @dataclass
 class Reservation:
     key_id: str
+    limit: int
+    period: str
     window: Window
     amount: int
     settled: bool = False
@@ -54,64 +57,89 @@ def window(period: str, now: float) -> Window:
 
 
 class QuotaService:
-    def __init__(self, store: SQLiteStore, clock: Clock = time.time) -> None:
+    def __init__(self, store: QuotaStore, gateway_id: str, clock: Clock = time.time) -> None:
         self._store = store
+        self.gateway_id = gateway_id
         self._clock = clock
-        self._minute: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
 
-    def check_rate(self, principal: Principal) -> None:
-        """The requests-per-minute limit (a sliding 60 s window, in memory)."""
-        rpm = principal.limits.rpm
-        if rpm is None:
-            return
-        now = self._clock()
-        recent = self._minute[principal.key_id]
-        while recent and recent[0] <= now - 60:
-            recent.popleft()
-        if len(recent) >= rpm:
-            retry = max(1, int(recent[0] + 60 - now) + 1)
-            raise RateLimited(f"This API key is limited to {rpm} requests per minute.", retry_after=retry)
-        recent.append(now)
-
-    def reserve(self, principal: Principal, amount: int) -> Reservation | None:
+    async def reserve(self, principal: Principal, amount: int) -> Reservation | None:
         """Reserve `amount` tokens of the key's quota; None when the key has no quota."""
         limits = principal.limits
         if limits.quota_tokens is None or limits.quota_period is None:
             return None
         current = window(limits.quota_period, self._clock())
-        granted, used, reserved = self._store.quota_reserve(
-            principal.key_id, current.start, amount, limits.quota_tokens
-        )
-        if not granted:
-            left = max(0, limits.quota_tokens - used - reserved)
-            message = (
-                f"This API key's token quota ({limits.quota_tokens} per {limits.quota_period}) cannot cover this "
-                f"request: it may use up to {amount} tokens and {left} are left"
-            )
-            headers = {}
-            if current.resets_at is not None:
-                message += f"; the quota resets at {current.resets_at.isoformat()}."
-                headers["Retry-After"] = str(max(1, int(current.resets_at.timestamp() - self._clock())))
-            else:
-                message += "; a total quota does not reset."
-            raise InsufficientQuota(message, headers=headers)
-        return Reservation(principal.key_id, current, amount)
+        reservation = Reservation(principal.key_id, limits.quota_tokens, limits.quota_period, current, 0)
+        await self._grow(reservation, amount)
+        return reservation
 
-    def settle(self, reservation: Reservation | None, used: int) -> None:
-        """Charge the real count and release the rest (idempotent)."""
-        if reservation is None or reservation.settled:
+    async def adjust(self, reservation: Reservation | None, amount: int) -> None:
+        """Hold `amount` instead: release the difference, or reserve more (429 if that does not fit)."""
+        if reservation is None or reservation.settled or amount == reservation.amount:
             return
-        reservation.settled = True
-        self._store.quota_settle(reservation.key_id, reservation.window.start, reservation.amount, max(0, used))
+        if amount < reservation.amount:
+            await self._store.quota_release(
+                reservation.key_id, reservation.window.start, self.gateway_id, reservation.amount - amount
+            )
+            reservation.amount = amount
+            return
+        await self._grow(reservation, amount - reservation.amount)
 
-    def headers(self, principal: Principal) -> dict[str, str]:
+    async def _grow(self, reservation: Reservation, more: int) -> None:
+        grant = await self._store.quota_reserve(
+            reservation.key_id, reservation.window.start, self.gateway_id, more, reservation.limit
+        )
+        if not grant.granted:
+            held = reservation.amount
+            raise self._refusal(reservation, held + more, grant.used + grant.reserved - held)
+        reservation.amount += more
+
+    def _refusal(self, reservation: Reservation, wanted: int, taken: int) -> InsufficientQuota:
+        left = max(0, reservation.limit - taken)
+        message = (
+            f"This API key's token quota ({reservation.limit} per {reservation.period}) cannot cover this "
+            f"request: it may use up to {wanted} tokens and {left} are left"
+        )
+        headers = {}
+        resets_at = reservation.window.resets_at
+        if resets_at is not None:
+            message += f"; the quota resets at {resets_at.isoformat()}."
+            headers["Retry-After"] = str(max(1, int(resets_at.timestamp() - self._clock())))
+        else:
+            message += "; a total quota does not reset."
+        return InsufficientQuota(message, headers=headers)
+
+    def settlement(self, reservation: Reservation | None, used: int) -> Settlement | None:
+        """The write that charges the real count and releases the reservation (once), for the usage batch."""
+        if reservation is None or reservation.settled:
+            return None
+        reservation.settled = True
+        return Settlement(
+            reservation.key_id, reservation.window.start, self.gateway_id, reservation.amount, max(0, used)
+        )
+
+    async def clear_own_reservations(self) -> int:
+        """At start-up: what this gateway had reserved when it last stopped belongs to no request now."""
+        return await self._store.quota_clear_reservations(self.gateway_id)
+
+    async def exhausted(self, principal: Principal) -> None:
+        """429 when the key's quota has nothing left in this window (a check that needs no request)."""
+        limits = principal.limits
+        if limits.quota_tokens is None or limits.quota_period is None:
+            return
+        current = window(limits.quota_period, self._clock())
+        used, reserved = await self._store.quota_counts(principal.key_id, current.start)
+        if used + reserved >= limits.quota_tokens:
+            reservation = Reservation(principal.key_id, limits.quota_tokens, limits.quota_period, current, 0)
+            raise self._refusal(reservation, 1, used + reserved)
+
+    async def headers(self, principal: Principal) -> dict[str, str]:
         """x-ratelimit-*-tokens for a key with a quota."""
         limits = principal.limits
         if limits.quota_tokens is None or limits.quota_period is None:
             return {}
         now = self._clock()
         current = window(limits.quota_period, now)
-        used, reserved = self._store.quota_counts(principal.key_id, current.start)
+        used, reserved = await self._store.quota_counts(principal.key_id, current.start)
         result = {
             "x-ratelimit-limit-tokens": str(limits.quota_tokens),
             "x-ratelimit-remaining-tokens": str(max(0, limits.quota_tokens - used - reserved)),

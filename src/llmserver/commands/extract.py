@@ -8,7 +8,7 @@ import click
 
 from llmserver.commands import load, settings_options
 from llmserver.errors import APIError
-from llmserver.inputs.documents import MAX_FILE_BYTES, DocumentService, check_upload, count_check, render
+from llmserver.inputs.documents import DocumentService, check_upload, count_check, render, too_large
 
 
 @click.command()
@@ -18,19 +18,19 @@ def extract(config_file: Path | None, data_dir: Path | None, files: tuple[Path, 
     """Extract FILES (up to 5, 15 MB each) with the server's own code path, limits and settings,
     and print the blocks a chat request would carry. Nothing is sent anywhere."""
     settings = load(config_file, data_dir=data_dir)
+    limits = settings.file_limits
     service = DocumentService(
         timeout=settings.extract_timeout,
         memory_mb=settings.extract_memory_mb,
+        limits=limits,
         workers=settings.extract_workers or None,
     )
     try:
-        count_check(len(files), "files")
+        count_check(len(files), "files", limits)
         uploads = []
         for path in files:
-            if path.stat().st_size > MAX_FILE_BYTES:
-                raise click.ClickException(
-                    f"{path.name} is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB, the limit per file."
-                )
+            if path.stat().st_size > limits.max_bytes:
+                raise click.ClickException(too_large(path.name, limits))
             uploads.append(check_upload(path.name, path.read_bytes()))
         blocks = [render(service.extract_blocking(upload)) for upload in uploads]
     except APIError as exc:

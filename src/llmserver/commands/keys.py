@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TypeVar
 
 import click
 
@@ -13,12 +16,30 @@ from llmserver.auth.keys import KeyService, check_limits
 from llmserver.commands import F, load, settings_options
 from llmserver.errors import APIError
 from llmserver.metrics.usage import parse_time, summarise
-from llmserver.store import KeyLimits, SQLiteStore
+from llmserver.settings import Settings
+from llmserver.store import KeyLimits, Store, open_store
+
+T = TypeVar("T")
 
 
-def _service(config_file: Path | None, data_dir: Path | None) -> KeyService:
-    settings = load(config_file, data_dir=data_dir)
-    return KeyService(SQLiteStore(settings.db_path))
+def _with_store(settings: Settings, use: Callable[[Store], Awaitable[T]]) -> T:
+    """Run `use` on the configured store, closed afterwards (the CLI's one event loop per command)."""
+
+    async def run() -> T:
+        try:
+            store = open_store(settings.store_url)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        try:
+            return await use(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def _keys(config_file: Path | None, data_dir: Path | None, use: Callable[[KeyService], Awaitable[T]]) -> T:
+    return _with_store(load(config_file, data_dir=data_dir), lambda store: use(KeyService(store)))
 
 
 @click.group()
@@ -63,7 +84,7 @@ def create(
 ) -> None:
     """Create a key and print it, alone on the last line. It is shown only this once."""
     limits = _limits(quota_tokens, quota_period, rpm, max_concurrency)
-    record, key = _service(config_file, data_dir).create(name, admin=admin, limits=limits)
+    record, key = _keys(config_file, data_dir, lambda service: service.create(name, admin=admin, limits=limits))
     click.echo(
         f"created {'admin ' if record.is_admin else ''}key {record.id} ({record.name}); it is shown only once:",
         err=True,
@@ -76,7 +97,7 @@ def create(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def list_keys(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
     """List keys (never the keys themselves: their id, name and fingerprint)."""
-    records = _service(config_file, data_dir).list()
+    records = _keys(config_file, data_dir, lambda service: service.list())
     if as_json:
         click.echo(json.dumps([{**asdict(record), **asdict(record.limits)} for record in records], indent=2))
         return
@@ -103,7 +124,8 @@ def update(
     max_concurrency: int | None,
 ) -> None:
     """Set a key's limits (the ones not given are cleared)."""
-    if not _service(config_file, data_dir).update(key_id, _limits(quota_tokens, quota_period, rpm, max_concurrency)):
+    limits = _limits(quota_tokens, quota_period, rpm, max_concurrency)
+    if not _keys(config_file, data_dir, lambda service: service.update(key_id, limits)):
         raise click.ClickException(f"no key with id {key_id}")
     click.echo(f"updated {key_id}")
 
@@ -116,11 +138,11 @@ def update(
 def usage(config_file: Path | None, data_dir: Path | None, key_id: str, since: str | None, until: str | None) -> None:
     """Summarise a key's usage from the ledger, as JSON."""
     settings = load(config_file, data_dir=data_dir)
-    store = SQLiteStore(settings.db_path)
     try:
-        summary = summarise(store, key_id, parse_time(since, 0.0, "since"), parse_time(until, time.time() + 1, "until"))
+        start, end = parse_time(since, 0.0, "since"), parse_time(until, time.time() + 1, "until")
     except APIError as exc:
         raise click.UsageError(exc.message) from None
+    summary = _with_store(settings, lambda store: summarise(store, key_id, start, end))
     click.echo(json.dumps(summary, indent=2))
 
 
@@ -129,6 +151,6 @@ def usage(config_file: Path | None, data_dir: Path | None, key_id: str, since: s
 @click.argument("key_id")
 def revoke(config_file: Path | None, data_dir: Path | None, key_id: str) -> None:
     """Revoke the key with this id."""
-    if not _service(config_file, data_dir).revoke(key_id):
+    if not _keys(config_file, data_dir, lambda service: service.revoke(key_id)):
         raise click.ClickException(f"no active key with id {key_id}")
     click.echo(f"revoked {key_id}")

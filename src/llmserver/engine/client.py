@@ -5,7 +5,6 @@ llama-server's own errors are mapped to our envelope by their structured `type`,
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -53,28 +52,19 @@ class LlamaServerClient:
 
     @asynccontextmanager
     async def _post(self, path: str, payload: JSON) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST, with one quiet retry when the connection drops before any answer: llama-server may
-        close connections just after a streamed answer ends, and a request racing that close fails
-        to be written (measured: 40% of requests sent within 1 ms of a stream's end)."""
-        for attempt in (1, 2):
-            try:
-                response = await self._session.post(self.base_url + path, json=payload)
-            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
-                if attempt == 2:
-                    raise
-                log.debug("connection to %s dropped before an answer (%s); sending again", self.base_url, exc)
-                await asyncio.sleep(0.005)
-                continue
-            try:
-                yield response
-            finally:
-                # Read to the end: the connection may serve again. Left early: closing it is what
-                # tells llama-server to stop generating.
-                if response.content.at_eof():
-                    response.release()
-                else:
-                    response.close()
-            return
+        """POST once. A connection that drops before any answer (llama-server may close connections
+        just after a streamed answer ends) is InstanceUnavailable, which the one retry policy
+        (`engine/calls.py`) sends again."""
+        response = await self._session.post(self.base_url + path, json=payload)
+        try:
+            yield response
+        finally:
+            # Read to the end: the connection may serve again. Left early: closing it is what
+            # tells llama-server to stop generating.
+            if response.content.at_eof():
+                response.release()
+            else:
+                response.close()
 
     async def post_json(self, path: str, payload: JSON) -> JSON:
         try:
@@ -144,7 +134,7 @@ def upstream_error(body: Any, status: int) -> APIError:
 
 
 def _unreachable(exc: aiohttp.ClientError) -> UpstreamError:
-    log.warning("llama-server unreachable: %s", exc)
+    log.debug("llama-server unreachable: %s", exc)
     if isinstance(exc, aiohttp.ClientConnectionError):
         return InstanceUnavailable("The model instance could not be reached or closed the connection.")
     return UpstreamError("The model instance answered with a broken response.")

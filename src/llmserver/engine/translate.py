@@ -57,14 +57,16 @@ def _part(part: TextPart | ImagePart | FilePart) -> JSON:
     return {"type": "text", "text": part.text}
 
 
-def native_messages(system: str | None, prompt: str, images: list[str]) -> list[ChatMessage]:
-    """The native request as chat messages: an optional system turn, then the user's prompt and images."""
+def native_messages(system: str | None, prompt: str, images: list[str], files: list[FilePart]) -> list[ChatMessage]:
+    """The native request as chat messages: an optional system turn, then one user turn with the
+    files (whose text goes first), the prompt and the images, in that order."""
     messages: list[ChatMessage] = []
     if system is not None:
         messages.append(ChatMessage(role="system", content=system))
     content: str | list[ContentPart] = prompt
-    if images:
+    if images or files:
         content = [
+            *files,
             TextPart(type="text", text=prompt),
             *(ImagePart(type="image_url", image_url=ImageURL(url=url)) for url in images),
         ]

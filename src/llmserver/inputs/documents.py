@@ -1,7 +1,7 @@
 """Files in chat: data URIs checked and decoded here, text extracted in a contained child process.
 
 Every check that the bytes allow runs for every file before any extraction starts: the count
-(5 per request), the form (a base64 `data:` URI, never a URL), the size (15 MB raw), the real type
+(5 per request by default), the form (a base64 `data:` URI, never a URL), the size (15 MB raw), the real type
 (images, audio, video and other binaries are refused with 415). Extraction then runs in a child
 forked from a forkserver that has the converters loaded (so a child starts in milliseconds), under
 an address-space limit and a wall-clock timeout; a file that breaks either gets 422 naming it, and
@@ -19,20 +19,18 @@ import logging
 import multiprocessing
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from llmserver.errors import APIError, InvalidRequest, UnsupportedMediaType
 from llmserver.inputs import data_uri
-from llmserver.inputs.extraction import MAX_CHARS, Extracted, child_main
+from llmserver.inputs.extraction import Extracted, child_main
 from llmserver.inputs.formats import sniff
-from llmserver.schemas.openai import ChatMessage, FilePart, TextPart, parts_of
+from llmserver.inputs.limits import FileLimits
+from llmserver.schemas.openai import ChatMessage, FilePart, TextPart
 
 log = logging.getLogger(__name__)
-
-MAX_FILES = 5
-MAX_FILE_BYTES = 15 * 1024 * 1024
 
 
 class UnprocessableFile(APIError):
@@ -51,12 +49,12 @@ class Upload:
     format: str
 
 
-def count_check(count: int, param: str = "messages") -> None:
-    if count > MAX_FILES:
-        raise InvalidRequest(f"The request has {count} files; at most {MAX_FILES} are accepted.", param=param)
+def count_check(count: int, param: str, limits: FileLimits) -> None:
+    if count > limits.max_files:
+        raise InvalidRequest(f"The request has {count} files; at most {limits.max_files} are accepted.", param=param)
 
 
-def decode_upload(file: dict[str, Any], param: str) -> Upload:
+def decode_upload(file: dict[str, Any], param: str, limits: FileLimits) -> Upload:
     """One `file` object (`filename` and `data`, or OpenAI's `file_data`) → its checked bytes."""
     filename = file.get("filename")
     if filename is not None and not isinstance(filename, str):
@@ -77,8 +75,8 @@ def decode_upload(file: dict[str, Any], param: str) -> Upload:
         raise InvalidRequest(f"{name}: file.data must be a base64 data: URI (data:<mime>;base64,...).", param=param)
     raw = data_uri.decode(
         uri,
-        max_bytes=MAX_FILE_BYTES,
-        too_large=_too_large(name),
+        max_bytes=limits.max_bytes,
+        too_large=too_large(name, limits),
         invalid=f"{name}: file.data is not valid base64.",
         param=param,
     )
@@ -101,26 +99,24 @@ def check_upload(name: str, raw: bytes, param: str | None = None) -> Upload:
     return Upload(name, raw, kind.format)
 
 
-def chat_uploads(messages: Sequence[ChatMessage]) -> list[tuple[int, Upload]]:
-    """Every file part of a chat request, checked and decoded, with the index of its message."""
-    found = parts_of(messages, FilePart)
-    count_check(len(found))
+def decode_parts(
+    found: Sequence[tuple[int, int, FilePart]], params: Sequence[str], limits: FileLimits
+) -> list[tuple[int, Upload]]:
+    """File parts (with their message's index and place), checked and decoded; `params` name them."""
     return [
-        (index, decode_upload(part.file, f"messages.{index}.content.{position}.file"))
-        for index, position, part in found
+        (index, decode_upload(part.file, param, limits)) for (index, _, part), param in zip(found, params, strict=True)
     ]
 
 
-def native_uploads(items: Sequence[dict[str, Any]]) -> list[Upload]:
-    """The native API's `files`: each a chat file part, or just its inner `file` object."""
-    count_check(len(items), "files")
-    uploads = []
-    for position, item in enumerate(items):
+def native_file_parts(items: Sequence[dict[str, Any]]) -> list[FilePart]:
+    """The native API's `files` as chat file parts: each is one already, or just its inner `file` object."""
+    parts = []
+    for item in items:
         file = item.get("file") if item.get("type") == "file" else item
         if not isinstance(file, dict):
             raise InvalidRequest('Each file must be {"type": "file", "file": {"filename", "data"}}.', param="files")
-        uploads.append(decode_upload(file, f"files.{position}"))
-    return uploads
+        parts.append(FilePart(type="file", file=file))
+    return parts
 
 
 def merged_messages(
@@ -139,15 +135,15 @@ def merged_messages(
     return merged
 
 
-def _too_large(name: str) -> str:
-    return f"{name} is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB, the limit per file (before encoding)."
+def too_large(name: str, limits: FileLimits) -> str:
+    return f"{name} is larger than {limits.max_bytes / 2**20:g} MB, the limit per file (before encoding)."
 
 
 def render(extracted: Extracted) -> str:
     """The block one file becomes in the prompt: named, delimited, visibly truncated, skips listed."""
     lines = [f'<file name="{_attribute(extracted.filename)}" format="{extracted.format}">', extracted.text]
     if extracted.truncated:
-        lines.append(f"[truncated: only the first {MAX_CHARS:,} characters of this file are included]")
+        lines.append(f"[truncated: only the first {extracted.max_chars:,} characters of this file are included]")
     if extracted.skipped:
         shown = extracted.skipped[:50]
         more = len(extracted.skipped) - len(shown)
@@ -163,8 +159,18 @@ def _attribute(value: str) -> str:
 class DocumentService:
     """Runs extractions in child processes, a bounded number at a time."""
 
-    def __init__(self, *, timeout: float, memory_mb: int, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float,
+        memory_mb: int,
+        limits: FileLimits,
+        workers: int | None = None,
+        on_extraction: Callable[[str], None] = lambda outcome: None,
+    ) -> None:
         self.timeout = timeout
+        self.limits = limits
+        self._on_extraction = on_extraction  # told each child's outcome (the metrics)
         self.memory_bytes = memory_mb * 1024 * 1024
         slots = workers or os.cpu_count() or 1
         self._slots = threading.BoundedSemaphore(slots)
@@ -191,6 +197,7 @@ class DocumentService:
         with self._slots:
             outcome = self._run_child(upload)
         kind = outcome[0]
+        self._on_extraction(kind)
         if kind == "ok":
             result: Extracted = outcome[1]
             log.info(
@@ -226,7 +233,15 @@ class DocumentService:
         cpu_seconds = int(self.timeout) + 5
         process = self._context.Process(
             target=child_main,
-            args=(sender, upload.filename, upload.data, self.memory_bytes, cpu_seconds),
+            args=(
+                sender,
+                upload.filename,
+                upload.data,
+                self.memory_bytes,
+                cpu_seconds,
+                self.limits.max_chars,
+                self.limits.archive,
+            ),
             daemon=True,
         )
         process.start()

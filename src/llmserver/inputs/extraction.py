@@ -29,8 +29,6 @@ from llmserver.inputs.archives import (
 )
 from llmserver.inputs.formats import Sniffed, decode_text, is_html, sniff
 
-MAX_CHARS = 40_000
-
 _ODF_TEXT_NS = "urn:oasis:names:tc:opendocument:xmlns:text:1.0"
 
 
@@ -44,6 +42,7 @@ class Extracted:
     format: str
     text: str  # at most max_chars characters
     truncated: bool
+    max_chars: int
     skipped: list[str] = field(default_factory=list)  # archive members that were not converted, and why
     seconds: float = 0.0
     peak_rss_kb: int = 0  # the child's peak resident memory …
@@ -72,9 +71,7 @@ class _Collector:
         self.chars += len(text)
 
 
-def extract(
-    filename: str, data: bytes, *, max_chars: int = MAX_CHARS, limits: ArchiveLimits | None = None
-) -> Extracted:
+def extract(filename: str, data: bytes, *, max_chars: int, limits: ArchiveLimits | None = None) -> Extracted:
     """The text of one file, cut at `max_chars`; raises Unextractable or ArchiveRejected."""
     started = time.monotonic()
     budget = Budget(limits or ArchiveLimits())
@@ -97,6 +94,7 @@ def extract(
         format=kind.format,
         text=text,
         truncated=collector.truncated,
+        max_chars=max_chars,
         skipped=collector.skipped,
         seconds=time.monotonic() - started,
     )
@@ -238,7 +236,15 @@ def _address_space() -> int:
     return pages * resource.getpagesize()
 
 
-def child_main(conn: Connection, filename: str, data: bytes, memory_bytes: int, cpu_seconds: int) -> None:
+def child_main(
+    conn: Connection,
+    filename: str,
+    data: bytes,
+    memory_bytes: int,
+    cpu_seconds: int,
+    max_chars: int,
+    limits: ArchiveLimits,
+) -> None:
     """Extract one file under an address-space limit (what is loaded already, plus `memory_bytes`)
     and a CPU-time limit (a backstop: the parent kills the child at its wall-clock timeout)."""
     limit = _address_space() + memory_bytes
@@ -246,7 +252,7 @@ def child_main(conn: Connection, filename: str, data: bytes, memory_bytes: int, 
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 5))
     outcome: tuple[Any, ...]
     try:
-        result = extract(filename, data)
+        result = extract(filename, data, max_chars=max_chars, limits=limits)
         result.peak_rss_kb, result.limit_kb = peak_rss_kb(), limit // 1024
         outcome = ("ok", result)
     except (Unextractable, ArchiveRejected) as exc:

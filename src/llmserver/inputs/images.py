@@ -19,18 +19,12 @@ from PIL import Image, UnidentifiedImageError
 
 from llmserver.errors import InvalidRequest
 from llmserver.inputs import data_uri
+from llmserver.inputs.limits import ImageLimits
 from llmserver.inputs.safe_fetch import Resolve, fetch_bytes, system_resolve
 
 log = logging.getLogger(__name__)
 
-MAX_IMAGES = 4
-MAX_IMAGE_BYTES = 8 * 1024 * 1024
-MAX_SIDE = 768
-MAX_PIXELS = 50_000_000  # 50 megapixels: a large phone photo; a 20000 x 20000 bomb is 400
 FORMATS = {"PNG", "JPEG", "WEBP", "GIF"}
-# What one image may add to the prompt, for the quota's upper bound before the instance counts it:
-# a 768-px image in 14-px patches is 55 x 55 = 3,025 tokens, with room for a model's separators.
-IMAGE_TOKEN_ALLOWANCE = 4096
 
 
 @dataclass(frozen=True)
@@ -42,12 +36,12 @@ class PreparedImage:
     original_height: int
 
 
-def count_check(count: int, param: str) -> None:
-    if count > MAX_IMAGES:
-        raise InvalidRequest(f"The request has {count} images; at most {MAX_IMAGES} are accepted.", param=param)
+def count_check(count: int, param: str, limits: ImageLimits) -> None:
+    if count > limits.max_images:
+        raise InvalidRequest(f"The request has {count} images; at most {limits.max_images} are accepted.", param=param)
 
 
-def decode_data_uri(url: str, param: str) -> bytes:
+def decode_data_uri(url: str, param: str, limits: ImageLimits) -> bytes:
     uri = data_uri.parse(url)
     if uri is None:
         raise InvalidRequest(f"{param}: an image data URI must be base64 (data:image/png;base64,...).", param=param)
@@ -57,39 +51,36 @@ def decode_data_uri(url: str, param: str) -> bytes:
         )
     return data_uri.decode(
         uri,
-        max_bytes=MAX_IMAGE_BYTES,
-        too_large=_too_large(param),
+        max_bytes=limits.max_bytes,
+        too_large=f"{param}: the image is larger than {limits.max_bytes / 2**20:g} MB, the limit per image.",
         invalid=f"{param}: the image data is not valid base64.",
         param=param,
     )
 
 
-def _too_large(param: str) -> str:
-    return f"{param}: the image is larger than {MAX_IMAGE_BYTES // 2**20} MB, the limit per image."
-
-
-def prepare(raw: bytes, param: str) -> PreparedImage:
-    """Check the header, decode (the first frame), downscale to MAX_SIDE, re-encode as JPEG."""
+def prepare(raw: bytes, param: str, limits: ImageLimits) -> PreparedImage:
+    """Check the header, decode (the first frame), downscale to max_side, re-encode as JPEG."""
+    max_pixels, max_side = limits.max_pixels, limits.max_side
     try:
         image = Image.open(io.BytesIO(raw), formats=sorted(FORMATS))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise InvalidRequest(f"{param}: the image has more than {MAX_PIXELS:,} pixels.", param=param) from None
+        raise InvalidRequest(f"{param}: the image has more than {max_pixels:,} pixels.", param=param) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise InvalidRequest(f"{param}: not a PNG, JPEG, WEBP or GIF image.", param=param) from None
     with image:
         width, height = image.size
-        if width * height > MAX_PIXELS:
+        if width * height > max_pixels:
             raise InvalidRequest(
-                f"{param}: the image is {width} x {height}, more than {MAX_PIXELS:,} pixels.", param=param
+                f"{param}: the image is {width} x {height}, more than {max_pixels:,} pixels.", param=param
             )
         try:
-            image.draft("RGB", (MAX_SIDE, MAX_SIDE))  # JPEG only: decode at 1/2, 1/4 or 1/8 scale
+            image.draft("RGB", (max_side, max_side))  # JPEG only: decode at 1/2, 1/4 or 1/8 scale
             image.seek(0)
             image.load()
             rgb = _rgb(image)
         except (OSError, ValueError, SyntaxError, EOFError):
             raise InvalidRequest(f"{param}: the image data is corrupt.", param=param) from None
-    rgb.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.LANCZOS)
+    rgb.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
     out = io.BytesIO()
     rgb.save(out, format="JPEG", quality=90)
     data_uri = "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
@@ -109,26 +100,36 @@ def _rgb(image: Image.Image) -> Image.Image:
 class ImageService:
     """Turns an `image_url.url` (data URI or public URL) into the image an instance is sent."""
 
-    def __init__(self, *, timeout: float, allow_hosts: Collection[str] = (), resolve: Resolve = system_resolve) -> None:
+    def __init__(
+        self,
+        *,
+        timeout: float,
+        limits: ImageLimits,
+        allow_hosts: Collection[str] = (),
+        resolve: Resolve = system_resolve,
+    ) -> None:
         self.timeout = timeout
+        self.limits = limits
         self.allow_hosts = allow_hosts
         self.resolve = resolve
 
     async def prepare(self, url: str, param: str) -> PreparedImage:
         if url.startswith("data:"):
-            raw = decode_data_uri(url, param)
+            raw = decode_data_uri(url, param, self.limits)
         elif url.startswith(("http://", "https://")):
             raw = await fetch_bytes(
                 url,
                 param=param,
-                max_bytes=MAX_IMAGE_BYTES,
+                max_bytes=self.limits.max_bytes,
+                max_redirects=self.limits.max_redirects,
+                max_url_length=self.limits.max_url_length,
                 timeout=self.timeout,
                 allow_hosts=self.allow_hosts,
                 resolve=self.resolve,
             )
         else:
             raise InvalidRequest(f"{param}: an image URL must be a data: URI or an http(s) URL.", param=param)
-        prepared = await asyncio.to_thread(prepare, raw, param)
+        prepared = await asyncio.to_thread(prepare, raw, param, self.limits)
         log.info(
             "image %dx%d sent as %dx%d",
             prepared.original_width,

@@ -4,7 +4,7 @@ Rules: http or https only; the host name is resolved once and every address must
 routable (loopback, private, link-local with 169.254.169.254, CGNAT, multicast, reserved and their
 IPv4-mapped forms are refused); the connection goes to the addresses that were checked, never to a
 second lookup (DNS rebinding); connect and total times are capped. Webhooks follow no redirects;
-fetches follow at most 3, each checked like the first, and stop reading at their size limit.
+fetches follow a few (`max_redirects`), each checked like the first, and stop reading at their size limit.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from llmserver.errors import InvalidRequest, RequestTooLarge
 
-MAX_URL_LENGTH = 2048
-MAX_REDIRECTS = 3
+MAX_URL_LENGTH = 2048  # webhooks; image URLs take theirs from the settings
 _REDIRECTS = (301, 302, 303, 307, 308)
 
 
@@ -61,12 +60,13 @@ async def check_url(
     allow_private: bool = False,
     allow_hosts: Collection[str] = (),
     resolve: Resolve = system_resolve,
+    max_length: int = MAX_URL_LENGTH,
 ) -> CheckedURL:
     """Validate and resolve `url`; UnsafeURL (400) if it must not be fetched.
 
     `allow_hosts` ("host:port") and `allow_private` exist for tests, whose servers are all local."""
-    if len(url) > MAX_URL_LENGTH:
-        raise UnsafeURL(f"{param} is longer than {MAX_URL_LENGTH} characters.", param=param)
+    if len(url) > max_length:
+        raise UnsafeURL(f"{param} is longer than {max_length} characters.", param=param)
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UnsafeURL(f"{param} must be an http or https URL with a host.", param=param)
@@ -136,16 +136,20 @@ async def fetch_bytes(
     *,
     param: str,
     max_bytes: int,
+    max_redirects: int,
+    max_url_length: int,
     timeout: float,
     allow_hosts: Collection[str] = (),
     resolve: Resolve = system_resolve,
 ) -> bytes:
-    """GET a public URL's body: every hop checked, at most MAX_REDIRECTS redirects, `max_bytes`
+    """GET a public URL's body: every hop checked, at most `max_redirects` redirects, `max_bytes`
     read at most (413 beyond), all within `timeout`. Failures are 400s that say what went wrong."""
     try:
         async with asyncio.timeout(timeout):
-            for _ in range(MAX_REDIRECTS + 1):
-                checked = await check_url(url, param=param, allow_hosts=allow_hosts, resolve=resolve)
+            for _ in range(max_redirects + 1):
+                checked = await check_url(
+                    url, param=param, allow_hosts=allow_hosts, resolve=resolve, max_length=max_url_length
+                )
                 status, location, body = await _get_once(checked, max_bytes, param)
                 if status in _REDIRECTS and location:
                     url = urljoin(url, location)
@@ -157,7 +161,7 @@ async def fetch_bytes(
         raise InvalidRequest(f"{param}: fetching the URL took longer than {timeout:g} s.", param=param) from None
     except aiohttp.ClientError:
         raise InvalidRequest(f"{param}: the URL could not be fetched.", param=param) from None
-    raise InvalidRequest(f"{param}: the URL redirects more than {MAX_REDIRECTS} times.", param=param)
+    raise InvalidRequest(f"{param}: the URL redirects more than {max_redirects} times.", param=param)
 
 
 async def _get_once(checked: CheckedURL, max_bytes: int, param: str) -> tuple[int, str | None, bytes]:

@@ -2,8 +2,8 @@
 
 The client's key lives only in the running job's coroutine, until its result is encrypted; it is
 never stored, logged or put in an error. The plaintext is never stored either. Job state (owner,
-status, nonce, ciphertext, times) is in the store, so ready results survive a restart; jobs running
-at a restart are marked failed at the next start.
+status, nonce, ciphertext, times, the gateway that runs it) is in the store, so ready results survive a
+restart; this gateway's jobs that were running when it stopped are marked failed when it starts again.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from llmserver.errors import APIError, InvalidRequest, NotFound, ServerError, er
 from llmserver.inputs.safe_fetch import check_url
 from llmserver.jobs import crypto, webhooks
 from llmserver.settings import Settings
-from llmserver.store import JobRecord, SQLiteStore
+from llmserver.store import JobRecord, JobStore, UsageStore
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,19 @@ class JobGone(NotFound):
 
 
 class JobService:
-    def __init__(self, settings: Settings, store: SQLiteStore) -> None:
+    def __init__(self, settings: Settings, store: JobStore, usage: UsageStore) -> None:
         self.settings = settings
         self.store = store
+        self.usage = usage
+        self.gateway_id = settings.gateway_name
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         now = time.time()
-        failed = self.store.fail_interrupted_jobs(json.dumps(RESTARTED), now, now + self.settings.async_result_ttl)
+        failed = await self.store.fail_interrupted_jobs(
+            self.gateway_id, json.dumps(RESTARTED), now, now + self.settings.async_result_ttl
+        )
         if failed:
             log.warning("%d async jobs were running when the server last stopped: marked failed", failed)
         self._sweeper = asyncio.create_task(self._sweep(), name="jobs-sweep")
@@ -65,25 +69,33 @@ class JobService:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.settings.job_sweep_interval)
-            removed = self.store.delete_expired_jobs(time.time())
+            removed = await self.store.delete_expired_jobs(time.time())
             if removed:
                 log.info("removed %d expired async results", removed)
             # The usage ledger's retention rides on the same sweep.
-            old = self.store.delete_usage_before(time.time() - self.settings.usage_retention_days * 86400)
+            old = await self.usage.delete_usage_before(time.time() - self.settings.usage_retention_days * 86400)
             if old:
                 log.info("removed %d usage rows older than %.0f days", old, self.settings.usage_retention_days)
 
     # Submitting
 
-    async def submit(self, principal: Principal, work: Work, *, key: str | None, webhook_url: str | None) -> JSON:
-        """Start `work` in the background; its JSON result will be encrypted under the client's key."""
+    @staticmethod
+    def client_key(key: str | None) -> bytes:
+        """The async `key` (checked before anything else is done for the request)."""
         if key is None:
             raise InvalidRequest("Async mode needs `key`: base64 of 32 random bytes.", param="key")
-        raw_key = crypto.decode_key(key)
+        return crypto.decode_key(key)
+
+    async def submit(self, principal: Principal, work: Work, *, key: bytes, webhook_url: str | None) -> JSON:
+        """Start `work` in the background; its JSON result will be encrypted under the client's key."""
         if webhook_url is not None:
-            await check_url(webhook_url, param="webhook_url", allow_private=self.settings.webhook_allow_private)
-        task = asyncio.ensure_future(work())
-        return self._adopt(principal, task, raw_key, webhook_url)
+            await check_url(
+                webhook_url,
+                param="webhook_url",
+                allow_private=self.settings.webhook_allow_private,
+                max_length=self.settings.max_url_length,
+            )
+        return await self._adopt(principal, key, webhook_url, work)
 
     async def sync_or_fallback(self, principal: Principal, work: Work) -> JSON:
         """Run `work`; if it has not finished within sync_timeout, keep it running as an async job and
@@ -97,16 +109,21 @@ class JobService:
         if done:
             return task.result()
         key = crypto.new_key()
-        payload = self._adopt(principal, task, key, None)
+        payload = await self._adopt(principal, key, None, task)
         log.info(
             "request passed sync_timeout (%.0f s): now async job %s", self.settings.sync_timeout, payload["tracking_id"]
         )
         return {**payload, "key": crypto.b64(key)}
 
-    def _adopt(self, principal: Principal, task: asyncio.Future[JSON], key: bytes, webhook_url: str | None) -> JSON:
+    async def _adopt(
+        self, principal: Principal, key: bytes, webhook_url: str | None, task: asyncio.Future[JSON] | Work
+    ) -> JSON:
+        """Record the job, then run it (a `Work` starts only once the job is recorded)."""
         tracking_id = str(uuid.uuid4())
         nonce = crypto.new_nonce()
-        self.store.insert_job(tracking_id, principal.key_id, crypto.b64(nonce), time.time())
+        await self.store.insert_job(tracking_id, principal.key_id, crypto.b64(nonce), time.time(), self.gateway_id)
+        if not isinstance(task, asyncio.Future):
+            task = asyncio.ensure_future(task())
         runner = asyncio.create_task(
             self._finish(tracking_id, task, key, nonce, webhook_url), name=f"job-{tracking_id}"
         )
@@ -134,7 +151,7 @@ class JobService:
         finally:
             del key
         now = time.time()
-        self.store.finish_job(
+        await self.store.finish_job(
             tracking_id,
             result=result,
             error=json.dumps(error) if error is not None else None,
@@ -152,19 +169,20 @@ class JobService:
                 attempts=self.settings.webhook_max_attempts,
                 timeout=self.settings.webhook_timeout,
                 allow_private=self.settings.webhook_allow_private,
+                max_url_length=self.settings.max_url_length,
             )
 
     # Polling
 
-    def poll(self, principal: Principal, tracking_id: str) -> tuple[JSON, JobRecord | None]:
+    async def poll(self, principal: Principal, tracking_id: str) -> tuple[JSON, JobRecord | None]:
         """The poll answer, and the claimed job whose deletion waits until the answer was sent."""
         now = time.time()
-        job = self.store.job(tracking_id, principal.key_id, now)
+        job = await self.store.job(tracking_id, principal.key_id, now)
         if job is None or job.status == "claimed":
             raise JobGone()
         if job.status == "pending":
             return {"status": "pending"}, None
-        claimed = self.store.claim_job(tracking_id, principal.key_id, now)
+        claimed = await self.store.claim_job(tracking_id, principal.key_id, now, self.gateway_id)
         if claimed is None:  # another poll took it in between
             raise JobGone()
         if claimed.result is not None:
@@ -172,8 +190,8 @@ class JobService:
         error = json.loads(claimed.error) if claimed.error else ServerError("The job failed.").body()
         return {"status": "failed", "error": error.get("error", error)}, claimed
 
-    def delivered(self, job: JobRecord) -> None:
-        self.store.delete_job(job.tracking_id)
+    async def delivered(self, job: JobRecord) -> None:
+        await self.store.delete_job(job.tracking_id)
 
-    def undelivered(self, job: JobRecord) -> None:
-        self.store.release_claim(job.tracking_id)
+    async def undelivered(self, job: JobRecord) -> None:
+        await self.store.release_claim(job.tracking_id)

@@ -13,20 +13,27 @@ from typing import Any
 import aiohttp
 
 from llmserver.errors import InvalidRequest
-from llmserver.inputs.safe_fetch import check_url, post_json
+from llmserver.inputs.safe_fetch import MAX_URL_LENGTH, check_url, post_json
 
 log = logging.getLogger(__name__)
 
 
 async def deliver(
-    url: str, payload: dict[str, Any], *, attempts: int, timeout: float, allow_private: bool, first_delay: float = 0.5
+    url: str,
+    payload: dict[str, Any],
+    *,
+    attempts: int,
+    timeout: float,
+    allow_private: bool,
+    max_url_length: int = MAX_URL_LENGTH,
+    first_delay: float = 0.5,
 ) -> bool:
     """True once the receiver answered 2xx; False when it refused or every attempt failed."""
     tracking_id = payload.get("tracking_id")
     delay = first_delay
     for attempt in range(1, attempts + 1):
         try:
-            checked = await check_url(url, param="webhook_url", allow_private=allow_private)
+            checked = await check_url(url, param="webhook_url", allow_private=allow_private, max_length=max_url_length)
             status = await post_json(checked, payload, timeout=timeout)
         except InvalidRequest as exc:
             log.warning("webhook for job %s not sent: %s", tracking_id, exc.message)

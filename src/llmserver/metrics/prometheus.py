@@ -51,6 +51,12 @@ class Metrics:
         self.quota_rejections = Counter(
             "llmserver_quota_rejections", "Requests refused by a key's limits", ["type"], registry=self.registry
         )
+        self.file_extractions = Counter(
+            "llmserver_file_extractions",
+            "Uploaded files extracted in a child process, by outcome (ok, unextractable, memory, timeout, crashed)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(supervisor))
 
     def render(self) -> bytes:

@@ -11,20 +11,23 @@ import collections
 import time
 from collections.abc import Callable
 
-from llmserver.store import SQLiteStore
+from llmserver.store import UsageStore
 
 WINDOW_MINUTES = 30 * 24 * 60
 
 
 class RollingSpeed:
-    def __init__(self, store: SQLiteStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: UsageStore, clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._clock = clock
         self._buckets: dict[str, collections.OrderedDict[int, list[float]]] = collections.defaultdict(
             collections.OrderedDict
         )
         self._totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
-        for model, minute, tokens, seconds in store.speed_since(self._minute() - WINDOW_MINUTES):
+
+    async def load(self) -> None:
+        """The last 30 days' buckets from the store (at start-up)."""
+        for model, minute, tokens, seconds in await self._store.speed_since(self._minute() - WINDOW_MINUTES):
             self._add_memory(model, minute, tokens, seconds)
 
     def _minute(self) -> int:

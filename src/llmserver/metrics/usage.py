@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from llmserver.errors import InvalidRequest
-from llmserver.store import SQLiteStore
+from llmserver.store import UsageStore
 
 LATEST = datetime(9999, 12, 31, tzinfo=UTC).timestamp()
 
@@ -33,8 +33,8 @@ def parse_time(value: str | None, default: float, param: str) -> float:
     return seconds
 
 
-def summarise(store: SQLiteStore, key_id: str | None, since: float, until: float) -> dict[str, Any]:
-    rows = store.usage_rows(key_id, since, until)
+async def summarise(store: UsageStore, key_id: str | None, since: float, until: float) -> dict[str, Any]:
+    rows = await store.usage_rows(key_id, since, until)
     by_model: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.Counter())
     by_outcome: collections.Counter[str] = collections.Counter()
     prompt = completion = 0

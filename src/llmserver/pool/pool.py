@@ -3,7 +3,9 @@
 A request takes a slot on the accepting instance with the fewest requests in flight. When every
 slot is taken it waits, first come first served, in a queue of at most `max_queue`; a full queue
 is 503 at once, and a wait longer than `queue_timeout` is 504. Each released slot, and each
-instance that becomes ready, hands a slot to the longest waiter.
+instance that becomes ready, hands a slot to the longest waiter. The pool's owner (the supervisor)
+hears of pressure (requests queueing) and of instances that requests could not reach through the
+callbacks it gives.
 """
 
 from __future__ import annotations
@@ -25,11 +27,19 @@ class _Waiter:
 
 
 class ModelPool:
-    def __init__(self, config: ModelConfig, *, queue_timeout: float, on_pressure: Callable[[ModelPool], None]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        queue_timeout: float,
+        on_pressure: Callable[[ModelPool], None],
+        on_failure: Callable[[Instance], None] = lambda instance: None,
+    ) -> None:
         self.config = config
         self.instances: list[Instance] = []
         self.queue_timeout = queue_timeout
         self._on_pressure = on_pressure
+        self._on_failure = on_failure
         self._waiters: collections.deque[_Waiter] = collections.deque()
         # After an instance fails to start, automatic starts wait (doubling) before trying again.
         self.start_backoff = 0.0
@@ -92,6 +102,10 @@ class ModelPool:
     def release(self, instance: Instance, key_id: str) -> None:
         instance.end(key_id)
         self.dispatch()
+
+    def report_failure(self, instance: Instance) -> None:
+        """A request could not reach this instance: the pool's owner decides whether it died."""
+        self._on_failure(instance)
 
     def dispatch(self) -> None:
         """Hand free slots to the longest waiters (after a release, or when an instance became ready)."""

@@ -1,55 +1,53 @@
-"""Admission and routing: the per-key concurrency limit, then a slot from the model's pool.
+"""Routing: a request's slot on an instance of its model, as a lease it holds until it is done.
 
-Both checks run before anything is sent to an instance, so before any prompt is templated or
-tokenized. The lease holds the slot (and the key's count) until the request is over.
+The router only finds pools and hands out leases. An instance that a request could not reach is
+reported to its pool, whose owner (the supervisor) decides what that means.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
 
-from llmserver.auth.keys import Principal
-from llmserver.errors import RateLimited
+from llmserver.errors import ModelNotFound
 from llmserver.pool.instance import Instance
 from llmserver.pool.pool import ModelPool
-from llmserver.pool.supervisor import Supervisor
+
+
+class Lease:
+    """One request's slot on an instance of one model: taken, perhaps replaced once, released."""
+
+    def __init__(self, pool: ModelPool, key_id: str) -> None:
+        self.pool = pool
+        self.key_id = key_id
+        self.instance: Instance | None = None
+
+    async def acquire(self) -> Instance:
+        """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout)."""
+        assert self.instance is None, "a lease holds one slot at a time"
+        self.instance = await self.pool.acquire(self.key_id)
+        return self.instance
+
+    def release(self) -> None:
+        if self.instance is not None:
+            instance, self.instance = self.instance, None
+            self.pool.release(instance, self.key_id)
+
+    def failed(self) -> None:
+        """The instance could not be reached: report it to its pool, give the slot back."""
+        if self.instance is not None:
+            self.pool.report_failure(self.instance)
+        self.release()
 
 
 class Router:
-    def __init__(self, supervisor: Supervisor, max_concurrency_per_key: int) -> None:
-        self._supervisor = supervisor
-        self._max_per_key = max_concurrency_per_key
-        self._per_key: collections.Counter[str] = collections.Counter()
+    def __init__(self, pools: Mapping[str, ModelPool]) -> None:
+        self._pools = pools
 
-    def check_model(self, name: str) -> ModelPool:
-        return self._supervisor.pool(name)
-
-    @asynccontextmanager
-    async def lease(self, model: str, principal: Principal) -> AsyncIterator[Instance]:
-        pool = self._supervisor.pool(model)
-        key = principal.key_id
-        limit = principal.limits.max_concurrency or self._max_per_key
-        if self._per_key[key] >= limit:
-            raise RateLimited(
-                f"This API key already has {self._per_key[key]} requests in flight, its limit. "
-                "Retry when one has finished.",
-                retry_after=1,
-            )
-        self._per_key[key] += 1
+    def pool(self, model: str) -> ModelPool:
         try:
-            instance = await pool.acquire(key)
-            try:
-                yield instance
-            finally:
-                pool.release(instance, key)
-        finally:
-            self._per_key[key] -= 1
-            if self._per_key[key] <= 0:
-                del self._per_key[key]
+            return self._pools[model]
+        except KeyError:
+            raise ModelNotFound(f"The model {model!r} does not exist.", param="model") from None
 
-    def instance_failed(self, instance: Instance) -> None:
-        """A request could not reach its instance: if the process is gone, take it out of service now."""
-        if instance.exited and instance.process is not None:
-            self._supervisor.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
+    def lease(self, model: str, key_id: str) -> Lease:
+        return Lease(self.pool(model), key_id)

@@ -3,8 +3,8 @@
 A small loop (`tick`, every `check_interval` seconds):
 - an instance whose process died is marked failed and restarted in its slot with exponential
   backoff, until it has crashed `restart_max_failures` times within `restart_window`;
-- every `health_interval`, each instance must answer a real /health probe in time; three misses
-  in a row count as a crash (a hung process is killed and replaced);
+- every `health_interval`, each instance must answer a real /health probe in time;
+  `health_probe_misses` in a row count as a crash (a hung process is killed and replaced);
 - RAM and CPU of each process are sampled;
 - a pool below `min_instances` gets a new instance; an instance above `min_instances` that has been
   idle for `idle_timeout` is drained and stopped.
@@ -30,16 +30,15 @@ from llmserver.settings import Settings
 
 log = logging.getLogger(__name__)
 
-MAX_RESTART_DELAY = 30.0
-PROBE_MISSES_ALLOWED = 3
-
 
 class Supervisor:
     def __init__(self, settings: Settings, *, check_interval: float = 0.5) -> None:
         self.settings = settings
         self.check_interval = check_interval
         self.pools: dict[str, ModelPool] = {
-            m.name: ModelPool(m, queue_timeout=settings.queue_timeout, on_pressure=self.scale_up)
+            m.name: ModelPool(
+                m, queue_timeout=settings.queue_timeout, on_pressure=self.scale_up, on_failure=self.unreachable
+            )
             for m in settings.models
         }
         budget = settings.memory_budget_mb or int(psutil.virtual_memory().total / 2**20 * 0.8)
@@ -179,7 +178,7 @@ class Supervisor:
             await self._add_instance(pool)
             pool.start_backoff = 0.0
         except InstanceStartError:
-            pool.start_backoff = min(MAX_RESTART_DELAY * 10, max(1.0, pool.start_backoff * 2))
+            pool.start_backoff = min(self.settings.restart_max_delay * 10, max(1.0, pool.start_backoff * 2))
             pool.next_start_at = time.monotonic() + pool.start_backoff
             log.error("automatic start of a %s instance failed; next try in %.0f s", pool.name, pool.start_backoff)
 
@@ -237,6 +236,12 @@ class Supervisor:
             self._keep_strength(pool)
             self._reap_idle(pool)
 
+    def unreachable(self, instance: Instance) -> None:
+        """A request could not reach an instance: if its process is gone, take it out of service now
+        rather than at the next tick."""
+        if instance.exited and instance.process is not None:
+            self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
+
     def crashed(self, instance: Instance, why: str) -> None:
         """Take a dead or hung instance out of service and restart it, or give it up."""
         if instance.restarting or instance.status in (Status.STOPPED, Status.DRAINING):
@@ -247,7 +252,9 @@ class Supervisor:
             return
         log.error("instance %s (%s) %s; restarting it", instance.id, instance.model.name, why)
         instance.restarting = True
-        self._spawn(self._restart(instance, delay=min(MAX_RESTART_DELAY, 0.5 * 2 ** (len(instance.crashes) - 1))))
+        self._spawn(
+            self._restart(instance, delay=min(self.settings.restart_max_delay, 0.5 * 2 ** (len(instance.crashes) - 1)))
+        )
 
     def _give_up(self, instance: Instance, why: str) -> bool:
         """Count a failure; True (and say so in the log) once there are too many within the window."""
@@ -278,7 +285,7 @@ class Supervisor:
                     instance.status = Status.FAILED
                     if self._give_up(instance, "failed to restart"):
                         return
-                    delay = min(MAX_RESTART_DELAY, delay * 2)
+                    delay = min(self.settings.restart_max_delay, delay * 2)
                     log.error("restart of instance %s failed; next try in %.1f s", instance.id, delay)
         finally:
             instance.restarting = False
@@ -292,7 +299,7 @@ class Supervisor:
         misses = self._probe_misses.get(instance.id, 0) + 1
         self._probe_misses[instance.id] = misses
         log.warning("instance %s missed a health probe (%d in a row)", instance.id, misses)
-        if misses >= PROBE_MISSES_ALLOWED:
+        if misses >= self.settings.health_probe_misses:
             self._probe_misses.pop(instance.id, None)
             self.crashed(instance, f"did not answer {misses} health probes in a row")
 

@@ -67,4 +67,27 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (model, minute)
     );
     """,
+    # 4: state that names its gateway. A quota reservation is held per (key, window, gateway), so that
+    # a gateway clears only its own at start-up; a job records the gateway that runs it (its key lives
+    # only in that process) and the one that claimed its result. Jobs pending before this migration
+    # were interrupted: failed.
+    """
+    CREATE TABLE quota_reservations (
+        key_id       TEXT NOT NULL,
+        period_start TEXT NOT NULL,
+        gateway_id   TEXT NOT NULL,
+        amount       INTEGER NOT NULL,
+        PRIMARY KEY (key_id, period_start, gateway_id)
+    );
+    CREATE INDEX quota_reservations_by_gateway ON quota_reservations (gateway_id);
+    ALTER TABLE quota_usage DROP COLUMN reserved;
+    ALTER TABLE jobs ADD COLUMN gateway_id TEXT NOT NULL DEFAULT '';
+    ALTER TABLE jobs ADD COLUMN claimed_by TEXT;
+    CREATE INDEX jobs_by_gateway ON jobs (gateway_id, status);
+    UPDATE jobs SET status = 'failed',
+        error = '{"error": {"message": "The server restarted while this job was running: submit it again.",'
+                || ' "type": "server_error", "code": 500}}',
+        finished_at = created_at, expires_at = created_at + 3600
+        WHERE status = 'pending';
+    """,
 ]

@@ -1,0 +1,94 @@
+"""The instance call: a request sent to llama-server on its ticket's slot, under the one retry policy.
+
+A request is sent at most `instance_attempts` times (2 by default), and again only when the instance
+could not be reached or dropped the connection before answering; for a stream, only before its
+first event, when nothing has reached the client. llama-server may close a kept-alive connection
+just as the next request is written on it (measured: 40% of requests sent within 1 ms of a
+stream's end), so the second attempt is common and quiet. Before it, the instance is reported to
+its pool (the supervisor takes a dead one out of service) and a fresh slot is taken, perhaps on
+another instance. Each attempt is bounded by `request_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from llmserver.engine.client import LlamaServerClient
+from llmserver.errors import GatewayTimeout, InstanceUnavailable, UpstreamError
+from llmserver.pool.admission import Admission, Ticket
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+
+
+class InstanceCalls:
+    def __init__(self, admission: Admission, *, attempts: int, timeout: float) -> None:
+        self._admission = admission
+        self.attempts = attempts
+        self.timeout = timeout
+
+    async def call(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
+        """One non-streamed call's JSON answer."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                async with self._deadline():
+                    return await _client(ticket).post_json(path, payload)
+            except InstanceUnavailable:
+                if attempt == self.attempts:
+                    raise
+                await self._next_slot(ticket, attempt)
+        raise AssertionError("unreachable")
+
+    async def open_stream(self, ticket: Ticket, path: str, payload: JSON) -> tuple[JSON, AsyncGenerator[JSON]]:
+        """A streamed call's first event, and the rest of its events (the caller closes them)."""
+        for attempt in range(1, self.attempts + 1):
+            events = self._events(ticket, path, payload)
+            try:
+                return await anext(events), events
+            except StopAsyncIteration:
+                raise UpstreamError("The instance closed the stream without sending anything.") from None
+            except InstanceUnavailable:
+                await events.aclose()
+                if attempt == self.attempts:
+                    raise
+                await self._next_slot(ticket, attempt)
+            except BaseException:
+                await events.aclose()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _events(self, ticket: Ticket, path: str, payload: JSON) -> AsyncGenerator[JSON]:
+        async with self._deadline():
+            async for event in _client(ticket).stream(path, payload):
+                yield event
+
+    async def _next_slot(self, ticket: Ticket, attempt: int) -> None:
+        instance = ticket.lease.instance
+        died = instance is not None and instance.exited
+        log.log(
+            logging.WARNING if died else logging.DEBUG,
+            "instance %s %s under a request; sending it again (attempt %d of %d)",
+            ticket.tally.instance_id, "died" if died else "dropped the connection", attempt + 1, self.attempts,
+        )  # fmt: skip
+        ticket.lease.failed()
+        await self._admission.take_slot(ticket)
+
+    @asynccontextmanager
+    async def _deadline(self) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self.timeout):
+                yield
+        except TimeoutError:
+            raise GatewayTimeout(f"The generation did not finish within {self.timeout:.0f} s.") from None
+
+
+def _client(ticket: Ticket) -> LlamaServerClient:
+    instance = ticket.lease.instance
+    if instance is None or instance.client is None:
+        raise InstanceUnavailable("The instance went away.")
+    return instance.client

@@ -1,0 +1,157 @@
+"""Admission: one service decides a request's fate before any of its input is touched.
+
+The order, cheapest first, every check before any image is fetched or decoded, any file decoded or
+extracted, or any prompt templated:
+
+    the model exists → the key's requests per minute → the key's requests in flight
+      → a quota reservation sized from what the request holds → the model's queue lease (a slot)
+
+Each refusal is immediate (429 with Retry-After, or 503/504 from the queue) and leaves nothing
+behind. What was taken is held by the request's `Ticket` and given back, once, when it closes:
+the slot, the place in flight, and the reservation, settled to what the request really used.
+The slot is taken separately (`take_slot`), so that an async job is admitted when it is submitted
+and waits for its slot in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from llmserver.auth.keys import Principal
+from llmserver.auth.limiters import ConcurrencyLimiter, RateLimiter
+from llmserver.auth.quota import QuotaService
+from llmserver.errors import APIError, RateLimited
+from llmserver.metrics.prometheus import Metrics
+from llmserver.metrics.recorder import Tally, UsageRecorder
+from llmserver.pool.router import Lease, Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """What an admitted request holds until it closes; its tally is filled in as it runs."""
+
+    tally: Tally
+    lease: Lease
+    admission: Admission = field(repr=False)
+
+    @property
+    def model(self) -> str:
+        return self.tally.model
+
+    def close(self, outcome: str) -> None:
+        """Give back the slot and the place in flight, settle the quota, record the request (once)."""
+        self.admission.finish(self, outcome)
+
+
+def _check_rate(principal: Principal, wait: float | None) -> None:
+    if wait is not None:
+        raise RateLimited(
+            f"This API key is limited to {principal.limits.rpm} requests per minute.",
+            retry_after=max(1, math.ceil(wait)),
+        )
+
+
+def _check_places(held: int, limit: int) -> None:
+    if held >= limit:
+        raise RateLimited(
+            f"This API key already has {held} requests in flight, its limit. Retry when one has finished.",
+            retry_after=1,
+        )
+
+
+def outcome_of(exc: BaseException) -> str:
+    """The ledger's outcome for a request that ended with this exception."""
+    if isinstance(exc, APIError):
+        return exc.type
+    return "cancelled" if not isinstance(exc, Exception) else "server_error"
+
+
+class Admission:
+    def __init__(
+        self,
+        router: Router,
+        rate: RateLimiter,
+        concurrency: ConcurrencyLimiter,
+        quota: QuotaService,
+        recorder: UsageRecorder,
+        metrics: Metrics,
+        *,
+        default_concurrency: int,
+    ) -> None:
+        self._router = router
+        self._rate = rate
+        self._concurrency = concurrency
+        self._quota = quota
+        self._recorder = recorder
+        self._metrics = metrics
+        self._default_concurrency = default_concurrency
+
+    async def precheck(self, principal: Principal) -> None:
+        """Before a large body is even read: a key at its requests per minute or in flight, or with
+        no quota left, is refused now, taking nothing (the body could only make the answer worse)."""
+        key = principal.key_id
+        try:
+            if principal.limits.rpm is not None:
+                _check_rate(principal, await self._rate.wait(key, principal.limits.rpm))
+            _check_places(await self._concurrency.held(key), self._places(principal))
+            if principal.limits.quota_tokens is not None and self._recorder.settling(key):
+                await self._recorder.flush()
+            await self._quota.exhausted(principal)
+        except APIError as exc:
+            self._metrics.quota_rejections.labels(exc.type).inc()
+            raise
+
+    def _places(self, principal: Principal) -> int:
+        return principal.limits.max_concurrency or self._default_concurrency
+
+    async def admit(self, principal: Principal, endpoint: str, model: str, tokens: int) -> Ticket:
+        """Every check but the slot, in order; a ticket holding the place in flight and the reservation."""
+        lease = self._router.lease(model, principal.key_id)
+        key = principal.key_id
+        try:
+            if principal.limits.rpm is not None:
+                _check_rate(principal, await self._rate.hit(key, principal.limits.rpm))
+            held = await self._concurrency.acquire(key, self._places(principal))
+            if held is not None:
+                _check_places(held, held)
+            try:
+                if principal.limits.quota_tokens is not None and self._recorder.settling(key):
+                    await self._recorder.flush()  # this key's last request first: its quota is exact
+                reservation = await self._quota.reserve(principal, tokens)
+            except BaseException:
+                self._concurrency.release(key)
+                raise
+        except APIError as exc:
+            self._metrics.quota_rejections.labels(exc.type).inc()
+            raise
+        return Ticket(Tally(principal, endpoint, model, reservation), lease, self)
+
+    async def take_slot(self, ticket: Ticket) -> None:
+        """The model's queue lease: wait for a slot (503 when the queue is full, 504 past its timeout)."""
+        try:
+            instance = await ticket.lease.acquire()
+        except BaseException as exc:
+            ticket.close(outcome_of(exc))
+            raise
+        ticket.tally.instance_id = instance.id
+
+    async def resize(self, ticket: Ticket, tokens: int) -> None:
+        """Hold `tokens` instead, now that the inputs are known (429 insufficient_quota if it grew
+        past what is left): before anything reaches an instance."""
+        try:
+            await self._quota.adjust(ticket.tally.reservation, tokens)
+        except APIError as exc:
+            self._metrics.quota_rejections.labels(exc.type).inc()
+            raise
+
+    def finish(self, ticket: Ticket, outcome: str) -> None:
+        tally = ticket.tally
+        if tally.closed:
+            return
+        ticket.lease.release()
+        self._concurrency.release(tally.principal.key_id)
+        self._recorder.close(tally, outcome)

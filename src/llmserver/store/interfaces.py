@@ -1,0 +1,175 @@
+"""The state the gateway keeps, as named interfaces: keys, quota counters, the usage ledger and speed
+buckets, async jobs. Services depend on these protocols; the wiring (`open_store`) picks the engine.
+
+Every method is a coroutine: an implementation may wait on a disk or a network, never on the
+caller's event loop. Quota reservations and running jobs carry the id of the gateway process that
+owns them, so that a gateway clears only its own at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    quota_tokens: int | None = None
+    quota_period: str | None = None  # day | month | total
+    rpm: int | None = None
+    max_concurrency: int | None = None
+
+
+NO_LIMITS = KeyLimits()
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    id: str
+    name: str
+    fingerprint: str
+    is_admin: bool
+    created_at: str
+    revoked_at: str | None
+    limits: KeyLimits = NO_LIMITS
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    tracking_id: str
+    key_id: str
+    status: str  # pending | ready | failed | claimed (being handed to its one reader)
+    nonce: str
+    result: str | None
+    error: str | None
+    created_at: float
+    expires_at: float | None
+
+
+@dataclass(frozen=True)
+class QuotaGrant:
+    """The answer to a reservation: granted or not, and the window's counts as the store saw them."""
+
+    granted: bool
+    used: int
+    reserved: int
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """A finished request's quota: release `reserved` (held by `gateway_id`), charge `used`."""
+
+    key_id: str
+    period_start: str
+    gateway_id: str
+    reserved: int
+    used: int
+
+
+@dataclass
+class UsageBatch:
+    """What finished requests leave behind, written together: ledger rows, speed-bucket increments
+    (model, minute, tokens, seconds) and quota settlements."""
+
+    rows: list[dict[str, object]] = field(default_factory=list)
+    speeds: list[tuple[str, int, float, float]] = field(default_factory=list)
+    settlements: list[Settlement] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows or self.speeds or self.settlements)
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class KeyStore(Protocol):
+    async def insert_key(
+        self, key_id: str, name: str, key_hash: str, fingerprint: str, is_admin: bool, limits: KeyLimits = NO_LIMITS
+    ) -> KeyRecord: ...
+
+    async def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool: ...
+
+    async def key_by_hash(self, key_hash: str) -> KeyRecord | None: ...
+
+    async def key_by_id(self, key_id: str) -> KeyRecord | None: ...
+
+    async def list_keys(self) -> list[KeyRecord]: ...
+
+    async def revoke_key(self, key_id: str) -> bool:
+        """Mark a key revoked; False when no active key has that id."""
+        ...
+
+
+class QuotaStore(Protocol):
+    async def quota_reserve(
+        self, key_id: str, period_start: str, gateway_id: str, amount: int, limit: int
+    ) -> QuotaGrant:
+        """Atomically add `amount` to this gateway's reservation if used + all reservations + amount ≤ limit."""
+        ...
+
+    async def quota_release(self, key_id: str, period_start: str, gateway_id: str, amount: int) -> None:
+        """Give back part of this gateway's reservation (never below zero)."""
+        ...
+
+    async def quota_counts(self, key_id: str, period_start: str) -> tuple[int, int]:
+        """(used, reserved by every gateway) in one window."""
+        ...
+
+    async def quota_clear_reservations(self, gateway_id: str) -> int:
+        """At start-up: drop what this gateway had reserved when it stopped; the count of rows dropped."""
+        ...
+
+
+class UsageStore(Protocol):
+    async def record(self, batch: UsageBatch) -> None:
+        """Ledger rows, speed increments and quota settlements, in one transaction."""
+        ...
+
+    async def usage_rows(self, key_id: str | None, since: float, until: float) -> list[dict[str, object]]: ...
+
+    async def delete_usage_before(self, moment: float) -> int: ...
+
+    async def speed_since(self, minute: int) -> list[tuple[str, int, int, float]]:
+        """Speed buckets (model, minute, tokens, seconds) from `minute` on; older ones are deleted."""
+        ...
+
+
+class JobStore(Protocol):
+    async def insert_job(self, tracking_id: str, key_id: str, nonce: str, now: float, gateway_id: str) -> None: ...
+
+    async def finish_job(
+        self, tracking_id: str, *, result: str | None, error: str | None, now: float, expires_at: float
+    ) -> None: ...
+
+    async def job(self, tracking_id: str, key_id: str, now: float) -> JobRecord | None:
+        """The caller's own job, unless it expired; None for anyone else's."""
+        ...
+
+    async def claim_job(self, tracking_id: str, key_id: str, now: float, gateway_id: str) -> JobRecord | None:
+        """Atomically take a finished job for one reader: a concurrent poll finds it claimed."""
+        ...
+
+    async def release_claim(self, tracking_id: str) -> None:
+        """The claimed result did not reach its reader: make it pollable again."""
+        ...
+
+    async def delete_job(self, tracking_id: str) -> None: ...
+
+    async def delete_expired_jobs(self, now: float) -> int: ...
+
+    async def fail_interrupted_jobs(self, gateway_id: str, error: str, now: float, expires_at: float) -> int:
+        """At start-up: this gateway's jobs that were running when it stopped can never finish (their key
+        is gone): failed. Its claims that were not delivered become pollable again."""
+        ...
+
+
+class Store(KeyStore, QuotaStore, UsageStore, JobStore, Protocol):
+    """Everything at once: what `open_store` returns."""
+
+    async def close(self) -> None: ...

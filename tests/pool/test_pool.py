@@ -1,0 +1,126 @@
+"""The model pool's queue and the scale-up rule, on pool objects without processes behind them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from llmserver.engine.client import LlamaServerClient
+from llmserver.errors import GatewayTimeout, Overloaded
+from llmserver.pool.instance import Instance, Status
+from llmserver.pool.pool import ModelPool
+from llmserver.pool.supervisor import Supervisor
+from llmserver.settings import ModelConfig, Settings
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+async def ready_instance(model: ModelConfig, port: int) -> Instance:
+    instance = Instance(model=model, host="127.0.0.1", port=port, log_path=Path("/dev/null"))
+    instance.client = LlamaServerClient(instance.base_url)  # never called here
+    instance.status = Status.READY
+    return instance
+
+
+def make_pool(max_queue: int = 2, queue_timeout: float = 5.0, parallel: int = 1) -> tuple[ModelPool, list[ModelPool]]:
+    pressured: list[ModelPool] = []
+    config = ModelConfig(name="m", parallel=parallel, max_queue=max_queue)
+    return ModelPool(config, queue_timeout=queue_timeout, on_pressure=pressured.append), pressured
+
+
+def test_least_loaded_instance_then_fifo_queue_then_503() -> None:
+    async def scenario() -> None:
+        pool, pressured = make_pool(max_queue=2, parallel=2)
+        a, b = await ready_instance(pool.config, 1), await ready_instance(pool.config, 2)
+        pool.instances += [a, b]
+        assert await pool.acquire("k1") is a
+        assert await pool.acquire("k2") is b  # the least loaded
+        assert await pool.acquire("k1") is a
+        assert await pool.acquire("k3") is b
+        assert (a.status, b.status, len(a.users)) == (Status.BUSY, Status.BUSY, 1)
+        first = asyncio.create_task(pool.acquire("w1"))
+        second = asyncio.create_task(pool.acquire("w2"))
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 2 and pressured == [pool, pool]
+        with pytest.raises(Overloaded) as caught:
+            await pool.acquire("w3")
+        assert caught.value.headers["Retry-After"] == "2"
+        pool.release(b, "k2")
+        assert await first is b  # first come, first served
+        pool.release(a, "k1")
+        assert await second is a
+        assert pool.queue_depth == 0
+        for instance in (a, b):
+            assert instance.client is not None
+            await instance.client.close()
+
+    run(scenario)
+
+
+def test_queue_wait_times_out_with_504_and_cancelled_waiters_leak_nothing() -> None:
+    async def scenario() -> None:
+        pool, _ = make_pool(queue_timeout=0.2)
+        only = await ready_instance(pool.config, 1)
+        pool.instances.append(only)
+        await pool.acquire("busy")
+        with pytest.raises(GatewayTimeout):
+            await pool.acquire("patient")
+        waiter = asyncio.create_task(pool.acquire("leaver"))
+        await asyncio.sleep(0)
+        pool.release(only, "busy")  # hands the slot to the waiter ...
+        waiter.cancel()  # ... which leaves before it could use it
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert only.in_flight == 0 and only.status == Status.READY and not only.users
+        assert only.client is not None
+        await only.client.close()
+
+    run(scenario)
+
+
+def test_scale_up_respects_max_instances_and_memory_budget() -> None:
+    async def scenario() -> None:
+        model = ModelConfig(name="m", min_instances=1, max_instances=2)
+        supervisor = Supervisor(Settings(models=[model], memory_budget_mb=1000))
+        pool = supervisor.pools["m"]
+        running = await ready_instance(pool.config, 1)
+        running.ram_used_mb = 600
+        pool.instances.append(running)
+        supervisor.scale_up(pool)  # 600 in use + ~600 for another > 1000
+        assert len(pool.instances) == 1 and not supervisor._tasks
+        running.ram_used_mb = 400
+        pool.instances.append(await ready_instance(pool.config, 2))
+        supervisor.scale_up(pool)  # at max_instances: nothing to do
+        assert not supervisor._tasks
+        for instance in pool.instances:
+            assert instance.client is not None
+            await instance.client.close()
+
+    run(scenario)
+
+
+def test_no_running_instance_is_503_at_once() -> None:
+    async def scenario() -> None:
+        pool, _ = make_pool(queue_timeout=30)
+        given_up = await ready_instance(pool.config, 1)
+        given_up.status = Status.FAILED
+        pool.instances.append(given_up)
+        with pytest.raises(Overloaded) as caught:
+            await pool.acquire("k")
+        assert "No instance" in caught.value.message and caught.value.headers["Retry-After"] == "30"
+        given_up.restarting = True  # coming back: wait for it instead
+        waiter = asyncio.create_task(pool.acquire("k"))
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 1
+        given_up.restarting, given_up.status = False, Status.READY
+        pool.dispatch()
+        assert await waiter is given_up
+        assert given_up.client is not None
+        await given_up.client.close()
+
+    run(scenario)
