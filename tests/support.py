@@ -191,3 +191,51 @@ def make_key(data_dir: Path, name: str, admin: bool = False, **limits: object) -
             await store.close()
 
     return asyncio.run(create())
+
+
+def make_key_record(data_dir: Path, name: str, **limits: object) -> tuple[str, str]:
+    """A key written into the server's database: (its id, the key)."""
+    import asyncio
+
+    from llmserver.auth.keys import KeyService
+    from llmserver.store import KeyLimits
+    from llmserver.store.sqlite import SQLiteStore
+
+    async def create() -> tuple[str, str]:
+        store = SQLiteStore(data_dir / "llmserver.db")
+        try:
+            record, key = await KeyService(store).create(name, limits=KeyLimits(**limits))  # type: ignore[arg-type]
+            return record.id, key
+        finally:
+            await store.close()
+
+    return asyncio.run(create())
+
+
+def use_total_quota(data_dir: Path, key_id: str, tokens: int) -> None:
+    """Charge `tokens` to a key's total quota, as finished requests would have."""
+    import asyncio
+
+    from llmserver.store import Settlement, UsageBatch
+    from llmserver.store.sqlite import SQLiteStore
+
+    async def charge() -> None:
+        store = SQLiteStore(data_dir / "llmserver.db")
+        try:
+            await store.record(UsageBatch(settlements=[Settlement(key_id, "total", "tests", 0, tokens)]))
+        finally:
+            await store.close()
+
+    asyncio.run(charge())
+
+
+def metric(server: Server, admin_key: str, name: str, **labels: str) -> float:
+    """One sample of the server's /metrics (0 when it has none yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {admin_key}"}).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0

@@ -4,6 +4,8 @@ mmproj (random weights, see tests/vision_model.py), encodes each image and count
 from __future__ import annotations
 
 import re
+import statistics
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 from tests import images
 from tests.e2e.test_errors import assert_error
 from tests.local_http import LocalHTTPServer, QuietHandler
-from tests.support import MODEL, Server, create_key
+from tests.support import MODEL, Server, create_key, make_key_record, use_total_quota
 from tests.vision_model import IMAGE_TOKENS, write_vision_model
 
 # This module starts a server of its own (two models, one vision-capable): selected out by -m 'not slow'.
@@ -188,3 +190,29 @@ def test_files_are_checked_before_any_image_is_fetched(client: httpx.Client, ima
     native = {"model": VISION, "prompt": "Hi", "images": [image_server + "/photo.png"], "files": [bad_file]}
     assert_error(client.post("/api/generate", json=native), 400, "invalid_request_error")
     assert ImageFiles.hits == before
+
+
+def test_keys_over_quota_or_rpm_never_make_the_server_fetch(vision_server: Server, image_server: str) -> None:
+    spent_id, spent = make_key_record(vision_server.data_dir, "spent", quota_tokens=100, quota_period="total")
+    use_total_quota(vision_server.data_dir, spent_id, 100)
+    _, hasty = make_key_record(vision_server.data_dir, "hasty", rpm=1)
+    body = chat(*[images.image_part(image_server + "/photo.png")] * 4)
+    before = ImageFiles.hits
+    assert httpx.post(
+        vision_server.url + "/v1/chat/completions", json=body, headers=bearer(hasty), timeout=60
+    ).is_success
+    assert ImageFiles.hits == before + 4  # a key with room: the four URLs are fetched
+    for key, type_ in ((spent, "insufficient_quota"), (hasty, "rate_limit_error")):
+        seconds = []
+        for _ in range(20):
+            started = time.perf_counter()
+            response = httpx.post(vision_server.url + "/v1/chat/completions", json=body, headers=bearer(key))
+            seconds.append(time.perf_counter() - started)
+            assert_error(response, 429, type_)
+        print(f"\n429 for 4 image URLs ({type_}): p50 {statistics.median(seconds) * 1000:.1f} ms")
+        assert statistics.median(seconds) < 0.1
+    assert ImageFiles.hits == before + 4  # the URL server saw nothing of the 40 refused requests
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

@@ -10,7 +10,7 @@ import pytest
 
 from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import GatewayTimeout, Overloaded
-from llmserver.pool.instance import Instance, Status
+from llmserver.pool.instance import Instance, Status, slot_context
 from llmserver.pool.pool import ModelPool
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import ModelConfig, Settings
@@ -124,3 +124,9 @@ def test_no_running_instance_is_503_at_once() -> None:
         await given_up.client.close()
 
     run(scenario)
+
+
+def test_slot_context_is_what_llama_cpp_gives_each_slot() -> None:
+    assert slot_context(ModelConfig(name="m", ctx_size=4096, parallel=4)) == 4096
+    assert slot_context(ModelConfig(name="m", ctx_size=128, parallel=1)) == 256  # padded to 256 in all
+    assert slot_context(ModelConfig(name="m", ctx_size=1000, parallel=4)) == 1024

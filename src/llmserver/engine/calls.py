@@ -39,9 +39,7 @@ class InstanceCalls:
                 async with self._deadline():
                     return await _client(ticket).post_json(path, payload)
             except InstanceUnavailable:
-                if attempt == self.attempts:
-                    raise
-                await self._next_slot(ticket, attempt)
+                await self._after_failure(ticket, attempt)
         raise AssertionError("unreachable")
 
     async def open_stream(self, ticket: Ticket, path: str, payload: JSON) -> tuple[JSON, AsyncGenerator[JSON]]:
@@ -54,9 +52,7 @@ class InstanceCalls:
                 raise UpstreamError("The instance closed the stream without sending anything.") from None
             except InstanceUnavailable:
                 await events.aclose()
-                if attempt == self.attempts:
-                    raise
-                await self._next_slot(ticket, attempt)
+                await self._after_failure(ticket, attempt)
             except BaseException:
                 await events.aclose()
                 raise
@@ -67,15 +63,21 @@ class InstanceCalls:
             async for event in _client(ticket).stream(path, payload):
                 yield event
 
-    async def _next_slot(self, ticket: Ticket, attempt: int) -> None:
+    async def _after_failure(self, ticket: Ticket, attempt: int) -> None:
+        """Report the instance to its pool and give its slot back; then raise on the last attempt, or
+        take a fresh slot for the next one."""
         instance = ticket.lease.instance
         died = instance is not None and instance.exited
+        again = attempt < self.attempts
         log.log(
-            logging.WARNING if died else logging.DEBUG,
-            "instance %s %s under a request; sending it again (attempt %d of %d)",
-            ticket.tally.instance_id, "died" if died else "dropped the connection", attempt + 1, self.attempts,
+            logging.WARNING if died or not again else logging.DEBUG,
+            "instance %s %s under a request (attempt %d of %d)%s",
+            ticket.tally.instance_id, "died" if died else "dropped the connection", attempt, self.attempts,
+            "; sending it again" if again else "",
         )  # fmt: skip
         ticket.lease.failed()
+        if not again:
+            raise InstanceUnavailable("The model instance could not be reached or closed the connection.")
         await self._admission.take_slot(ticket)
 
     @asynccontextmanager

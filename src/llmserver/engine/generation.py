@@ -31,6 +31,7 @@ from llmserver.inputs.documents import native_file_parts
 from llmserver.inputs.prepare import CHAT, InputService, NativeWhere, Where, text_bound
 from llmserver.metrics.recorder import UsageRecorder
 from llmserver.pool.admission import Admission, Ticket, outcome_of
+from llmserver.pool.instance import slot_context
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
 from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest, TextPart
 from llmserver.settings import Settings
@@ -70,7 +71,7 @@ class GenerationService:
         self.default_max_tokens = settings.default_max_tokens
         self.max_tokens_limit = settings.max_tokens_limit
         # A request's prompt and completion together never exceed its slot's context.
-        self._context = {model.name: model.ctx_size for model in settings.models}
+        self._context = {model.name: slot_context(model) for model in settings.models}
 
     # Step 1: admission, for every endpoint
 

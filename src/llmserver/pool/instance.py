@@ -82,6 +82,13 @@ def llama_server_args(
     ]  # fmt: skip
 
 
+def slot_context(model: ModelConfig) -> int:
+    """The tokens one request can hold, prompt and completion together: llama.cpp pads the context
+    it is given (ctx_size × parallel) to a multiple of 256 and shares it among the slots. Context
+    shift is off in this build: generation stops there (measured: -c 128 gave 256 tokens in all)."""
+    return -(-model.ctx_size * model.parallel // 256) * 256 // model.parallel
+
+
 @dataclass(eq=False)
 class Instance:
     model: ModelConfig

@@ -244,7 +244,7 @@ class Supervisor:
 
     def crashed(self, instance: Instance, why: str) -> None:
         """Take a dead or hung instance out of service and restart it, or give it up."""
-        if instance.restarting or instance.status in (Status.STOPPED, Status.DRAINING):
+        if instance.restarting or instance.status in (Status.STOPPED, Status.DRAINING, Status.FAILED):
             return
         instance.status = Status.FAILED
         if self._give_up(instance, why):

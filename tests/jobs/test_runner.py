@@ -1,0 +1,142 @@
+"""The job runner on a real SQLite store: results encrypted and handed out once, failures kept,
+a restart failing only this gateway's running jobs, and the sync→async fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nacl.bindings import crypto_aead_xchacha20poly1305_ietf_decrypt
+
+from llmserver.auth.keys import Principal
+from llmserver.errors import InvalidRequest
+from llmserver.jobs import crypto
+from llmserver.jobs.runner import JobGone, JobService
+from llmserver.settings import Settings
+from llmserver.store.sqlite import SQLiteStore
+
+ALICE = Principal("key_a", "alice", "aaaaaaaa", False)
+BOB = Principal("key_b", "bob", "bbbbbbbb", False)
+
+
+@asynccontextmanager
+async def runner(tmp_path: Path, gateway: str = "gw1", **options: Any) -> AsyncIterator[JobService]:
+    store = SQLiteStore(tmp_path / "jobs.db")
+    service = JobService(Settings(data_dir=tmp_path, gateway_id=gateway, **options), store, store)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+        await store.close()
+
+
+async def poll_until_done(service: JobService, who: Principal, tracking_id: str) -> dict[str, Any]:
+    for _ in range(500):
+        answer, claimed = await service.poll(who, tracking_id)
+        if claimed is not None:
+            await service.delivered(claimed)
+            return answer
+        await asyncio.sleep(0.01)
+    raise AssertionError("the job never finished")
+
+
+def decrypt(result: str, key: bytes, nonce: str) -> dict[str, Any]:
+    plain = crypto_aead_xchacha20poly1305_ietf_decrypt(base64.b64decode(result), None, base64.b64decode(nonce), key)
+    return json.loads(plain)  # type: ignore[no-any-return]
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+def test_a_result_is_encrypted_and_handed_out_once_to_its_owner(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with runner(tmp_path) as service:
+            key = crypto.new_key()
+            release = asyncio.Event()
+
+            async def work() -> dict[str, Any]:
+                await release.wait()
+                return {"response": "hello"}
+
+            payload = await service.submit(ALICE, work, key=key, webhook_url=None)
+            assert payload["method"] == "xchacha20" and set(payload) == {"mode", "tracking_id", "method", "nonce"}
+            assert await service.poll(ALICE, payload["tracking_id"]) == ({"status": "pending"}, None)
+            with pytest.raises(JobGone):
+                await service.poll(BOB, payload["tracking_id"])  # another key's job does not exist for it
+            release.set()
+            done = await poll_until_done(service, ALICE, payload["tracking_id"])
+            assert decrypt(done["result"], key, payload["nonce"]) == {"response": "hello"}
+            with pytest.raises(JobGone):
+                await service.poll(ALICE, payload["tracking_id"])  # consumed
+
+    run(scenario)
+
+
+def test_a_failed_job_keeps_its_error(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with runner(tmp_path) as service:
+
+            async def work() -> dict[str, Any]:
+                raise InvalidRequest("no such thing", param="x")
+
+            payload = await service.submit(ALICE, work, key=crypto.new_key(), webhook_url=None)
+            done = await poll_until_done(service, ALICE, payload["tracking_id"])
+            assert done == {
+                "status": "failed",
+                "error": {"message": "no such thing", "type": "invalid_request_error", "code": 400, "param": "x"},
+            }
+
+    run(scenario)
+
+
+def test_a_restart_fails_only_this_gateways_running_jobs(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        never = asyncio.Event()
+
+        async def work() -> dict[str, Any]:
+            await never.wait()
+            return {}
+
+        async with runner(tmp_path, "gw1") as first, runner(tmp_path, "gw2") as other:
+            mine = await first.submit(ALICE, work, key=crypto.new_key(), webhook_url=None)
+            theirs = await other.submit(ALICE, work, key=crypto.new_key(), webhook_url=None)
+            # gw1 stops (its job's key is lost with it) and starts again, while gw2 runs on.
+            await first.stop()
+            async with runner(tmp_path, "gw1") as restarted:
+                answer, claimed = await restarted.poll(ALICE, mine["tracking_id"])
+                assert answer["status"] == "failed" and "submit it again" in answer["error"]["message"]
+                assert claimed is not None
+                assert await restarted.poll(ALICE, theirs["tracking_id"]) == ({"status": "pending"}, None)
+
+    run(scenario)
+
+
+def test_a_sync_request_past_sync_timeout_becomes_a_job(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with runner(tmp_path, sync_timeout=0.05) as service:
+
+            async def quick() -> dict[str, Any]:
+                return {"response": "fast"}
+
+            assert await service.sync_or_fallback(ALICE, quick) == {"response": "fast"}
+            release = asyncio.Event()
+
+            async def slow() -> dict[str, Any]:
+                await release.wait()
+                return {"response": "slow"}
+
+            payload = await service.sync_or_fallback(ALICE, slow)
+            assert payload["mode"] == "async" and "key" in payload  # the server-made key: no other way to get it
+            release.set()
+            done = await poll_until_done(service, ALICE, payload["tracking_id"])
+            assert decrypt(done["result"], base64.b64decode(payload["key"]), payload["nonce"]) == {"response": "slow"}
+
+    run(scenario)

@@ -1,0 +1,90 @@
+"""The supervisor's decisions, on instances whose processes are real (`sleep`, alive or dead) but are
+not llama-server: when an instance is taken out of service, restarted, or given up."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from llmserver.engine.client import LlamaServerClient
+from llmserver.pool.instance import Instance, Status
+from llmserver.pool.supervisor import Supervisor
+from llmserver.settings import ModelConfig, Settings
+from tests.support import free_port
+
+
+@asynccontextmanager
+async def supervised(alive: bool, **settings: object) -> AsyncIterator[tuple[Supervisor, Instance]]:
+    supervisor = Supervisor(Settings(models=[ModelConfig(name="m")], **settings))  # type: ignore[arg-type]
+    pool = supervisor.pools["m"]
+    instance = Instance(model=pool.config, host="127.0.0.1", port=free_port(), log_path=supervisor.settings.log_dir)
+    instance.process = subprocess.Popen(["sleep", "30" if alive else "0"])  # noqa: ASYNC220
+    if not alive:
+        instance.process.wait()
+    client = instance.client = LlamaServerClient(instance.base_url)  # nothing listens there
+    instance.status = Status.READY
+    pool.instances.append(instance)
+    try:
+        yield supervisor, instance
+    finally:
+        await supervisor.stop()
+        await client.close()
+
+
+async def until(condition: object, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(condition) and condition():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def test_an_unreachable_instance_is_taken_out_only_when_its_process_died() -> None:
+    async def scenario() -> None:
+        async with supervised(alive=True) as (supervisor, instance):
+            supervisor.pools["m"].report_failure(instance)  # a dropped connection, the process is fine
+            assert instance.status == Status.READY and not instance.restarting
+        async with supervised(alive=False) as (supervisor, instance):
+            supervisor.pools["m"].report_failure(instance)
+            assert instance.status == Status.FAILED and instance.restarting  # a restart is on its way
+
+    asyncio.run(scenario())
+
+
+def test_crashes_within_the_window_are_given_up_at_the_limit() -> None:
+    async def scenario() -> None:
+        async with supervised(alive=False, restart_max_failures=2, restart_window=60) as (supervisor, instance):
+            supervisor.crashed(instance, "died")
+            assert instance.restarting and len(instance.crashes) == 1
+            instance.restarting, instance.status = False, Status.READY  # as if the restart had worked
+            supervisor.crashed(instance, "died again")
+            assert instance.status == Status.FAILED and not instance.restarting and len(instance.crashes) == 2
+            supervisor.crashed(instance, "and again")  # a given-up instance is left alone
+            assert len(instance.crashes) == 2
+
+    asyncio.run(scenario())
+
+
+def test_missed_health_probes_in_a_row_count_as_a_crash() -> None:
+    async def scenario() -> None:
+        options = {"health_interval": 0.01, "health_probe_misses": 2, "restart_max_failures": 1}
+        async with supervised(alive=True, **options) as (supervisor, instance):
+
+            async def ticks() -> None:
+                while True:
+                    await supervisor.tick()
+                    await asyncio.sleep(0.02)
+
+            ticking = asyncio.create_task(ticks())
+            try:
+                assert await until(lambda: instance.status == Status.FAILED)
+            finally:
+                ticking.cancel()
+            assert len(instance.crashes) == 1  # one crash, counted after two missed probes
+            assert await until(lambda: instance.exited)  # the hung process was stopped
+
+    asyncio.run(scenario())
