@@ -141,6 +141,11 @@ class Server:
         return self.process.returncode
 
 
+def busy_slots(server: Server) -> int:
+    """Slots of the server's first instance that are generating now (llama-server's own /slots)."""
+    return sum(slot["is_processing"] for slot in httpx.get(server.instance_url + "/slots").json())
+
+
 def pids_of_children_named(name: str, parent: int) -> list[int]:
     """PIDs of live processes named `name` whose parent is `parent`."""
     found = []

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import COUNTING, MODEL, Server, make_key, pids_of_children_named, process_alive
+from tests.support import COUNTING, MODEL, Server, busy_slots, make_key, pids_of_children_named, process_alive, wait_for
 
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path, start_server: Ca
         pending = executor.submit(
             httpx.post, server.url + "/api/generate", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
         )
-        time.sleep(0.5)
+        assert wait_for(lambda: busy_slots(server) == 1, 30)  # generating
         assert server.process is not None
         server.process.send_signal(signal.SIGTERM)
         response = pending.result()

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 
-from tests.support import COUNTING, MODEL, Server, wait_for
-
-
-def _busy_slots(server: Server) -> int:
-    return sum(slot["is_processing"] for slot in httpx.get(server.instance_url + "/slots").json())
+from tests.support import COUNTING, MODEL, Server, busy_slots, wait_for
 
 
 def test_client_disconnect_frees_the_slot(server: Server, client: httpx.Client) -> None:
@@ -26,11 +21,8 @@ def test_client_disconnect_frees_the_slot(server: Server, client: httpx.Client) 
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-        assert _busy_slots(server) == 1
-    deadline = time.monotonic() + 5
-    while _busy_slots(server) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _busy_slots(server) == 0
+        assert busy_slots(server) == 1
+    assert wait_for(lambda: busy_slots(server) == 0, 5)
     # and the server goes on serving
     assert client.post("/api/generate", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
@@ -69,5 +61,5 @@ def test_non_streamed_disconnect_frees_the_slot(server: Server, api_key: str) ->
     # (about once a second here, but seen to lag up to 7 s on this loaded 2-core machine) and cancels
     # the task: it says so in its log, before the 512 tokens could have been generated.
     assert wait_for(lambda: _cancellations(server) > cancelled_before, 20)
-    assert wait_for(lambda: _busy_slots(server) == 0, 5)
+    assert wait_for(lambda: busy_slots(server) == 0, 5)
     assert "POST /api/generate 499" in server.log()
