@@ -84,7 +84,7 @@ def llama_server_args(
 
 def slot_context(model: ModelConfig) -> int:
     """The tokens one request can hold, prompt and completion together: llama.cpp pads the context
-    it is given (ctx_size × parallel) to a multiple of 256 and shares it among the slots. Context
+    it is given (ctx_size * parallel) to a multiple of 256 and shares it among the slots. Context
     shift is off in this build: generation stops there (measured: -c 128 gave 256 tokens in all)."""
     return -(-model.ctx_size * model.parallel // 256) * 256 // model.parallel
 
