@@ -164,10 +164,9 @@ class GenerationService:
         return payload
 
     async def chat(self, ticket: Ticket, request: ChatRequest) -> JSON:
-        with closed_on_failure(ticket):
-            body = await self.calls.call(ticket, "/v1/chat/completions", await self._chat_payload(ticket, request))
-        self._called(ticket, body)
-        return shapes.chat(body, ticket.model)
+        return await self._answer(
+            ticket, "/v1/chat/completions", lambda: self._chat_payload(ticket, request), shapes.chat
+        )
 
     async def chat_stream(self, ticket: Ticket, request: ChatRequest) -> AsyncIterator[bytes]:
         head = translate.head("chatcmpl", "chat.completion.chunk", ticket.model)
@@ -190,10 +189,17 @@ class GenerationService:
         return payload
 
     async def completion(self, ticket: Ticket, request: CompletionRequest) -> JSON:
+        payload = lambda: self._completion_payload(ticket, request)  # noqa: E731
+        return await self._answer(ticket, "/v1/completions", payload, shapes.completion)
+
+    async def _answer(
+        self, ticket: Ticket, path: str, payload: Callable[[], Awaitable[JSON]], shape: Callable[[JSON, str], JSON]
+    ) -> JSON:
+        """A non-streamed OpenAI answer: the payload (slot and inputs first), the call, the shape."""
         with closed_on_failure(ticket):
-            body = await self.calls.call(ticket, "/v1/completions", await self._completion_payload(ticket, request))
+            body = await self.calls.call(ticket, path, await payload())
         self._called(ticket, body)
-        return shapes.completion(body, ticket.model)
+        return shape(body, ticket.model)
 
     async def completion_stream(self, ticket: Ticket, request: CompletionRequest) -> AsyncIterator[bytes]:
         head = translate.head("cmpl", "text_completion", ticket.model)
