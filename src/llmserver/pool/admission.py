@@ -55,12 +55,11 @@ def _check_rate(principal: Principal, wait: float | None) -> None:
         )
 
 
-def _check_places(held: int, limit: int) -> None:
-    if held >= limit:
-        raise RateLimited(
-            f"This API key already has {held} requests in flight, its limit. Retry when one has finished.",
-            retry_after=1,
-        )
+def _too_many_in_flight(held: int) -> RateLimited:
+    return RateLimited(
+        f"This API key already has {held} requests in flight, its limit. Retry when one has finished.",
+        retry_after=1,
+    )
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -97,9 +96,10 @@ class Admission:
         try:
             if principal.limits.rpm is not None:
                 _check_rate(principal, await self._rate.wait(key, principal.limits.rpm))
-            _check_places(await self._concurrency.held(key), self._places(principal))
-            if principal.limits.quota_tokens is not None and self._recorder.settling(key):
-                await self._recorder.flush()
+            held = await self._concurrency.held(key)
+            if held >= self._places(principal):
+                raise _too_many_in_flight(held)
+            await self._settled(principal)
             await self._quota.exhausted(principal)
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
@@ -108,6 +108,11 @@ class Admission:
     def _places(self, principal: Principal) -> int:
         return principal.limits.max_concurrency or self._default_concurrency
 
+    async def _settled(self, principal: Principal) -> None:
+        """Wait for the key's last settlement to be written, if one is pending: its quota is exact."""
+        if principal.limits.quota_tokens is not None and self._recorder.settling(principal.key_id):
+            await self._recorder.flush()
+
     async def admit(self, principal: Principal, endpoint: str, model: str, tokens: int) -> Ticket:
         """Every check but the slot, in order; a ticket holding the place in flight and the reservation."""
         lease = self._router.lease(model, principal.key_id)
@@ -115,12 +120,11 @@ class Admission:
         try:
             if principal.limits.rpm is not None:
                 _check_rate(principal, await self._rate.hit(key, principal.limits.rpm))
-            held = await self._concurrency.acquire(key, self._places(principal))
-            if held is not None:
-                _check_places(held, held)
+            refused = await self._concurrency.acquire(key, self._places(principal))
+            if refused is not None:
+                raise _too_many_in_flight(refused)
             try:
-                if principal.limits.quota_tokens is not None and self._recorder.settling(key):
-                    await self._recorder.flush()  # this key's last request first: its quota is exact
+                await self._settled(principal)
                 reservation = await self._quota.reserve(principal, tokens)
             except BaseException:
                 self._concurrency.release(key)
