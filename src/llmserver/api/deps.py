@@ -19,7 +19,9 @@ from llmserver.auth.keys import KeyService, Principal
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied
 from llmserver.jobs.runner import JobService
+from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
+from llmserver.metrics.speed import RollingSpeed
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import Settings
 from llmserver.store import Store
@@ -45,6 +47,16 @@ def generation(request: Request) -> GenerationService:
 
 def recorder(request: Request) -> UsageRecorder:
     value: UsageRecorder = request.app.state.recorder
+    return value
+
+
+def metrics(request: Request) -> Metrics:
+    value: Metrics = request.app.state.metrics
+    return value
+
+
+def speed(request: Request) -> RollingSpeed:
+    value: RollingSpeed = request.app.state.speed
     return value
 
 

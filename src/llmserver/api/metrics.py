@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from llmserver.api.deps import metrics as metrics_of
 from llmserver.api.deps import require_admin, settings
 
 router = APIRouter()
@@ -15,4 +16,4 @@ router = APIRouter()
 async def metrics(request: Request) -> Response:
     if not settings(request).metrics_public:
         await require_admin(request)
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(metrics_of(request).render(), media_type=CONTENT_TYPE_LATEST)

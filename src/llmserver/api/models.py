@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from llmserver.api.deps import authenticate, settings
+from llmserver.api.deps import authenticate, settings, speed
 
 router = APIRouter()
 
@@ -16,11 +16,10 @@ async def list_models(request: Request) -> dict[str, Any]:
     await authenticate(request)
     config = settings(request)
     created = int(request.app.state.started_at)
-    speed = request.app.state.speed
     data = []
     for model in config.models:
         entry: dict[str, Any] = {"id": model.name, "object": "model", "created": created, "owned_by": config.owned_by}
-        average = speed.average(model.name)  # in memory: no ledger scan; omitted while there is no data
+        average = speed(request).average(model.name)  # in memory: no ledger scan; omitted while there is no data
         if average is not None:
             entry["avg_tokens_per_second"] = average
         entry["vision_capable"] = model.vision_capable
