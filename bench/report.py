@@ -128,7 +128,7 @@ def render(results: Results) -> str:
     for c in plan.levels:
         d = direct[c]
         lines.append(f"| {c} | {_ms(_lat(d, 'ttft', 0.5))} | {_ms(_lat(d, 'itl', 0.5))} | {_ms(_lat(d, 'e2e', 0.5))} |")
-    lines += _overhead(results) + _capacity(results) + _others(results)
+    lines += _overhead(results) + _capacity(results) + _affinity(results) + _others(results)
     lines += ["", "![tokens/s by concurrency](tokens_per_second.png)", "", "![TTFT distribution](ttft.png)", ""]
     return "\n".join(lines)
 
@@ -199,6 +199,27 @@ def _capacity(results: Results) -> list[str]:
         "column shows.",
     ]
     return lines
+
+
+def _affinity(results: Results) -> list[str]:
+    if set(results.affinity) != {"affinity", "least_loaded"}:
+        return []
+    plan, on, off = results.plan, results.affinity["affinity"], results.affinity["least_loaded"]
+    return [
+        "",
+        "## Prompt-cache affinity",
+        "",
+        f"llmserver with two instances of the model (2 slots, 1 thread each), {plan.conversations} conversations "
+        f"with system prompts of their own (about 600 tokens) and {plan.turns} turns each, turn t of every "
+        "conversation sent at once in a shuffled order; `max_tokens: 1`, so a turn's time is its prompt's "
+        "processing. Turns 2 and later:",
+        "",
+        "| routing | TTFT p50 ms | TTFT mean ms | prompt tokens from the cache |",
+        "|---|---|---|---|",
+        f"| affinity | {on.median_ms:.0f} | {on.mean_ms:.0f} | {on.cached_share:.1%} |",
+        f"| least_loaded | {off.median_ms:.0f} | {off.mean_ms:.0f} | {off.cached_share:.1%} |",
+        f"| ratio | {on.median_ms / off.median_ms:.3f} | {on.mean_ms / off.mean_ms:.3f} | |",
+    ]
 
 
 def _others(results: Results) -> list[str]:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import affinity as affinity_workload
 from bench import load, report
 from bench.targets import (
     Target,
@@ -29,6 +30,7 @@ from bench.targets import (
     start_llama_server,
     start_llmserver,
 )
+from llmserver.settings import ModelConfig
 
 
 @dataclass
@@ -42,13 +44,16 @@ class Plan:
     overhead_requests: int
     capacity_levels: list[int]
     capacity_seconds: float
+    conversations: int  # prompt-cache affinity: conversations of `turns` turns, on two instances
+    turns: int
     parallel: int = 4
     ctx_size: int = 2048
     threads: int = 2
 
 
-QUICK = Plan("quick", [1, 4, 16], 1, 1, 1, 32, 60, [1, 4], 3.0)
-FULL = Plan("full", [1, 4, 16], 3, 12, 2, 128, 400, [1, 2, 4, 8, 16], 8.0)
+QUICK = Plan("quick", [1, 4, 16], 1, 1, 1, 32, 60, [1, 4], 3.0, 2, 2)
+FULL = Plan("full", [1, 4, 16], 3, 12, 2, 128, 400, [1, 2, 4, 8, 16], 8.0, 4, 6)
+ADMIN_KEY = "bench-admin-key-0123456789"
 
 
 def per_client(plan: Plan, concurrency: int) -> int:
@@ -64,6 +69,7 @@ class Results:
     capacity: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
     rss_idle: int = 0
     rss_peak: int = 0
+    affinity: dict[str, affinity_workload.Later] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -110,6 +116,7 @@ def run(plan: Plan, out: Path) -> Results:
     finally:
         for target in targets:
             target.stop()
+    _affinity(plan, model, logs, results)
     results.seconds = time.perf_counter() - started
     report.write(results, out)
     progress(f"done in {results.seconds:.0f} s: {out / 'report.md'}")
@@ -138,6 +145,29 @@ def _throughput(plan: Plan, targets: list[Target], results: Results) -> None:
                 rate = sum(s.tokens for s in samples) / seconds
                 ttft = statistics.median(s.ttft for s in samples) * 1000
                 progress(f"  {rate:.1f} tok/s, median TTFT {ttft:.0f} ms")
+
+
+def _affinity(plan: Plan, model: ModelConfig, logs: Path, results: Results) -> None:
+    """Prompt-cache affinity against least-loaded routing: llmserver with two instances of one thread
+    each (the machine's two CPUs), the conversation workload of bench/affinity.py on each routing."""
+    two = dataclasses.replace(model, min_instances=2, max_instances=2, parallel=2, threads=1)
+    for routing in ("affinity", "least_loaded"):
+        progress(f"prompt-cache affinity: routing {routing}, {plan.conversations} conversations x {plan.turns} turns")
+        target = start_llmserver(
+            two,
+            logs,
+            name=f"llmserver-{routing}",
+            settings=f'routing = "{routing}"\n',
+            env={"LLMSERVER_ADMIN_KEY": ADMIN_KEY},
+        )
+        try:
+            addresses = affinity_workload.instance_addresses(target.url, ADMIN_KEY)
+            systems = affinity_workload.balanced_systems(model.name, addresses, plan.conversations)
+            later = asyncio.run(affinity_workload.converse(target.url, target.headers, systems, plan.turns))
+        finally:
+            target.stop()
+        results.affinity[routing] = later
+        progress(f"  turns 2+: median {later.median_ms:.0f} ms, {later.cached_share:.1%} of prompt tokens cached")
 
 
 def main() -> None:

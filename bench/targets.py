@@ -83,23 +83,26 @@ def model_config(parallel: int, ctx_size: int, threads: int) -> ModelConfig:
     return ModelConfig(name=DEFAULT_MODEL_NAME, parallel=parallel, ctx_size=ctx_size, threads=threads)
 
 
-def start_llmserver(model: ModelConfig, log_dir: Path) -> Target:
+def start_llmserver(
+    model: ModelConfig, log_dir: Path, *, name: str = "llmserver", settings: str = "", env: dict[str, str] | None = None
+) -> Target:
+    """llmserver on the model; `settings` are extra top-level settings lines of its config file."""
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-"))
     config = data_dir / "config.toml"
     config.write_text(
-        f'[[models]]\nname = "{model.name}"\nparallel = {model.parallel}\nctx_size = {model.ctx_size}\n'
-        f"threads = {model.threads}\n"
+        f'{settings}[[models]]\nname = "{model.name}"\nparallel = {model.parallel}\nctx_size = {model.ctx_size}\n'
+        f"threads = {model.threads}\nmin_instances = {model.min_instances}\nmax_instances = {model.max_instances}\n"
     )
     key = asyncio.run(_create_key(data_dir))
     port = free_port()
-    env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(free_port())}
-    with (log_dir / "llmserver.log").open("ab") as log:
+    env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(free_port()), **(env or {})}
+    with (log_dir / f"{name}.log").open("ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "llmserver", "serve", "--config", str(config), "--data-dir", str(data_dir),
              "--port", str(port), "--log-level", "warning"],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-    target = Target("llmserver", f"http://127.0.0.1:{port}", process, {"Authorization": f"Bearer {key}"})
+    target = Target(name, f"http://127.0.0.1:{port}", process, {"Authorization": f"Bearer {key}"})
     return wait_ready(target, "/ready")
 
 

@@ -87,8 +87,11 @@ class AccessLog:
         try:
             await self.app(scope, receive, logging_send)
         finally:
-            principal = scope.get("state", {}).get("principal")
+            state = scope.get("state", {})
+            principal, tally = state.get("principal"), state.get("tally")
             who = f" key={principal.fingerprint}" if principal is not None else ""
+            if tally is not None and tally.prompt_tokens:  # prompt-cache reuse: cached/prompt tokens
+                who += f" instance={tally.instance_id} cached={tally.cached_tokens}/{tally.prompt_tokens}"
             access_log.info(
                 "%s %s %s %.1fms%s",
                 scope["method"], scope["path"], status or 500, (time.perf_counter() - started) * 1000, who,

@@ -169,6 +169,18 @@ class Settings(BaseSettings):
         description="Times one request may be sent to an instance: again only if it could not be reached or "
         "dropped the connection before answering.",
     )
+    routing: Literal["affinity", "least_loaded"] = Field(
+        default="affinity",
+        description="How a model's instances are chosen: `affinity` keeps a conversation (X-Session-Id, `user`, "
+        "else its system prompt and first message) on the instance that holds its prompt cache; `least_loaded`.",
+    )
+    affinity_margin: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="With affinity: requests in flight an instance may have beyond the least loaded one and still "
+        "be chosen (a busier one gives way to the next in the key's order).",
+    )
     max_concurrency_per_key: int = Field(
         default=16, ge=1, description="Requests one API key may have in flight at once; 429 beyond."
     )

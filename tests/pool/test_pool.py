@@ -130,3 +130,19 @@ def test_slot_context_is_what_llama_cpp_gives_each_slot() -> None:
     assert slot_context(ModelConfig(name="m", ctx_size=4096, parallel=4)) == 4096
     assert slot_context(ModelConfig(name="m", ctx_size=128, parallel=1)) == 256  # padded to 256 in all
     assert slot_context(ModelConfig(name="m", ctx_size=1000, parallel=4)) == 1024
+
+
+def test_a_retry_avoids_the_instance_it_failed_on_while_another_accepts() -> None:
+    async def scenario() -> None:
+        pool, _ = make_pool(parallel=2)
+        a, b = await ready_instance(pool.config, 1), await ready_instance(pool.config, 2)
+        pool.instances += [a, b]
+        assert await pool.acquire("k", avoid=a) is b
+        assert await pool.acquire("k", avoid=a) is b  # b is busier than a now: still not a
+        b.status = Status.FAILED
+        assert await pool.acquire("k", avoid=a) is a  # the only one accepting
+        for instance in (a, b):
+            assert instance.client is not None
+            await instance.client.close()
+
+    run(scenario)

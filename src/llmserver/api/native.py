@@ -23,7 +23,8 @@ async def generate(request: Request) -> dict[str, Any]:
     service = generation(request)
     principal, body = await parse(request, GenerateRequest, gate=service.admission.precheck)
     key = JobService.client_key(body.key) if body.mode == "async" else None
-    ticket = await service.admit(principal, body, "/api/generate")
+    ticket = await service.admit(principal, body, "/api/generate", request.headers.get("x-session-id"))
+    request.state.tally = ticket.tally  # for the access log
 
     async def work() -> dict[str, Any]:
         return (await service.generate(ticket, body)).model_dump()

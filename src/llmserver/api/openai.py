@@ -38,7 +38,8 @@ async def _generate(
         if body.stream:
             raise InvalidRequest("Async mode cannot be combined with stream: true.", param="stream")
         key = JobService.client_key(body.key)
-    ticket = await service.admit(principal, body, endpoint)
+    ticket = await service.admit(principal, body, endpoint, request.headers.get("x-session-id"))
+    request.state.tally = ticket.tally  # for the access log
 
     async def work() -> dict[str, Any]:
         if isinstance(body, ChatRequest):

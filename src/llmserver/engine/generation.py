@@ -31,6 +31,7 @@ from llmserver.inputs.documents import native_file_parts
 from llmserver.inputs.prepare import CHAT, InputService, NativeWhere, Where, text_bound
 from llmserver.metrics.recorder import UsageRecorder
 from llmserver.pool.admission import Admission, Ticket, outcome_of
+from llmserver.pool.affinity import affinity_key
 from llmserver.pool.instance import slot_context
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
 from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest, TextPart
@@ -75,7 +76,8 @@ class GenerationService:
 
     # Step 1: admission, for every endpoint
 
-    async def admit(self, principal: Principal, request: Request, endpoint: str) -> Ticket:
+    async def admit(self, principal: Principal, request: Request, endpoint: str, session: str | None = None) -> Ticket:
+        """Admission for a request; `session` is its X-Session-Id header (for prompt-cache affinity)."""
         model = request.model or self.default_model
         max_tokens = self._max_tokens(request)
         if isinstance(request, ChatRequest):
@@ -88,7 +90,8 @@ class GenerationService:
                     "Images need the chat template: they cannot be sent with raw: true.", param="images"
                 )
             prompt = self.inputs.bound(_native_messages(request))
-        return await self.admission.admit(principal, endpoint, model, self._bound(model, prompt, max_tokens))
+        bound = self._bound(model, prompt, max_tokens)
+        return await self.admission.admit(principal, endpoint, model, bound, _affinity(model, request, session))
 
     def _max_tokens(self, request: Request) -> int:
         param, requested = "max_tokens", request.max_tokens
@@ -219,6 +222,7 @@ class GenerationService:
             counts["prompt_tokens"],
             counts["completion_tokens"],
         )
+        ticket.tally.cached_tokens = translate.cached_tokens(counts)
         prompt_ms = (body.get("timings") or {}).get("prompt_ms")
         if isinstance(prompt_ms, int | float):
             self.recorder.first_token(ticket.tally, prompt_ms / 1000)
@@ -274,6 +278,7 @@ class GenerationService:
                 if "usage" in event:
                     counts = translate.usage(event)
                     tally.prompt_tokens, tally.completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
+                    tally.cached_tokens = translate.cached_tokens(counts)
                 if choices and not (progress is not None and sent_any):
                     piece = chunk(choices[0])
                     if piece.get("text") or (piece.get("delta") or {}).get("content"):
@@ -296,6 +301,22 @@ class GenerationService:
             await events.aclose()
             ticket.close(outcome)
         yield shapes.DONE
+
+
+def _affinity(model: str, request: Request, session: str | None) -> str:
+    """The request's prompt-cache affinity key: its session, else its OpenAI `user`, else the prefix
+    every later turn of its conversation repeats (the system prompt and the first user message)."""
+    if session:
+        return affinity_key(model, "session", session)
+    if isinstance(request, ChatRequest | CompletionRequest) and request.user:
+        return affinity_key(model, "user", request.user)
+    if isinstance(request, CompletionRequest):
+        return affinity_key(model, _completion_prompt(request))
+    if isinstance(request, GenerateRequest):
+        return affinity_key(model, request.system or "", request.prompt)
+    system = next((_text(m) for m in request.messages if m.role in ("system", "developer")), "")
+    first = next((_text(m) for m in request.messages if m.role == "user"), "")
+    return affinity_key(model, system, first)
 
 
 def _completion_prompt(request: CompletionRequest) -> str:

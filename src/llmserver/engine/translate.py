@@ -90,7 +90,17 @@ def finish_reason(value: Any) -> str:
 
 
 def usage(body: JSON) -> JSON:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` (prompt tokens the instance took
+    from its cache) when llama-server reported it."""
     counts = body.get("usage") or {}
     prompt = int(counts.get("prompt_tokens", 0))
     completion = int(counts.get("completion_tokens", 0))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    result: JSON = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = (counts.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if isinstance(cached, int):
+        result["prompt_tokens_details"] = {"cached_tokens": cached}
+    return result
+
+
+def cached_tokens(usage: JSON) -> int:
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))

@@ -37,6 +37,12 @@ class Metrics:
             "llmserver_requests", "Generation requests", ["endpoint", "model", "status"], registry=self.registry
         )
         self.prompt_tokens = Counter("llmserver_prompt_tokens", "Prompt tokens", ["model"], registry=self.registry)
+        self.cached_prompt_tokens = Counter(
+            "llmserver_cached_prompt_tokens",
+            "Prompt tokens the instances took from their prompt cache (of llmserver_prompt_tokens)",
+            ["model"],
+            registry=self.registry,
+        )
         self.completion_tokens = Counter(
             "llmserver_completion_tokens", "Completion tokens", ["model"], registry=self.registry
         )

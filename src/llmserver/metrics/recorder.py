@@ -33,6 +33,7 @@ class Tally:
     instance_id: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, taken from the instance's prompt cache
     ttft: float | None = None
     last_token_at: float | None = None
     closed: bool = False
@@ -115,6 +116,7 @@ class UsageRecorder:
         self._metrics.requests.labels(tally.endpoint, tally.model, outcome).inc()
         if charged:
             self._metrics.prompt_tokens.labels(tally.model).inc(tally.prompt_tokens)
+            self._metrics.cached_prompt_tokens.labels(tally.model).inc(tally.cached_tokens)
             self._metrics.completion_tokens.labels(tally.model).inc(tally.completion_tokens)
         if outcome == "ok":
             increment = self._speed.add(tally.model, tally.completion_tokens, latency)

@@ -113,9 +113,12 @@ class Admission:
         if principal.limits.quota_tokens is not None and self._recorder.settling(principal.key_id):
             await self._recorder.flush()
 
-    async def admit(self, principal: Principal, endpoint: str, model: str, tokens: int) -> Ticket:
-        """Every check but the slot, in order; a ticket holding the place in flight and the reservation."""
-        lease = self._router.lease(model, principal.key_id)
+    async def admit(
+        self, principal: Principal, endpoint: str, model: str, tokens: int, affinity: str | None = None
+    ) -> Ticket:
+        """Every check but the slot, in order; a ticket holding the place in flight and the reservation.
+        `affinity` is the request's prompt-cache key, for the slot's choice of instance."""
+        lease = self._router.lease(model, principal.key_id, affinity)
         key = principal.key_id
         try:
             if principal.limits.rpm is not None:

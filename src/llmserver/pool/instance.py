@@ -118,6 +118,11 @@ class Instance:
         return self.process.pid if self.process is not None else None
 
     @property
+    def address(self) -> str:
+        """host:port, what affinity ranks instances by (the same for every gateway)."""
+        return f"{self.host}:{self.port}"
+
+    @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmserver.errors import GatewayTimeout, Overloaded
+from llmserver.pool.affinity import Candidate, choose
 from llmserver.pool.instance import Instance, Status
 from llmserver.settings import ModelConfig
 
@@ -23,6 +24,7 @@ from llmserver.settings import ModelConfig
 @dataclass(eq=False)
 class _Waiter:
     key_id: str
+    affinity: str | None
     future: asyncio.Future[Instance]
 
 
@@ -34,8 +36,12 @@ class ModelPool:
         queue_timeout: float,
         on_pressure: Callable[[ModelPool], None],
         on_failure: Callable[[Instance], None] = lambda instance: None,
+        affinity_margin: int = -1,
     ) -> None:
         self.config = config
+        # Requests with an affinity key go to their instance by rendezvous hashing, within this many
+        # requests in flight of the least loaded one (pool/affinity.py); below 0: least loaded only.
+        self.affinity_margin = affinity_margin
         self.instances: list[Instance] = []
         self.queue_timeout = queue_timeout
         self._on_pressure = on_pressure
@@ -62,13 +68,19 @@ class ModelPool:
         stays, failed, until an admin deletes it, so that a crashing model is not started forever)."""
         return [i for i in self.instances if i.status != Status.STOPPED]
 
-    def _free_instance(self) -> Instance | None:
-        free = [i for i in self.instances if i.accepting and i.in_flight < i.model.parallel]
-        return min(free, key=lambda i: i.in_flight) if free else None
+    def _free_instance(self, affinity: str | None = None, avoid: Instance | None = None) -> Instance | None:
+        accepting = {i.address: i for i in self.instances if i.accepting}
+        if avoid is not None and len(accepting) > 1:
+            accepting.pop(avoid.address, None)  # a retry goes elsewhere when it can
+        candidates = [Candidate(a, i.in_flight, i.model.parallel) for a, i in accepting.items()]
+        chosen = choose(affinity, candidates, self.affinity_margin)
+        return accepting[chosen.address] if chosen is not None else None
 
-    async def acquire(self, key_id: str) -> Instance:
-        """A slot on an instance, counted as in flight for `key_id` until `release`."""
-        instance = self._free_instance()
+    async def acquire(self, key_id: str, affinity: str | None = None, avoid: Instance | None = None) -> Instance:
+        """A slot on an instance, counted as in flight for `key_id` until `release`; with an
+        affinity key, on the instance that key prefers unless the load guard says otherwise; not on
+        `avoid` (the instance a retried request just failed on) while another one is accepting."""
+        instance = self._free_instance(affinity, avoid)
         if instance is not None and not self._waiters:
             instance.begin(key_id)
             return instance
@@ -81,7 +93,7 @@ class ModelPool:
                 "are already waiting. Retry shortly.",
                 retry_after=2,
             )
-        waiter = _Waiter(key_id, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(key_id, affinity, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         self._on_pressure(self)
         try:
@@ -110,11 +122,13 @@ class ModelPool:
     def dispatch(self) -> None:
         """Hand free slots to the longest waiters (after a release, or when an instance became ready)."""
         while self._waiters:
-            instance = self._free_instance()
+            waiter = self._waiters[0]
+            if waiter.future.done():  # timed out or cancelled meanwhile
+                self._waiters.popleft()
+                continue
+            instance = self._free_instance(waiter.affinity)
             if instance is None:
                 return
-            waiter = self._waiters.popleft()
-            if waiter.future.done():  # timed out or cancelled meanwhile
-                continue
+            self._waiters.popleft()
             instance.begin(waiter.key_id)
             waiter.future.set_result(instance)

@@ -16,15 +16,17 @@ from llmserver.pool.pool import ModelPool
 class Lease:
     """One request's slot on an instance of one model: taken, perhaps replaced once, released."""
 
-    def __init__(self, pool: ModelPool, key_id: str) -> None:
+    def __init__(self, pool: ModelPool, key_id: str, affinity: str | None = None) -> None:
         self.pool = pool
         self.key_id = key_id
+        self.affinity = affinity  # the prompt-cache affinity key (pool/affinity.py)
         self.instance: Instance | None = None
+        self.failed_on: Instance | None = None  # the instance its last attempt failed on
 
     async def acquire(self) -> Instance:
         """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout)."""
         assert self.instance is None, "a lease holds one slot at a time"
-        self.instance = await self.pool.acquire(self.key_id)
+        self.instance = await self.pool.acquire(self.key_id, self.affinity, self.failed_on)
         return self.instance
 
     def release(self) -> None:
@@ -35,6 +37,7 @@ class Lease:
     def failed(self) -> None:
         """The instance could not be reached: report it to its pool, give the slot back."""
         if self.instance is not None:
+            self.failed_on = self.instance
             self.pool.report_failure(self.instance)
         self.release()
 
@@ -49,5 +52,5 @@ class Router:
         except KeyError:
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model") from None
 
-    def lease(self, model: str, key_id: str) -> Lease:
-        return Lease(self.pool(model), key_id)
+    def lease(self, model: str, key_id: str, affinity: str | None = None) -> Lease:
+        return Lease(self.pool(model), key_id, affinity)

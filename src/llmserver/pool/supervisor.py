@@ -37,7 +37,11 @@ class Supervisor:
         self.check_interval = check_interval
         self.pools: dict[str, ModelPool] = {
             m.name: ModelPool(
-                m, queue_timeout=settings.queue_timeout, on_pressure=self.scale_up, on_failure=self.unreachable
+                m,
+                queue_timeout=settings.queue_timeout,
+                on_pressure=self.scale_up,
+                on_failure=self.unreachable,
+                affinity_margin=settings.affinity_margin if settings.routing == "affinity" else -1,
             )
             for m in settings.models
         }
