@@ -150,7 +150,7 @@ def _throughput(plan: Plan, targets: list[Target], results: Results) -> None:
 def _affinity(plan: Plan, model: ModelConfig, logs: Path, results: Results) -> None:
     """Prompt-cache affinity against least-loaded routing: llmserver with two instances of one thread
     each (the machine's two CPUs), the conversation workload of bench/affinity.py on each routing."""
-    two = dataclasses.replace(model, min_instances=2, max_instances=2, parallel=2, threads=1)
+    two = model.model_copy(update={"min_instances": 2, "max_instances": 2, "parallel": 2, "threads": 1})
     for routing in ("affinity", "least_loaded"):
         progress(f"prompt-cache affinity: routing {routing}, {plan.conversations} conversations x {plan.turns} turns")
         target = start_llmserver(
