@@ -69,12 +69,16 @@ class ModelPool:
         return [i for i in self.instances if i.status != Status.STOPPED]
 
     def _free_instance(self, affinity: str | None = None, avoid: Instance | None = None) -> Instance | None:
-        accepting = {i.address: i for i in self.instances if i.accepting}
+        accepting = [i for i in self.instances if i.accepting]
         if avoid is not None and len(accepting) > 1:
-            accepting.pop(avoid.address, None)  # a retry goes elsewhere when it can
-        candidates = [Candidate(a, i.in_flight, i.model.parallel) for a, i in accepting.items()]
+            accepting = [i for i in accepting if i is not avoid]  # a retry goes elsewhere when it can
+        if len(accepting) == 1:  # the usual case: nothing to choose
+            only = accepting[0]
+            return only if only.in_flight < only.model.parallel else None
+        by_address = {i.address: i for i in accepting}
+        candidates = [Candidate(a, i.in_flight, i.model.parallel) for a, i in by_address.items()]
         chosen = choose(affinity, candidates, self.affinity_margin)
-        return accepting[chosen.address] if chosen is not None else None
+        return by_address[chosen.address] if chosen is not None else None
 
     async def acquire(self, key_id: str, affinity: str | None = None, avoid: Instance | None = None) -> Instance:
         """A slot on an instance, counted as in flight for `key_id` until `release`; with an
