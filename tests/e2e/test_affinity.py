@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from bench.affinity import Later, balanced_systems, converse, instance_addresses
-from tests.support import MODEL, Server, create_key
+from tests.support import MODEL, Server, create_key, metric
 
 # Starts servers of its own and processes long prompts: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -32,6 +32,9 @@ def test_affinity_keeps_conversations_on_their_cached_instance(start_server: Cal
         systems = balanced_systems(MODEL, instance_addresses(server.url, ADMIN), CONVERSATIONS)
         headers = {"Authorization": f"Bearer {create_key(server.data_dir, 'talker')}"}
         results[routing] = asyncio.run(converse(server.url, headers, systems, TURNS))
+        # /metrics counts the cached prompt tokens the answers reported (turn 1's included).
+        counted = metric(server, ADMIN, "llmserver_cached_prompt_tokens_total", model=MODEL)
+        assert counted >= results[routing].cached_tokens > 0
         server.stop()
     affinity, least = results["affinity"], results["least_loaded"]
     print(
