@@ -137,15 +137,16 @@ def test_requests_spread_over_instances_and_models(pool: Server) -> None:
 
 
 @contextlib.contextmanager
-def running_stream(server: Server, key: str, model: str) -> Iterator[None]:
-    """A long streamed generation that is running (its first event arrived) until the block ends."""
+def running_stream(server: Server, key: str, model: str) -> Iterator[Iterator[str]]:
+    """A long streamed generation that is running (its first event arrived) until the block ends;
+    the rest of its lines, for a test that reads it to the end."""
     body = {"model": model, "prompt": COUNTING, "max_tokens": 400, "temperature": 0, "stream": True}
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=120) as response:
         assert response.status_code == 200
         lines = response.iter_lines()  # held: dropping the iterator would close the stream
         next(lines)
-        yield
+        yield lines
 
 
 def test_per_key_concurrency_limit_is_429(pool: Server) -> None:
@@ -187,12 +188,13 @@ def test_start_and_drain_through_the_api(pool: Server) -> None:
         record = started.json()
         assert record["status"] == "ready" and psutil.pid_exists(record["pid"])
         key = make_key(pool.data_dir, "drainee")
-        with concurrent.futures.ThreadPoolExecutor(2) as executor:
-            # Occupy both smol-b instances, then drain the new one: its request must still finish.
-            running = [executor.submit(generate, pool, key, "smol-b", 80) for _ in range(2)]
-            assert wait_for(lambda: all(i["status"] == "busy" for i in instances(pool, "smol-b")), 10)
+        # Occupy both smol-b instances (one slot each), then drain the new one: its stream must finish.
+        with running_stream(pool, key, "smol-b") as first, running_stream(pool, key, "smol-b") as second:
+            assert all(i["status"] == "busy" for i in instances(pool, "smol-b"))
             drained = client.delete(f"/api/instances/{record['instance_id']}")
-            assert [r.result().status_code for r in running] == [200, 200]
+            for lines in (first, second):
+                rest = [line for line in lines if line]
+                assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest), rest[-3:]
         assert drained.status_code == 200 and drained.json()["status"] == "stopped"
         assert wait_for(lambda: not psutil.pid_exists(record["pid"]), 10)
         assert client.get(f"/api/instances/{record['instance_id']}").status_code == 404
