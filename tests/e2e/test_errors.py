@@ -145,8 +145,16 @@ def test_unknown_paths_and_methods(client: httpx.Client) -> None:
     assert_error(client.get("/api/generate"), 405, "invalid_request_error")
 
 
-def test_unknown_fields_are_ignored_not_forwarded(client: httpx.Client) -> None:
-    body = {"prompt": "Say hi.", "max_tokens": 3, "n_probs": 5, "grammar": 'root ::= "x"', "n_predict": 100}
-    data = client.post("/api/generate", json=body).json()
-    assert data["completion_tokens"] == 3  # n_predict was not passed through
-    assert data["response"] != "x"  # nor was the grammar
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api/generate", {"prompt": "Say hi.", "n_predict": 100}),
+        ("/api/generate", {"prompt": "Say hi.", "grammar": 'root ::= "x"'}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n_probs": 5}),
+        ("/v1/completions", {"prompt": "hi", "grammar": 'root ::= "x"'}),
+    ],
+)
+def test_unknown_fields_are_refused_by_name(client: httpx.Client, path: str, body: dict[str, object]) -> None:
+    unknown = next(name for name in body if name not in ("prompt", "messages"))
+    error = assert_error(client.post(path, json=body), 400, "invalid_request_error", unknown)
+    assert error["message"] == f"Unrecognized request argument supplied: {unknown}"

@@ -125,9 +125,12 @@ def validation_error(errors: Any) -> InvalidRequest:
     # Drop the tags pydantic adds for union members (`str`, `list[...]`, `constrained-str`, …).
     location = [part for part in location if not ("[" in part or "-" in part or part in _TYPE_TAGS)]
     param = ".".join(location) or None
-    message = str(first.get("msg", "Invalid request"))
+    message = str(first.get("msg", "Invalid request")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = "Field required"
+    if first.get("type") == "extra_forbidden":
+        # OpenAI's words for a field it does not know.
+        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param)
     return InvalidRequest(f"{param}: {message}" if param else message, param=param)
 
 

@@ -21,11 +21,12 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from llmserver.auth.keys import Principal
 from llmserver.engine import shapes, translate
 from llmserver.engine.calls import InstanceCalls
+from llmserver.engine.tools import ToolPlan, added_prompt, check_request, json_schema_format
 from llmserver.errors import APIError, InvalidRequest, ServerError
 from llmserver.inputs.documents import native_file_parts
 from llmserver.inputs.prepare import CHAT, InputService, NativeWhere, Where, text_bound
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 Request = GenerateRequest | ChatRequest | CompletionRequest
+T = TypeVar("T")
 # Room around an untemplated prompt (a BOS token and the like).
 RAW_PROMPT_TOKENS = 8
 
@@ -81,7 +83,8 @@ class GenerationService:
         model = request.model or self.default_model
         max_tokens = self._max_tokens(request)
         if isinstance(request, ChatRequest):
-            prompt = self.inputs.bound(request.messages)
+            check_request(request)
+            prompt = self.inputs.bound(request.messages) + text_bound(added_prompt(request))
         elif isinstance(request, CompletionRequest):
             prompt = RAW_PROMPT_TOKENS + text_bound(_completion_prompt(request))
         else:
@@ -135,20 +138,28 @@ class GenerationService:
             where = NativeWhere(len(request.files or []))
             messages = await self._prepared(ticket, _native_messages(request), where)
             payload = translate.sampling_payload(request, self._max_tokens(request), request.stop)
+            schema = native_schema(request)
             if request.raw:
                 system = f"{request.system}\n\n" if request.system else ""
                 payload["prompt"] = system + _text(messages[-1])
+                if schema is not None:
+                    payload["json_schema"] = schema
                 await self._resize(ticket, RAW_PROMPT_TOKENS + text_bound(payload["prompt"]), payload)
-                body = await self.calls.call(ticket, "/v1/completions", payload)
+                path = "/v1/completions"
             else:
                 payload["messages"] = translate.chat_messages(messages)
+                if schema is not None:
+                    payload["response_format"] = json_schema_format(schema)
                 await self._resize(ticket, self.inputs.bound(messages), payload)
-                body = await self.calls.call(ticket, "/v1/chat/completions", payload)
+                path = "/v1/chat/completions"
+            with schema_errors("format" if schema is not None else None):
+                body = await self.calls.call(ticket, path, payload)
         self._called(ticket, body)
+        text = shapes.completion_text(body) if request.raw else shapes.chat_text(body)
         latency = time.perf_counter() - ticket.tally.started
         counts = translate.usage(body)
         return GenerateResponse(
-            response=shapes.completion_text(body) if request.raw else shapes.chat_text(body),
+            response=shapes.unfenced(text) if schema is not None else text,
             model=ticket.model,
             instance_id=ticket.tally.instance_id or "",
             prompt_tokens=counts["prompt_tokens"],
@@ -158,62 +169,61 @@ class GenerationService:
             latency_ms=round(latency * 1000, 1),
         )
 
-    async def _chat_payload(self, ticket: Ticket, request: ChatRequest) -> JSON:
+    async def _chat_payload(self, ticket: Ticket, request: ChatRequest) -> tuple[JSON, ToolPlan]:
         messages = await self._prepared(ticket, request.messages)
-        payload = translate.chat_payload(
-            request.model_copy(update={"messages": messages}), self._max_tokens(request), stream=request.stream
-        )
+        # The slot is taken: its instance's chat template decides how tools are served.
+        instance = ticket.lease.instance
+        plan = ToolPlan.of(request, native=instance is not None and instance.native_tools)
+        payload = translate.chat_payload(request, self._max_tokens(request), plan.payload(messages))
         await self._resize(ticket, self.inputs.bound(messages), payload)
-        return payload
+        return payload, plan
 
     async def chat(self, ticket: Ticket, request: ChatRequest) -> JSON:
-        return await self._answer(
-            ticket, "/v1/chat/completions", lambda: self._chat_payload(ticket, request), shapes.chat
-        )
+        payload, plan = await self._call_first(ticket, lambda: self._chat_payload(ticket, request))
+        with schema_errors(plan.schema_param):
+            body = await self._answer(ticket, "/v1/chat/completions", payload)
+        return shapes.chat(body, ticket.model, plan)
 
     async def chat_stream(self, ticket: Ticket, request: ChatRequest) -> AsyncIterator[bytes]:
+        async def prepared() -> tuple[JSON, shapes.StreamShape]:
+            payload, plan = await self._chat_payload(ticket, request)
+            return payload, shapes.ChatStream(plan)
+
         head = translate.head("chatcmpl", "chat.completion.chunk", ticket.model)
-        return await self._stream(
-            ticket,
-            "/v1/chat/completions",
-            lambda: self._chat_payload(ticket, request),
-            head,
-            shapes.chat_chunk,
-            request,
-        )
+        return await self._stream(ticket, "/v1/chat/completions", prepared, head, request)
 
     async def _completion_payload(self, ticket: Ticket, request: CompletionRequest) -> JSON:
         await self.admission.take_slot(ticket)
-        payload = translate.sampling_payload(request, self._max_tokens(request), request.stop)
-        payload["prompt"] = _completion_prompt(request)
-        payload["stream"] = request.stream
-        if request.stream:
-            payload["stream_options"] = {"include_usage": True}
-        return payload
+        return translate.completion_payload(request, self._max_tokens(request), _completion_prompt(request))
+
+    def _legacy_logprobs(self, request: CompletionRequest) -> translate.LegacyLogprobs | None:
+        if request.logprobs is None:
+            return None
+        return translate.LegacyLogprobs(request.logprobs, _completion_prompt(request))
 
     async def completion(self, ticket: Ticket, request: CompletionRequest) -> JSON:
-        payload = lambda: self._completion_payload(ticket, request)  # noqa: E731
-        return await self._answer(ticket, "/v1/completions", payload, shapes.completion)
+        payload = await self._call_first(ticket, lambda: self._completion_payload(ticket, request))
+        body = await self._answer(ticket, "/v1/completions", payload)
+        return shapes.completion(body, ticket.model, self._legacy_logprobs(request))
 
-    async def _answer(
-        self, ticket: Ticket, path: str, payload: Callable[[], Awaitable[JSON]], shape: Callable[[JSON, str], JSON]
-    ) -> JSON:
-        """A non-streamed OpenAI answer: the payload (slot and inputs first), the call, the shape."""
+    async def _call_first(self, ticket: Ticket, prepare: Callable[[], Awaitable[T]]) -> T:
         with closed_on_failure(ticket):
-            body = await self.calls.call(ticket, path, await payload())
+            return await prepare()
+
+    async def _answer(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
+        """A non-streamed OpenAI call (slot and inputs already taken): its body, the ticket closed."""
+        with closed_on_failure(ticket):
+            body = await self.calls.call(ticket, path, payload)
         self._called(ticket, body)
-        return shape(body, ticket.model)
+        return body
 
     async def completion_stream(self, ticket: Ticket, request: CompletionRequest) -> AsyncIterator[bytes]:
+        async def prepared() -> tuple[JSON, shapes.StreamShape]:
+            payload = await self._completion_payload(ticket, request)
+            return payload, shapes.CompletionStream(self._legacy_logprobs(request))
+
         head = translate.head("cmpl", "text_completion", ticket.model)
-        return await self._stream(
-            ticket,
-            "/v1/completions",
-            lambda: self._completion_payload(ticket, request),
-            head,
-            shapes.completion_chunk,
-            request,
-        )
+        return await self._stream(ticket, "/v1/completions", prepared, head, request)
 
     def _called(self, ticket: Ticket, body: JSON) -> None:
         """A non-streamed call answered: its counts and time to first token, and the ticket closed."""
@@ -234,16 +244,15 @@ class GenerationService:
         self,
         ticket: Ticket,
         path: str,
-        payload: Callable[[], Awaitable[JSON]],
+        prepared: Callable[[], Awaitable[tuple[JSON, shapes.StreamShape]]],
         head: JSON,
-        chunk: Callable[[JSON], JSON],
         request: ChatRequest | CompletionRequest,
     ) -> AsyncIterator[bytes]:
         """The SSE body, already started: its first step (the slot, the inputs, llama-server's first
         event) has run, so that what fails there is a plain HTTP error. From here the body owns the
         ticket: it closes it however it ends, also when it is dropped without being read."""
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        body = self._relay(ticket, path, payload, head, chunk, include_usage)
+        body = self._relay(ticket, path, prepared, head, include_usage)
         await anext(body)
         return body
 
@@ -251,9 +260,8 @@ class GenerationService:
         self,
         ticket: Ticket,
         path: str,
-        payload: Callable[[], Awaitable[JSON]],
+        prepared: Callable[[], Awaitable[tuple[JSON, shapes.StreamShape]]],
         head: JSON,
-        chunk: Callable[[JSON], JSON],
         include_usage: bool,
     ) -> AsyncGenerator[bytes]:
         tally = ticket.tally
@@ -262,7 +270,9 @@ class GenerationService:
         try:
             # Progress events carry the prompt's token count up front: a client that leaves early is
             # still charged for its prompt, not only for the tokens it received.
-            first, events = await self.calls.open_stream(ticket, path, {**await payload(), "return_progress": True})
+            payload, shape = await prepared()
+            with schema_errors(shape.schema_param):
+                first, events = await self.calls.open_stream(ticket, path, {**payload, "return_progress": True})
         except BaseException as exc:
             ticket.close(outcome_of(exc))
             raise
@@ -280,12 +290,12 @@ class GenerationService:
                     tally.prompt_tokens, tally.completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
                     tally.cached_tokens = translate.cached_tokens(counts)
                 if choices and not (progress is not None and sent_any):
-                    piece = chunk(choices[0])
-                    if piece.get("text") or (piece.get("delta") or {}).get("content"):
+                    if _generated(choices[0]):
                         tally.completion_tokens += 1  # one token per event; the final usage corrects it
                         self.recorder.token(tally)
                     sent_any = True
-                    yield shapes.sse({**head, "choices": [piece]})
+                    for piece in shape.pieces(choices[0]):
+                        yield shapes.sse({**head, "choices": [piece]})
                 elif not choices and "usage" in event and include_usage:
                     yield shapes.sse({**head, "choices": [], "usage": translate.usage(event)})
                 event = await anext(events, None)
@@ -303,11 +313,34 @@ class GenerationService:
         yield shapes.DONE
 
 
+def _generated(event_choice: JSON) -> bool:
+    """Whether a stream event carries a generated token."""
+    delta = event_choice.get("delta") or {}
+    return bool(event_choice.get("text") or delta.get("content") or delta.get("tool_calls"))
+
+
+@contextmanager
+def schema_errors(param: str | None) -> Iterator[None]:
+    """llama-server's refusal of a JSON schema it cannot turn into a grammar, naming the parameter
+    the schema came from (`response_format`, `format`, or `tools` for prompted tool calls)."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        if param is None or "schema" not in exc.message.lower():
+            raise
+        reason = exc.message.split("failed: ", 1)[-1]
+        raise InvalidRequest(
+            f"{param}: llama.cpp cannot turn this schema into a grammar: {reason}", param=param
+        ) from None
+
+
 def _affinity(model: str, request: Request, session: str | None) -> str:
     """The request's prompt-cache affinity key: its session, else its OpenAI `user`, else the prefix
     every later turn of its conversation repeats (the system prompt and the first user message)."""
     if session:
         return affinity_key(model, "session", session)
+    if isinstance(request, ChatRequest) and request.prompt_cache_key:
+        return affinity_key(model, "session", request.prompt_cache_key)
     if isinstance(request, ChatRequest | CompletionRequest) and request.user:
         return affinity_key(model, "user", request.user)
     if isinstance(request, CompletionRequest):
@@ -317,6 +350,13 @@ def _affinity(model: str, request: Request, session: str | None) -> str:
     system = next((_text(m) for m in request.messages if m.role in ("system", "developer")), "")
     first = next((_text(m) for m in request.messages if m.role == "user"), "")
     return affinity_key(model, system, first)
+
+
+def native_schema(request: GenerateRequest) -> JSON | None:
+    """The native API's `format` as a JSON schema: "json" is any JSON object."""
+    if request.format is None:
+        return None
+    return {"type": "object"} if request.format == "json" else request.format
 
 
 def _completion_prompt(request: CompletionRequest) -> str:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from llmserver.engine import translate
+from llmserver.engine.tools import ToolPlan
 
 JSON = dict[str, Any]
 DONE = b"data: [DONE]\n\n"
@@ -29,51 +30,139 @@ def completion_text(body: JSON) -> str:
     return str(choice(body).get("text", ""))
 
 
-def chat(body: JSON, model: str) -> JSON:
+def unfenced(content: str) -> str:
+    """A structured answer without the Markdown fence llama.cpp's grammar lets a model put around it."""
+    stripped = content.strip()
+    if stripped.startswith("```json") and stripped.endswith("```") and len(stripped) >= 10:
+        return stripped[7:-3].strip()
+    return content
+
+
+def tool_call(call: JSON, index: int | None = None) -> JSON:
+    """One tool call in OpenAI's shape (with its position, in a stream's deltas)."""
+    function = call.get("function") or {}
+    shaped: JSON = {} if index is None else {"index": index}
+    if call.get("id"):
+        shaped["id"] = call["id"]
+        shaped["type"] = "function"
+    parts = {key: function[key] for key in ("name", "arguments") if function.get(key) is not None}
+    if parts:
+        shaped["function"] = parts
+    return shaped
+
+
+def chat(body: JSON, model: str, plan: ToolPlan) -> JSON:
+    first = choice(body)
+    message = first.get("message") or {}
+    reason = translate.finish_reason(first.get("finish_reason"))
+    content: str | None = message.get("content") or ""
+    calls: list[JSON] = [call for call in message.get("tool_calls") or [] if isinstance(call, dict)]
+    if plan.prompted:
+        content, calls = plan.read(content or "", reason)
+    elif plan.schema is not None and content:
+        content = unfenced(content)
+    answer: JSON = {"role": "assistant", "content": content if not calls else (content or None)}
+    if calls:
+        answer["tool_calls"] = [tool_call(call) for call in calls]
+        reason = "tool_calls"
     return {
         **translate.head("chatcmpl", "chat.completion", model),
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": chat_text(body)},
-                "finish_reason": translate.finish_reason(choice(body).get("finish_reason")),
+                "message": answer,
+                "logprobs": translate.chat_logprobs(first.get("logprobs")),
+                "finish_reason": reason,
             }
         ],
         "usage": translate.usage(body),
     }
 
 
-def completion(body: JSON, model: str) -> JSON:
+def completion(body: JSON, model: str, logprobs: translate.LegacyLogprobs | None) -> JSON:
+    first = choice(body)
     return {
         **translate.head("cmpl", "text_completion", model),
         "choices": [
             {
                 "text": completion_text(body),
                 "index": 0,
-                "logprobs": None,
-                "finish_reason": translate.finish_reason(choice(body).get("finish_reason")),
+                "logprobs": logprobs(first.get("logprobs")) if logprobs else None,
+                "finish_reason": translate.finish_reason(first.get("finish_reason")),
             }
         ],
         "usage": translate.usage(body),
     }
 
 
-def chat_chunk(event_choice: JSON) -> JSON:
-    delta = event_choice.get("delta") or {}
-    out: JSON = {}
-    if delta.get("role"):
-        out["role"] = delta["role"]
-    if delta.get("content") is not None:
-        out["content"] = delta["content"]
-    reason = event_choice.get("finish_reason")
-    return {"index": 0, "delta": out, "finish_reason": translate.finish_reason(reason) if reason else None}
+class StreamShape(Protocol):
+    schema_param: str | None  # what to name when llama.cpp refuses the request's grammar
+
+    def pieces(self, event_choice: JSON) -> list[JSON]:
+        """The choice objects (in our shape) for one of llama-server's stream events: none, one or more."""
+        ...
 
 
-def completion_chunk(event_choice: JSON) -> JSON:
-    reason = event_choice.get("finish_reason")
-    return {
-        "text": event_choice.get("text") or "",
-        "index": 0,
-        "logprobs": None,
-        "finish_reason": translate.finish_reason(reason) if reason else None,
-    }
+class ChatStream:
+    """A chat stream's choices. Prompted tool calls (`engine/tools.py`) are JSON the client must not
+    see: their text is held back and turned into `delta.tool_calls` (or content) when it ends."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.schema_param = plan.schema_param
+        self.held: list[str] = []
+        self.held_logprobs: list[JSON] = []
+
+    def pieces(self, event_choice: JSON) -> list[JSON]:
+        delta = event_choice.get("delta") or {}
+        reason = event_choice.get("finish_reason")
+        logprobs = translate.chat_logprobs(event_choice.get("logprobs"))
+        out: JSON = {}
+        if delta.get("role"):
+            out["role"] = delta["role"]
+        if self.plan.prompted:
+            if delta.get("content"):
+                self.held.append(delta["content"])
+            if logprobs:
+                self.held_logprobs.extend(logprobs["content"])
+            pieces = [_piece(out)] if out else []
+            return pieces + self._release(translate.finish_reason(reason)) if reason else pieces
+        if delta.get("content") is not None:
+            out["content"] = delta["content"]
+        calls = [call for call in delta.get("tool_calls") or [] if isinstance(call, dict)]
+        if calls:
+            out["tool_calls"] = [tool_call(call, int(call.get("index", 0))) for call in calls]
+        finish = translate.finish_reason(reason) if reason else None
+        return [_piece(out, finish, logprobs)]
+
+    def _release(self, reason: str) -> list[JSON]:
+        content, calls = self.plan.read("".join(self.held), reason)
+        logprobs = {"content": self.held_logprobs, "refusal": None} if self.held_logprobs else None
+        if calls:
+            deltas = [{"tool_calls": [tool_call(call, index)]} for index, call in enumerate(calls)]
+            return [*(_piece(delta) for delta in deltas), _piece({}, "tool_calls", logprobs)]
+        return [_piece({"content": content or ""}, None, logprobs), _piece({}, reason)]
+
+
+def _piece(delta: JSON, finish: str | None = None, logprobs: JSON | None = None) -> JSON:
+    shaped: JSON = {"index": 0, "delta": delta, "finish_reason": finish}
+    if logprobs is not None:
+        shaped["logprobs"] = logprobs
+    return shaped
+
+
+class CompletionStream:
+    def __init__(self, logprobs: translate.LegacyLogprobs | None) -> None:
+        self.logprobs = logprobs
+        self.schema_param: str | None = None
+
+    def pieces(self, event_choice: JSON) -> list[JSON]:
+        reason = event_choice.get("finish_reason")
+        return [
+            {
+                "text": event_choice.get("text") or "",
+                "index": 0,
+                "logprobs": self.logprobs(event_choice.get("logprobs")) if self.logprobs else None,
+                "finish_reason": translate.finish_reason(reason) if reason else None,
+            }
+        ]

@@ -10,7 +10,16 @@ import time
 from typing import Any
 
 from llmserver.schemas.common import Sampling, normalize_stop
-from llmserver.schemas.openai import ChatMessage, ChatRequest, ContentPart, FilePart, ImagePart, ImageURL, TextPart
+from llmserver.schemas.openai import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    ContentPart,
+    FilePart,
+    ImagePart,
+    ImageURL,
+    TextPart,
+)
 
 JSON = dict[str, Any]
 
@@ -29,25 +38,36 @@ def sampling_payload(request: Sampling, max_tokens: int, stop: list[str] | None)
     stops = normalize_stop(stop)
     if stops:
         payload["stop"] = stops
+    bias = getattr(request, "logit_bias", None)
+    if bias:
+        payload["logit_bias"] = bias
     return payload
 
 
+def stream_fields(stream: bool) -> JSON:
+    if not stream:
+        return {"stream": False}
+    # Always asked for, so the gateway knows the real counts; forwarded only when the client asked.
+    return {"stream": True, "stream_options": {"include_usage": True}}
+
+
 def chat_messages(messages: list[ChatMessage]) -> list[JSON]:
-    """Messages in the form llama-server's chat template takes: text parts joined into one string;
-    a message with images keeps its parts in order, each image already one we decoded and re-encoded."""
-    result: list[JSON] = []
-    for message in messages:
-        role = "system" if message.role == "developer" else message.role
-        content = message.content
-        if isinstance(content, list):
-            # File parts were replaced by their text, and image URLs by our own data URIs, before this.
-            assert not any(isinstance(part, FilePart) for part in content), "a file part reached the payload"
-            if any(isinstance(part, ImagePart) for part in content):
-                result.append({"role": role, "content": [_part(part) for part in content]})
-                continue
-            content = "\n".join(part.text for part in content if isinstance(part, TextPart))
-        result.append({"role": role, "content": content or ""})
-    return result
+    return [content_message(message) for message in messages]
+
+
+def content_message(message: ChatMessage) -> JSON:
+    """A message's role and content as llama-server's chat template takes them: text parts joined
+    into one string; a message with images keeps its parts in order, each image already one we
+    decoded and re-encoded."""
+    role = "system" if message.role == "developer" else message.role
+    content = message.content
+    if isinstance(content, list):
+        # File parts were replaced by their text, and image URLs by our own data URIs, before this.
+        assert not any(isinstance(part, FilePart) for part in content), "a file part reached the payload"
+        if any(isinstance(part, ImagePart) for part in content):
+            return {"role": role, "content": [_part(part) for part in content]}
+        content = "\n".join(part.text for part in content if isinstance(part, TextPart))
+    return {"role": role, "content": content or ""}
 
 
 def _part(part: TextPart | ImagePart | FilePart) -> JSON:
@@ -74,19 +94,69 @@ def native_messages(system: str | None, prompt: str, images: list[str], files: l
     return messages
 
 
-def chat_payload(request: ChatRequest, max_tokens: int, *, stream: bool) -> JSON:
-    payload = sampling_payload(request, max_tokens, request.stop)
-    payload["messages"] = chat_messages(request.messages)
-    payload["stream"] = stream
-    if stream:
-        # Always asked for, so the gateway knows the real counts; forwarded only when the client asked.
-        payload["stream_options"] = {"include_usage": True}
+def chat_payload(request: ChatRequest, max_tokens: int, fields: JSON) -> JSON:
+    """llama-server's chat payload; `fields`: the messages and the tool and response_format fields
+    (`engine/tools.py`)."""
+    payload = {**sampling_payload(request, max_tokens, request.stop), **fields, **stream_fields(request.stream)}
+    if request.logprobs:
+        payload["logprobs"] = True
+        payload["top_logprobs"] = request.top_logprobs or 0
+    return payload
+
+
+def completion_payload(request: CompletionRequest, max_tokens: int, prompt: str) -> JSON:
+    payload = {**sampling_payload(request, max_tokens, request.stop), "prompt": prompt}
+    payload.update(stream_fields(request.stream))
+    if request.logprobs is not None:
+        # llama.cpp reports logprobs only with at least one alternative; extra ones are cut again.
+        payload["logprobs"] = max(request.logprobs, 1)
     return payload
 
 
 def finish_reason(value: Any) -> str:
-    """OpenAI's finish_reason: `length` when max_tokens (or the context) cut the answer, else `stop`."""
-    return "length" if value == "length" else "stop"
+    """OpenAI's finish_reason: `length` when max_tokens (or the context) cut the answer, `tool_calls`
+    when it calls tools, else `stop`."""
+    return value if value in ("length", "tool_calls") else "stop"
+
+
+def chat_logprobs(raw: Any) -> JSON | None:
+    """llama-server's logprobs in OpenAI's chat shape (without llama.cpp's token ids)."""
+    content = raw.get("content") if isinstance(raw, dict) else None
+    if not isinstance(content, list):
+        return None
+    return {"content": [_logprob(entry, alternatives=True) for entry in content], "refusal": None}
+
+
+def _logprob(entry: JSON, *, alternatives: bool) -> JSON:
+    out: JSON = {"token": entry.get("token", ""), "logprob": entry.get("logprob"), "bytes": entry.get("bytes")}
+    if alternatives:
+        out["top_logprobs"] = [_logprob(other, alternatives=False) for other in entry.get("top_logprobs") or []]
+    return out
+
+
+class LegacyLogprobs:
+    """llama-server's logprobs in the legacy completions shape: tokens, token_logprobs, top_logprobs
+    (the `n` likeliest, token → logprob) and text_offset (characters from the prompt's start),
+    carried across the events of a stream."""
+
+    def __init__(self, n: int, prompt: str) -> None:
+        self.n = n
+        self.offset = len(prompt)
+
+    def __call__(self, raw: Any) -> JSON | None:
+        content = raw.get("content") if isinstance(raw, dict) else None
+        if not isinstance(content, list):
+            return None
+        shaped: JSON = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for entry in content:
+            token = str(entry.get("token", ""))
+            shaped["tokens"].append(token)
+            shaped["token_logprobs"].append(entry.get("logprob"))
+            alternatives = (entry.get("top_logprobs") or [])[: self.n]
+            shaped["top_logprobs"].append({str(other.get("token", "")): other.get("logprob") for other in alternatives})
+            shaped["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return shaped
 
 
 def usage(body: JSON) -> JSON:

@@ -22,6 +22,7 @@ import aiohttp
 import psutil
 
 from llmserver.engine.client import LlamaServerClient
+from llmserver.errors import APIError
 from llmserver.settings import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class Instance:
     restarting: bool = False
     ram_used_mb: int = 0
     cpu_percent: float | None = None
+    # Whether the model's chat template renders tools and tool calls itself (llama-server's /props);
+    # if not, the gateway describes them in the prompt (engine/tools.py).
+    native_tools: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     _ps: psutil.Process | None = None
 
@@ -232,6 +236,7 @@ class Instance:
         # llama-server serves HTTP with parallel + 4 threads (on up to 9 CPUs) and drops connections
         # beyond them; at most `parallel` requests are leased to an instance, plus health probes.
         self.client = LlamaServerClient(self.base_url, connections=self.model.parallel + 2)
+        self.native_tools = await self._template_has_tools()
         with contextlib.suppress(psutil.Error):
             self._ps = psutil.Process(self.process.pid)
             self._ps.cpu_percent(None)  # primes the interval measure; this first value means nothing
@@ -239,6 +244,15 @@ class Instance:
         self.status = Status.READY
         self.last_activity = time.time()
         log.info("instance %s (%s) ready in %.1f s", self.id, self.model.name, time.time() - self.started_at)
+
+    async def _template_has_tools(self) -> bool:
+        assert self.client is not None
+        try:
+            caps = (await self.client.get_json("/props")).get("chat_template_caps") or {}
+        except APIError as exc:
+            log.warning("instance %s: no /props (%s); tools will be described in the prompt", self.id, exc.message)
+            return False
+        return bool(caps.get("supports_tool_calls")) and bool(caps.get("supports_tools"))
 
     async def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -1,8 +1,13 @@
-"""Fields shared by every generating endpoint."""
+"""Fields shared by every generating endpoint.
+
+Every request model forbids fields it does not declare: a parameter is honoured or refused with a
+400 naming it, never dropped (`api/deps.validation_error` words OpenAI's "Unrecognized request
+argument supplied").
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
@@ -10,38 +15,48 @@ MAX_STOP_STRINGS = 4
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
+# llama.cpp's sampling parameters that are sent on as they are, when given.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
 
-class Sampling(BaseModel):
-    """Sampling parameters. Omitted ones are left to llama-server's defaults; unknown fields are dropped."""
 
-    model_config = ConfigDict(extra="ignore")
+class Strict(BaseModel):
+    """A request object: unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Sampling(Strict):
+    """Sampling parameters. Omitted ones are left to llama-server's defaults."""
 
     api_key: str | None = Field(default=None, description="The API key, when not sent as a Bearer token.")
     model: str | None = Field(default=None, description="Model name; default: the first configured model.")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, description="llama.cpp: sample from the k likeliest tokens (0: all).")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    min_p: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="llama.cpp: drop tokens less likely than min_p times the likeliest."
+    )
     max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
-    repeat_penalty: float | None = Field(default=None, gt=0.0)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, description="llama.cpp: penalty for repeated tokens.")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=-1, le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=-1, le=2**63 - 1, description="Same seed, same request: same answer.")
 
     mode: Literal["sync", "async"] = Field(default="sync", description="`async`: answer at once with a tracking id.")
     key: str | None = Field(default=None, description="Async mode: base64 of 32 random bytes to encrypt the result.")
     webhook_url: str | None = Field(default=None, description="Async mode: where to POST the result when ready.")
 
-    def sampling_fields(self) -> dict[str, float | int]:
-        names = (
-            "temperature",
-            "top_k",
-            "top_p",
-            "repeat_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-            "seed",
-        )
-        return {name: value for name in names if (value := getattr(self, name)) is not None}
+    def sampling_fields(self) -> dict[str, Any]:
+        return {name: value for name in SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
 
 
 def normalize_stop(stop: list[str] | None) -> list[str]:
@@ -57,3 +72,7 @@ def _one_string_as_list(value: object) -> object:
 
 # OpenAI accepts one stop string or a list of them; both arrive here as a list.
 StopStringOrList = Annotated[StopList, BeforeValidator(_one_string_as_list)]
+
+# OpenAI's logit_bias: token ids (as JSON object keys) → a bias from -100 to 100.
+TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]
+LogitBias = Annotated[dict[TokenId, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -17,6 +17,10 @@ class GenerateRequest(Sampling):
     images: list[str] | None = Field(
         default=None,
         description="Up to 4 images for a vision-capable model: data: URIs (base64) or public http(s) URLs.",
+    )
+    format: Literal["json"] | dict[str, Any] | None = Field(
+        default=None,
+        description='Structured output: "json" for any JSON object, or a JSON schema the response must match.',
     )
     files: list[dict[str, Any]] | None = Field(
         default=None,

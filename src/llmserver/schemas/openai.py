@@ -1,25 +1,35 @@
-"""OpenAI-compatible request models: /v1/chat/completions and /v1/completions."""
+"""OpenAI-compatible request models: /v1/chat/completions and /v1/completions.
+
+Each field of OpenAI's requests is declared here: honoured, accepted without effect (the short list
+`HARMLESS`: bookkeeping fields clients send routinely), or refused with a 400 naming it (`Refused`).
+Anything else is an unrecognized argument (400), as OpenAI answers.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from llmserver.schemas.common import MAX_STOP_STRINGS, Sampling, StopStringOrList
+from llmserver.errors import InvalidRequest
+from llmserver.schemas.common import MAX_STOP_STRINGS, LogitBias, Sampling, StopStringOrList, Strict
+
+# Accepted and not used: they change nothing about the answer.
+HARMLESS = ("metadata", "store", "service_tier", "safety_identifier")
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(BaseModel):
+class ImageURL(Strict):
     url: str
+    detail: Literal["auto", "low", "high"] | None = None  # images are always downscaled to image_max_side
 
 
-class ImagePart(BaseModel):
+class ImagePart(Strict):
     type: Literal["image_url"]
     image_url: ImageURL
 
@@ -34,12 +44,37 @@ class FilePart(BaseModel):
 ContentPart = Annotated[TextPart | ImagePart | FilePart, Field(discriminator="type")]
 P = TypeVar("P", TextPart, ImagePart, FilePart)
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+class FunctionCall(Strict):
+    name: FunctionName
+    arguments: str = Field(description="The arguments as a JSON object, in a string.")
+
+
+class ToolCall(Strict):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = Field(default=None, description="Accepted; chat templates do not show it to the model.")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="Assistant messages: the calls it made.")
+    tool_call_id: str | None = Field(default=None, description="Tool messages: the call this answers.")
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry a tool_call_id")
+        return self
 
 
 def parts_of(messages: Sequence[ChatMessage], kind: type[P]) -> list[tuple[int, int, P]]:
@@ -53,8 +88,63 @@ def parts_of(messages: Sequence[ChatMessage], kind: type[P]) -> list[tuple[int, 
     ]
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding against side channels; no effect here
+
+
+class JSONSchemaFormat(Strict):
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = Field(default=None, description="Always enforced: the grammar admits nothing else.")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaResponseFormat, Field(discriminator="type")]
+
+
+class FunctionDefinition(Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def _refuse(what: str) -> Any:
+    """A field OpenAI defines that this server does not do: refused when present (not null)."""
+    return Field(default=None, description=f"Refused: {what}.")
 
 
 class _OpenAIRequest(Sampling):
@@ -63,15 +153,99 @@ class _OpenAIRequest(Sampling):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
-    user: str | None = None
+    n: int | None = Field(default=None, description="Only one choice per request (1) is supported.")
+    user: str | None = Field(default=None, description="Used for prompt-cache affinity.")
+    logit_bias: LogitBias | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("only one choice per request is supported (n = 1)")
+        return value
 
 
 class ChatRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_cache_key: str | None = Field(default=None, description="Used for prompt-cache affinity.")
+    modalities: list[str] | None = Field(default=None, description='Only ["text"] is supported.')
+
+    audio: Any = _refuse("audio output")
+    prediction: Any = _refuse("predicted outputs")
+    functions: Any = _refuse("the deprecated functions; use tools")
+    function_call: Any = _refuse("the deprecated function_call; use tool_choice")
+    reasoning_effort: Any = _refuse("reasoning effort")
+    verbosity: Any = _refuse("verbosity")
+    web_search_options: Any = _refuse("web search")
+
+    @field_validator("audio", "prediction", "functions", "function_call", "reasoning_effort", "verbosity",
+                     "web_search_options")  # fmt: skip
+    @classmethod
+    def _unsupported(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("not supported by this server")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and value != ["text"]:
+            raise ValueError('only text output is supported (modalities: ["text"])')
+        return value
+
+    @model_validator(mode="after")
+    def _check_together(self) -> ChatRequest:
+        # Raised as our own error (pydantic lets it through) so that it names its parameter.
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
+        names = {tool.function.name for tool in self.tools or []}
+        if len(names) != len(self.tools or []):
+            raise InvalidRequest("tools: two tools share a name", param="tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequest(
+                f"tool_choice: names {choice.function.name!r}, which is not among the tools", param="tool_choice"
+            )
+        if choice in ("required",) and not self.tools:
+            raise InvalidRequest("tool_choice: required needs tools", param="tool_choice")
+        return self
 
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
-    echo: Literal[False] = False
+    logprobs: int | None = Field(default=None, ge=0, le=5, description="The n likeliest tokens at each step.")
+    echo: bool | None = Field(default=None, description="Only false is supported.")
+    best_of: int | None = Field(default=None, description="Only 1 is supported.")
+    suffix: Any = _refuse("suffix (insertion)")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("echoing the prompt is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("only best_of = 1 is supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("not supported by this server")
+        return value

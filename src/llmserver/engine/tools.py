@@ -1,0 +1,278 @@
+"""Tool calling and structured outputs: what a chat request's `tools`, `tool_choice` and
+`response_format` become in llama-server's payload, and what its answer becomes again.
+
+Two ways, chosen per instance from its chat template (llama-server's /props):
+
+- **native**: the template renders tools and tool calls itself (Qwen, Llama 3.x, Hermes, …).
+  `tools`, `tool_choice` and the conversation's `tool_calls` / `tool` messages go to llama-server,
+  which constrains and parses the calls; a named `tool_choice` becomes `required` over that one tool.
+- **prompted**: the template knows no tools (SmolLM2's, say), and this llama.cpp build ignores
+  tools then. The gateway describes the tools in the system message and constrains the answer
+  with a JSON schema: `{"tool_calls": [{"name", "arguments"}]}` or `{"response": …}`; earlier
+  calls and tool results are written into the conversation as that same JSON. The answer is parsed
+  back into `message.tool_calls` (`finish_reason: "tool_calls"`) or plain content.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmserver.engine.translate import content_message
+from llmserver.errors import InvalidRequest
+from llmserver.schemas.openai import (
+    ChatMessage,
+    ChatRequest,
+    JSONObjectFormat,
+    JSONSchemaResponseFormat,
+    NamedToolChoice,
+    TextPart,
+    Tool,
+)
+
+JSON = dict[str, Any]
+
+PROMPTED_INSTRUCTIONS = (
+    "You can call the tools below (each with a JSON Schema of its arguments).\n{tools}\n\n"
+    "Reply with one JSON object and nothing else: {forms}."
+)
+CALL_FORM = '{"tool_calls": [{"name": "<tool name>", "arguments": {...}}]} to call tools'
+ANSWER_FORM = '{"response": <your answer>} to answer the user directly'
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def response_schema(request: ChatRequest) -> JSON | None:
+    """The JSON schema the answer must match, from `response_format`; None for plain text."""
+    form = request.response_format
+    if isinstance(form, JSONObjectFormat):
+        return {"type": "object"}
+    if isinstance(form, JSONSchemaResponseFormat):
+        schema = form.json_schema.schema_ or {"type": "object"}
+        check_schema(schema, "response_format")
+        return schema
+    return None
+
+
+def check_schema(schema: Any, param: str, where: str = "#") -> None:
+    """Refuse what llama.cpp's grammar would quietly not enforce: a `pattern` that is not anchored
+    with ^ and $ (llama.cpp then accepts any string). Other unsupported schemas llama-server refuses
+    itself, naming the place."""
+    if isinstance(schema, dict):
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str) and not (pattern.startswith("^") and pattern.endswith("$")):
+            raise InvalidRequest(
+                f"{param}: the pattern {pattern!r} at {where} is not anchored with ^ and $; "
+                "llama.cpp can only enforce anchored patterns",
+                param=param,
+            )
+        for key, value in schema.items():
+            if key not in ("enum", "const", "default", "examples"):
+                check_schema(value, param, f"{where}/{key}")
+    elif isinstance(schema, list):
+        for index, value in enumerate(schema):
+            check_schema(value, param, f"{where}/{index}")
+
+
+def check_request(request: ChatRequest) -> None:
+    """The schema checks of `response_format` and the tools' parameters, before admission."""
+    response_schema(request)
+    for tool in request.tools or []:
+        check_schema(tool.function.parameters or {}, "tools")
+
+
+def added_prompt(request: ChatRequest) -> str:
+    """Text as long as what tools add to the prompt (their description, in the template or in our
+    instructions), for the quota bound."""
+    if not request.tools:
+        return ""
+    tools = json.dumps([tool.model_dump(exclude_none=True) for tool in request.tools], ensure_ascii=False)
+    return PROMPTED_INSTRUCTIONS + CALL_FORM + ANSWER_FORM + tools
+
+
+@dataclass
+class ToolPlan:
+    """How one chat request's tools are served, and how its answer is read back."""
+
+    native: bool
+    tools: list[Tool] = field(default_factory=list)
+    choice: str = "auto"  # auto, none or required; a named choice is required over one tool
+    parallel: bool = True
+    schema: JSON | None = None  # the response_format schema
+
+    @classmethod
+    def of(cls, request: ChatRequest, native: bool) -> ToolPlan:
+        tools, choice = list(request.tools or []), request.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            tools = [tool for tool in tools if tool.function.name == choice.function.name]
+            choice = "required"
+        if choice == "none":
+            tools = []
+        parallel = request.parallel_tool_calls is not False
+        return cls(native, tools, choice, parallel, response_schema(request))
+
+    @property
+    def prompted(self) -> bool:
+        """The gateway describes the tools and reads the calls out of a JSON answer."""
+        return not self.native and bool(self.tools)
+
+    @property
+    def schema_param(self) -> str | None:
+        """The parameter a grammar of this request comes from, to name when llama.cpp refuses it."""
+        if self.prompted:
+            return "tools"
+        return "response_format" if self.schema is not None else None
+
+    def payload(self, messages: list[ChatMessage]) -> JSON:
+        """The messages and the fields of llama-server's payload for tools and response_format."""
+        fields: JSON = {}
+        if self.native:
+            fields["messages"] = [native_message(message) for message in messages]
+            if self.tools:
+                fields["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+                fields["tool_choice"] = self.choice
+                fields["parallel_tool_calls"] = self.parallel
+            if self.schema is not None:
+                fields["response_format"] = json_schema_format(self.schema)
+            return fields
+        converted = prompted_history(messages)
+        if self.prompted:
+            converted = _with_instructions(converted, self._instructions())
+            fields["response_format"] = json_schema_format(self._answer_schema())
+        elif self.schema is not None:
+            fields["response_format"] = json_schema_format(self.schema)
+        fields["messages"] = converted
+        return fields
+
+    def _instructions(self) -> str:
+        described = [
+            {"name": tool.function.name, "description": tool.function.description or "",
+             "arguments": tool.function.parameters or {"type": "object"}}
+            for tool in self.tools
+        ]  # fmt: skip
+        forms = CALL_FORM if self.choice == "required" else f"{CALL_FORM}, or {ANSWER_FORM}"
+        return PROMPTED_INSTRUCTIONS.format(tools=json.dumps(described, ensure_ascii=False), forms=forms)
+
+    def _answer_schema(self) -> JSON:
+        call = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": tool.function.name},
+                        "arguments": tool.function.parameters or {"type": "object"},
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for tool in self.tools
+            ]
+        }
+        calls: JSON = {"type": "array", "items": call, "minItems": 1}
+        if not self.parallel:
+            calls["maxItems"] = 1
+        with_calls = {
+            "type": "object",
+            "properties": {"tool_calls": calls},
+            "required": ["tool_calls"],
+            "additionalProperties": False,
+        }
+        if self.choice == "required":
+            return with_calls
+        answer = {
+            "type": "object",
+            "properties": {"response": self.schema or {"type": "string"}},
+            "required": ["response"],
+            "additionalProperties": False,
+        }
+        return {"anyOf": [with_calls, answer]}
+
+    def read(self, content: str, finish_reason: str) -> tuple[str | None, list[JSON]]:
+        """A prompted answer's content and tool calls (in OpenAI's shape). An answer cut short, or one
+        that somehow does not parse, stays content as it came."""
+        if not self.prompted:
+            return content, []
+        try:
+            answer = json.loads(content)
+        except json.JSONDecodeError:
+            return content, []
+        if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
+            calls = [
+                {
+                    "id": new_call_id(),
+                    "type": "function",
+                    "function": {
+                        "name": str(call.get("name", "")),
+                        "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False),
+                    },
+                }
+                for call in answer["tool_calls"]
+                if isinstance(call, dict)
+            ]
+            return None, calls
+        if isinstance(answer, dict) and "response" in answer:
+            response = answer["response"]
+            return (response if isinstance(response, str) else json.dumps(response, ensure_ascii=False)), []
+        return content, []
+
+
+def json_schema_format(schema: JSON) -> JSON:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def _text(message: ChatMessage) -> str:
+    if isinstance(message.content, list):
+        return "\n".join(part.text for part in message.content if isinstance(part, TextPart))
+    return message.content or ""
+
+
+def native_message(message: ChatMessage) -> JSON:
+    """A message as llama-server takes it when the template renders tools itself."""
+    out = content_message(message)
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def prompted_history(messages: list[ChatMessage]) -> list[JSON]:
+    """The conversation for a template without tools: an assistant's calls become the JSON it would
+    have answered with, and each tool result a user turn that names its call."""
+    names: dict[str, str] = {}
+    result: list[JSON] = []
+    for message in messages:
+        if message.role == "assistant" and message.tool_calls:
+            calls = []
+            for call in message.tool_calls:
+                names[call.id] = call.function.name
+                calls.append({"name": call.function.name, "arguments": _arguments(call.function.arguments)})
+            result.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
+        elif message.role == "tool":
+            assert message.tool_call_id is not None
+            outcome = {"tool_call_id": message.tool_call_id, "content": _text(message)}
+            if message.tool_call_id in names:
+                outcome["name"] = names[message.tool_call_id]
+            result.append({"role": "user", "content": json.dumps({"tool_result": outcome}, ensure_ascii=False)})
+        else:
+            result.append(content_message(message))
+    return result
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _with_instructions(messages: list[JSON], instructions: str) -> list[JSON]:
+    """The instructions appended to the first system message, or as a new one in front."""
+    if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{instructions}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
