@@ -13,12 +13,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserver import __version__
-from llmserver.api import health, instances, jobs, keys, metrics, models, native, openai
+from llmserver.api import embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api.deps import validation_error
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import open_limiters
 from llmserver.auth.quota import QuotaService
 from llmserver.engine.calls import InstanceCalls
+from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, error_body
 from llmserver.inputs.documents import DocumentService
@@ -102,6 +103,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.speed = speed
         app.state.recorder = recorder
         app.state.generation = GenerationService(settings, admission, inputs, calls, recorder)
+        app.state.embeddings = EmbeddingService(settings, admission, calls)
         app.state.jobs = job_service
         app.state.started_at = time.time()
         try:
@@ -118,7 +120,7 @@ def create_app(settings: Settings) -> FastAPI:
             await store.close()
 
     app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
-    for module in (native, openai, models, jobs, instances, keys, metrics, health):
+    for module in (native, openai, embeddings, models, jobs, instances, keys, metrics, health):
         app.include_router(module.router)
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)

@@ -73,6 +73,13 @@ class ModelConfig(BaseModel):
     threads: int | None = Field(
         default=None, ge=1, le=1024, description="CPU threads per instance; empty: the CPUs shared out evenly."
     )
+    embedding: bool = Field(
+        default=False,
+        description="Serve /v1/embeddings (instances start in llama-server's embedding mode) instead of chat.",
+    )
+    pooling: Literal["mean", "cls", "last"] | None = Field(
+        default=None, description="Embedding models: how token vectors become one; empty: the model's own."
+    )
 
     @field_validator("name")
     @classmethod
@@ -93,6 +100,10 @@ class ModelConfig(BaseModel):
             raise ValueError("hf_repo and hf_file go together")
         if self.hf_repo is not None and self.path is not None:
             raise ValueError("a model has either a path or hf_repo + hf_file, not both")
+        if self.embedding and self.vision_capable:
+            raise ValueError("an embedding model cannot have a vision projector")
+        if self.pooling is not None and not self.embedding:
+            raise ValueError("pooling is for embedding models (embedding = true)")
         return self
 
     @property

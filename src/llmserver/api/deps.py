@@ -16,6 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from llmserver.auth.keys import KeyService, Principal
+from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied
 from llmserver.jobs.runner import JobService
@@ -42,6 +43,11 @@ def keys(request: Request) -> KeyService:
 
 def generation(request: Request) -> GenerationService:
     value: GenerationService = request.app.state.generation
+    return value
+
+
+def embeddings(request: Request) -> EmbeddingService:
+    value: EmbeddingService = request.app.state.embeddings
     return value
 
 

@@ -70,7 +70,9 @@ class GenerationService:
         self.inputs = inputs
         self.calls = calls
         self.recorder = recorder
-        self.default_model = settings.models[0].name
+        chat_models = [model.name for model in settings.models if not model.embedding]
+        self.default_model = chat_models[0] if chat_models else settings.models[0].name
+        self.embedding_models = {model.name for model in settings.models if model.embedding}
         self.default_max_tokens = settings.default_max_tokens
         self.max_tokens_limit = settings.max_tokens_limit
         # A request's prompt and completion together never exceed its slot's context.
@@ -81,6 +83,10 @@ class GenerationService:
     async def admit(self, principal: Principal, request: Request, endpoint: str, session: str | None = None) -> Ticket:
         """Admission for a request; `session` is its X-Session-Id header (for prompt-cache affinity)."""
         model = request.model or self.default_model
+        if model in self.embedding_models:
+            raise InvalidRequest(
+                f"The model {model!r} serves embeddings only (POST /v1/embeddings), not generation.", param="model"
+            )
         max_tokens = self._max_tokens(request)
         if isinstance(request, ChatRequest):
             check_request(request)

@@ -64,6 +64,11 @@ def llama_server_args(
     binary: Path, model_file: Path, model: ModelConfig, host: str, port: int, mmproj: Path | None = None
 ) -> list[str]:
     vision = ["--mmproj", str(mmproj)] if mmproj is not None else []
+    # An input is embedded in one batch: let a batch hold a whole context.
+    embedding = ["--embeddings", "--batch-size", str(model.ctx_size), "--ubatch-size", str(model.ctx_size)]
+    embedding = embedding if model.embedding else []
+    if model.pooling is not None:
+        embedding += ["--pooling", model.pooling]
     return [
         str(binary),
         "--model", str(model_file),
@@ -80,6 +85,7 @@ def llama_server_args(
         "--no-webui",
         "--jinja",
         *vision,
+        *embedding,
     ]  # fmt: skip
 
 

@@ -249,3 +249,24 @@ class CompletionRequest(_OpenAIRequest):
         if value is not None:
             raise ValueError("not supported by this server")
         return value
+
+
+MAX_EMBEDDING_INPUTS = 2048
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class EmbeddingRequest(Strict):
+    api_key: str | None = Field(default=None, description="The API key, when not sent as a Bearer token.")
+    model: str | None = Field(default=None, description="An embedding model; default: the first configured one.")
+    input: (
+        Annotated[str, StringConstraints(min_length=1)]
+        | Annotated[
+            list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+        ]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    ) = Field(description=f"A text, or up to {MAX_EMBEDDING_INPUTS} texts (or token-id lists), none empty.")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1, description="Only the model's own dimension is supported.")
+    user: str | None = None
