@@ -23,5 +23,6 @@ async def list_models(request: Request) -> dict[str, Any]:
         if average is not None:
             entry["avg_tokens_per_second"] = average
         entry["vision_capable"] = model.vision_capable
+        entry["embedding"] = model.embedding
         data.append(entry)
     return {"object": "list", "data": data}

@@ -188,12 +188,12 @@ class GenerationService:
         payload, plan = await self._call_first(ticket, lambda: self._chat_payload(ticket, request))
         with schema_errors(plan.schema_param):
             body = await self._answer(ticket, "/v1/chat/completions", payload)
-        return shapes.chat(body, ticket.model, plan)
+        return shapes.chat(body, ticket.model, plan, request.top_logprobs or 0)
 
     async def chat_stream(self, ticket: Ticket, request: ChatRequest) -> AsyncIterator[bytes]:
         async def prepared() -> tuple[JSON, shapes.StreamShape]:
             payload, plan = await self._chat_payload(ticket, request)
-            return payload, shapes.ChatStream(plan)
+            return payload, shapes.ChatStream(plan, request.top_logprobs or 0)
 
         head = translate.head("chatcmpl", "chat.completion.chunk", ticket.model)
         return await self._stream(ticket, "/v1/chat/completions", prepared, head, request)

@@ -51,7 +51,7 @@ def tool_call(call: JSON, index: int | None = None) -> JSON:
     return shaped
 
 
-def chat(body: JSON, model: str, plan: ToolPlan) -> JSON:
+def chat(body: JSON, model: str, plan: ToolPlan, top_logprobs: int = 0) -> JSON:
     first = choice(body)
     message = first.get("message") or {}
     reason = translate.finish_reason(first.get("finish_reason"))
@@ -71,7 +71,7 @@ def chat(body: JSON, model: str, plan: ToolPlan) -> JSON:
             {
                 "index": 0,
                 "message": answer,
-                "logprobs": translate.chat_logprobs(first.get("logprobs")),
+                "logprobs": translate.chat_logprobs(first.get("logprobs"), top_logprobs),
                 "finish_reason": reason,
             }
         ],
@@ -107,8 +107,9 @@ class ChatStream:
     """A chat stream's choices. Prompted tool calls (`engine/tools.py`) are JSON the client must not
     see: their text is held back and turned into `delta.tool_calls` (or content) when it ends."""
 
-    def __init__(self, plan: ToolPlan) -> None:
+    def __init__(self, plan: ToolPlan, top_logprobs: int = 0) -> None:
         self.plan = plan
+        self.top_logprobs = top_logprobs
         self.schema_param = plan.schema_param
         self.held: list[str] = []
         self.held_logprobs: list[JSON] = []
@@ -116,7 +117,7 @@ class ChatStream:
     def pieces(self, event_choice: JSON) -> list[JSON]:
         delta = event_choice.get("delta") or {}
         reason = event_choice.get("finish_reason")
-        logprobs = translate.chat_logprobs(event_choice.get("logprobs"))
+        logprobs = translate.chat_logprobs(event_choice.get("logprobs"), self.top_logprobs)
         out: JSON = {}
         if delta.get("role"):
             out["role"] = delta["role"]

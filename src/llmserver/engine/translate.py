@@ -100,7 +100,8 @@ def chat_payload(request: ChatRequest, max_tokens: int, fields: JSON) -> JSON:
     payload = {**sampling_payload(request, max_tokens, request.stop), **fields, **stream_fields(request.stream)}
     if request.logprobs:
         payload["logprobs"] = True
-        payload["top_logprobs"] = request.top_logprobs or 0
+        # llama.cpp reports logprobs only with at least one alternative; extra ones are cut again.
+        payload["top_logprobs"] = max(request.top_logprobs or 0, 1)
     return payload
 
 
@@ -119,18 +120,19 @@ def finish_reason(value: Any) -> str:
     return value if value in ("length", "tool_calls") else "stop"
 
 
-def chat_logprobs(raw: Any) -> JSON | None:
-    """llama-server's logprobs in OpenAI's chat shape (without llama.cpp's token ids)."""
+def chat_logprobs(raw: Any, top: int) -> JSON | None:
+    """llama-server's logprobs in OpenAI's chat shape (without llama.cpp's token ids), with the
+    `top` likeliest alternatives at each step."""
     content = raw.get("content") if isinstance(raw, dict) else None
     if not isinstance(content, list):
         return None
-    return {"content": [_logprob(entry, alternatives=True) for entry in content], "refusal": None}
+    return {"content": [_logprob(entry, top) for entry in content], "refusal": None}
 
 
-def _logprob(entry: JSON, *, alternatives: bool) -> JSON:
+def _logprob(entry: JSON, top: int | None = None) -> JSON:
     out: JSON = {"token": entry.get("token", ""), "logprob": entry.get("logprob"), "bytes": entry.get("bytes")}
-    if alternatives:
-        out["top_logprobs"] = [_logprob(other, alternatives=False) for other in entry.get("top_logprobs") or []]
+    if top is not None:
+        out["top_logprobs"] = [_logprob(other) for other in (entry.get("top_logprobs") or [])[:top]]
     return out
 
 
