@@ -89,14 +89,22 @@ def post(compat: Server, key: str, path: str, body: dict[str, Any]) -> httpx.Res
 
 def test_parse_returns_the_pydantic_object(sdk: openai.OpenAI) -> None:
     reply = sdk.chat.completions.parse(
-        model=MODEL, messages=[{"role": "user", "content": "Invent a person."}], response_format=Person, max_tokens=60
+        model=MODEL,
+        messages=[{"role": "user", "content": "Invent a person."}],
+        response_format=Person,
+        max_tokens=150,
+        temperature=0,
     )
     assert isinstance(reply.choices[0].message.parsed, Person)
 
 
 def test_parse_streamed(sdk: openai.OpenAI) -> None:
     with sdk.chat.completions.stream(
-        model=MODEL, messages=[{"role": "user", "content": "Invent a person."}], response_format=Person, max_tokens=60
+        model=MODEL,
+        messages=[{"role": "user", "content": "Invent a person."}],
+        response_format=Person,
+        max_tokens=150,
+        temperature=0,
     ) as stream:
         chunks = [event for event in stream if event.type == "content.delta"]
         final = stream.get_final_completion()
@@ -120,10 +128,20 @@ def test_json_object_mode_answers_a_json_object(sdk: openai.OpenAI) -> None:
 
 def test_native_format_takes_a_schema_or_json(compat: Server, key: str) -> None:
     schema = Person.model_json_schema()
-    answer = post(compat, key, "/api/generate", {"prompt": "Invent a person.", "format": schema, "max_tokens": 60})
+    answer = post(
+        compat,
+        key,
+        "/api/generate",
+        {"prompt": "Invent a person.", "format": schema, "max_tokens": 150, "temperature": 0},
+    )
     assert answer.status_code == 200, answer.text
     Person.model_validate_json(answer.json()["response"])
-    raw = post(compat, key, "/api/generate", {"prompt": "A person: ", "raw": True, "format": schema, "max_tokens": 60})
+    raw = post(
+        compat,
+        key,
+        "/api/generate",
+        {"prompt": "A person: ", "raw": True, "format": schema, "max_tokens": 150, "temperature": 0},
+    )
     Person.model_validate_json(raw.json()["response"])
     loose = post(compat, key, "/api/generate", {"prompt": "A cat as JSON.", "format": "json", "max_tokens": 40})
     assert loose.json()["response"].lstrip().startswith("{")
@@ -154,7 +172,8 @@ def test_a_two_turn_tool_conversation(sdk: openai.OpenAI) -> None:
         messages=ASK,
         tools=[WEATHER, TIME],
         tool_choice="required",
-        max_tokens=80,  # type: ignore[arg-type, list-item]
+        max_tokens=150,  # type: ignore[arg-type, list-item]
+        temperature=0,
     )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
@@ -183,7 +202,7 @@ def test_a_two_turn_tool_conversation(sdk: openai.OpenAI) -> None:
 def test_streamed_tool_calls_assemble_in_the_sdk(sdk: openai.OpenAI) -> None:
     tools = [WEATHER]
     with sdk.chat.completions.stream(
-        model=MODEL, messages=ASK, tools=tools, tool_choice="required", max_tokens=80
+        model=MODEL, messages=ASK, tools=tools, tool_choice="required", max_tokens=150, temperature=0
     ) as stream:  # type: ignore[arg-type, list-item]
         final = stream.get_final_completion()
     choice = final.choices[0]
@@ -199,7 +218,8 @@ def test_a_named_tool_choice_and_one_call_at_a_time(sdk: openai.OpenAI) -> None:
         tools=[WEATHER, TIME],  # type: ignore[list-item]
         tool_choice={"type": "function", "function": {"name": "get_time"}},
         parallel_tool_calls=False,
-        max_tokens=80,
+        max_tokens=150,
+        temperature=0,
     )
     calls = reply.choices[0].message.tool_calls or []
     assert [call.function.name for call in calls] == ["get_time"]  # type: ignore[union-attr]
@@ -211,7 +231,8 @@ def test_tool_calls_through_async_mode(compat: Server, key: str) -> None:
         "messages": ASK,
         "tools": [WEATHER],
         "tool_choice": "required",
-        "max_tokens": 80,
+        "max_tokens": 150,
+        "temperature": 0,
         "mode": "async",
         "key": encoded,
     }
@@ -225,7 +246,9 @@ def test_tool_calls_through_async_mode(compat: Server, key: str) -> None:
 def test_langchain_binds_tools_and_structured_output(compat: Server, key: str) -> None:
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(base_url=compat.url + "/v1", api_key=key, model=MODEL, max_tokens=80, max_retries=0)  # type: ignore[arg-type]
+    chat = ChatOpenAI(
+        base_url=compat.url + "/v1", api_key=key, model=MODEL, max_tokens=150, temperature=0, max_retries=0
+    )  # type: ignore[arg-type]
     message = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
     assert message.tool_calls[0]["name"] == "get_weather"  # type: ignore[attr-defined]
     assert isinstance(message.tool_calls[0]["args"], dict)  # type: ignore[attr-defined]
