@@ -437,3 +437,19 @@ def test_an_embedding_model_does_not_chat_and_is_listed(compat: Server, key: str
     listed = {model.id: model for model in sdk.models.list().data}
     assert listed[EMBED].model_extra and listed[EMBED].model_extra["embedding"] is True
     assert listed[MODEL].model_extra and listed[MODEL].model_extra["embedding"] is False
+
+
+def test_an_earlier_answer_echoed_back_with_empty_fields_is_accepted(compat: Server, key: str) -> None:
+    echoed = {
+        "role": "assistant",
+        "content": "Hi!",
+        "refusal": None,
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
+    }
+    history = [{"role": "user", "content": "Hello"}, echoed, {"role": "user", "content": "Bye"}]
+    assert post(compat, key, "/v1/chat/completions", {"messages": history, "max_tokens": 2}).status_code == 200
+    echoed["audio"] = {"id": "audio_1"}
+    body = {"messages": history, "max_tokens": 2}
+    assert_error(post(compat, key, "/v1/chat/completions", body), 400, "invalid_request_error", "messages.1.audio")

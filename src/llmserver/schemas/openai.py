@@ -65,6 +65,10 @@ class ChatMessage(Strict):
     tool_calls: list[ToolCall] | None = Field(default=None, description="Assistant messages: the calls it made.")
     tool_call_id: str | None = Field(default=None, description="Tool messages: the call this answers.")
     refusal: str | None = None
+    # What an SDK echoes back of an earlier answer: accepted when empty.
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
