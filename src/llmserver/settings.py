@@ -73,6 +73,10 @@ class ModelConfig(BaseModel):
     threads: int | None = Field(
         default=None, ge=1, le=1024, description="CPU threads per instance; empty: the CPUs shared out evenly."
     )
+    chat_template_file: Path | None = Field(
+        default=None,
+        description="A Jinja chat template to use instead of the one in the GGUF (for one that lacks tools, say).",
+    )
     embedding: bool = Field(
         default=False,
         description="Serve /v1/embeddings (instances start in llama-server's embedding mode) instead of chat.",
@@ -102,6 +106,8 @@ class ModelConfig(BaseModel):
             raise ValueError("a model has either a path or hf_repo + hf_file, not both")
         if self.embedding and self.vision_capable:
             raise ValueError("an embedding model cannot have a vision projector")
+        if self.chat_template_file is not None and not self.chat_template_file.expanduser().is_file():
+            raise ValueError(f"chat_template_file not found: {self.chat_template_file}")
         if self.pooling is not None and not self.embedding:
             raise ValueError("pooling is for embedding models (embedding = true)")
         return self

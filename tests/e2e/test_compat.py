@@ -8,6 +8,7 @@ import base64
 import json
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +23,8 @@ from tests.jobs.test_crypto import independent_decrypt
 from tests.support import MODEL, Server, make_key
 
 EMBED = "smol-embed"
+NATIVE = "smol-tools"
+TEMPLATE = Path(__file__).parent.parent / "templates" / "chatml_tools.jinja"
 CONFIG = f"""
 [[models]]
 name = "{MODEL}"
@@ -36,6 +39,14 @@ embedding = true
 pooling = "mean"
 parallel = 2
 ctx_size = 256
+threads = 1
+
+[[models]]
+name = "{NATIVE}"
+path = "{model_file()}"
+chat_template_file = "{TEMPLATE}"
+parallel = 1
+ctx_size = 1024
 threads = 1
 """
 WEATHER = {
@@ -223,6 +234,27 @@ def test_a_named_tool_choice_and_one_call_at_a_time(sdk: openai.OpenAI) -> None:
     )
     calls = reply.choices[0].message.tool_calls or []
     assert [call.function.name for call in calls] == ["get_time"]  # type: ignore[union-attr]
+
+
+def test_a_template_with_tools_renders_them_itself(compat: Server, sdk: openai.OpenAI) -> None:
+    """The native path: a model whose chat template renders tools gets them (and the conversation's
+    calls and results) from llama-server's template, not from the gateway's instructions."""
+
+    def prompt_tokens(model: str, messages: list[Any], **fields: Any) -> int:
+        reply = sdk.chat.completions.create(model=model, messages=messages, max_tokens=1, **fields)
+        assert reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    assert "tool calls: its chat template's" in compat.log()
+    bare = prompt_tokens(NATIVE, ASK)
+    with_tools = prompt_tokens(NATIVE, ASK, tools=[WEATHER])
+    prompted = prompt_tokens(MODEL, ASK, tools=[WEATHER])
+    assert with_tools > bare + 30  # the template listed the tool
+    assert with_tools != prompted  # and not in the gateway's words
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]  # fmt: skip
+    assert prompt_tokens(NATIVE, history, tools=[WEATHER]) > with_tools + 15
 
 
 def test_tool_calls_through_async_mode(compat: Server, key: str) -> None:

@@ -69,6 +69,7 @@ def llama_server_args(
     embedding = embedding if model.embedding else []
     if model.pooling is not None:
         embedding += ["--pooling", model.pooling]
+    template = ["--chat-template-file", str(model.chat_template_file.expanduser())] if model.chat_template_file else []
     return [
         str(binary),
         "--model", str(model_file),
@@ -86,6 +87,7 @@ def llama_server_args(
         "--jinja",
         *vision,
         *embedding,
+        *template,
     ]  # fmt: skip
 
 
@@ -249,7 +251,11 @@ class Instance:
         self.sample()
         self.status = Status.READY
         self.last_activity = time.time()
-        log.info("instance %s (%s) ready in %.1f s", self.id, self.model.name, time.time() - self.started_at)
+        log.info(
+            "instance %s (%s) ready in %.1f s; tool calls: %s",
+            self.id, self.model.name, time.time() - self.started_at,
+            "its chat template's" if self.native_tools else "described in the prompt (the template has no tools)",
+        )  # fmt: skip
 
     async def _template_has_tools(self) -> bool:
         assert self.client is not None
