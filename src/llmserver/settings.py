@@ -177,7 +177,12 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="Seconds a generation may take before it fails with 504."
     )
     queue_timeout: float = Field(
-        default=60.0, gt=0, description="Seconds a request may wait for a free slot before it fails with 504."
+        default=60.0,
+        gt=0,
+        description="Seconds a request may wait for a free slot (or a cold start) before it fails with 504 (503).",
+    )
+    max_keep_alive: float = Field(
+        default=3600.0, ge=0, description="Most seconds a request's keep_alive may keep its instance from idling out."
     )
     instance_attempts: int = Field(
         default=2,

@@ -19,5 +19,6 @@ async def health() -> dict[str, str]:
 async def ready(request: Request) -> JSONResponse:
     pool = supervisor(request)
     models = {name: model_pool.ready for name, model_pool in pool.pools.items()}
-    ok = all(models.values())
+    # A model kept at zero instances (started on its first request) does not hold readiness back.
+    ok = all(ready or pool.pools[name].config.min_instances == 0 for name, ready in models.items())
     return JSONResponse({"status": "ready" if ok else "not_ready", "models": models}, status_code=200 if ok else 503)

@@ -25,9 +25,11 @@ class Limits(BaseModel):
     quota_period: str | None = Field(default=None, pattern="^(day|month|total)$")
     rpm: int | None = Field(default=None, ge=1)
     max_concurrency: int | None = Field(default=None, ge=1)
+    models: list[str] | None = Field(default=None, description="Model names or patterns the key may use; null: all.")
 
     def limits(self) -> KeyLimits:
-        return KeyLimits(self.quota_tokens, self.quota_period, self.rpm, self.max_concurrency)
+        models = tuple(self.models) if self.models is not None else None
+        return KeyLimits(self.quota_tokens, self.quota_period, self.rpm, self.max_concurrency, models)
 
 
 class CreateKey(Limits):
@@ -44,6 +46,7 @@ def describe(record: KeyRecord) -> dict[str, Any]:
         "created_at": record.created_at,
         "revoked_at": record.revoked_at,
         **asdict(record.limits),
+        "models": list(record.limits.models) if record.limits.models is not None else None,
     }
 
 

@@ -6,8 +6,10 @@ fingerprint (the first 8 hex digits of the hash), never by the key itself.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ class Principal:
 
 
 PERIODS = ("day", "month", "total")
+MODEL_PATTERN = re.compile(r"^[A-Za-z0-9._:*?\[\]-]{1,128}$")
 
 
 def check_limits(limits: KeyLimits) -> KeyLimits:
@@ -45,7 +48,15 @@ def check_limits(limits: KeyLimits) -> KeyLimits:
         value = getattr(limits, name)
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1")
+    for pattern in limits.models or ():
+        if not MODEL_PATTERN.match(pattern):
+            raise ValueError(f"models: {pattern!r} is not a model name or pattern (letters, digits, . _ : - * ? [ ])")
     return limits
+
+
+def may_use(limits: KeyLimits, model: str) -> bool:
+    """Whether a key's allow-list (names or fnmatch patterns; none: every model) lets it use `model`."""
+    return limits.models is None or any(fnmatch.fnmatchcase(model, pattern) for pattern in limits.models)
 
 
 def generate_key() -> str:

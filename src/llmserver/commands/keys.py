@@ -48,6 +48,9 @@ def keys() -> None:
 
 
 def limit_options(func: F) -> F:
+    func = click.option(
+        "--models", default=None, help="Comma-separated model names or patterns the key may use (default: all)."
+    )(func)
     func = click.option("--max-concurrency", type=int, default=None, help="Requests in flight at once.")(func)
     func = click.option("--rpm", type=int, default=None, help="Requests per minute.")(func)
     func = click.option(
@@ -58,9 +61,14 @@ def limit_options(func: F) -> F:
 
 
 def _limits(
-    quota_tokens: int | None, quota_period: str | None, rpm: int | None, max_concurrency: int | None
+    quota_tokens: int | None,
+    quota_period: str | None,
+    rpm: int | None,
+    max_concurrency: int | None,
+    models: str | None,
 ) -> KeyLimits:
-    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency)
+    allowed = tuple(name.strip() for name in models.split(",") if name.strip()) if models is not None else None
+    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, allowed)
     try:
         return check_limits(limits)
     except ValueError as exc:
@@ -81,9 +89,10 @@ def create(
     quota_period: str | None,
     rpm: int | None,
     max_concurrency: int | None,
+    models: str | None,
 ) -> None:
     """Create a key and print it, alone on the last line. It is shown only this once."""
-    limits = _limits(quota_tokens, quota_period, rpm, max_concurrency)
+    limits = _limits(quota_tokens, quota_period, rpm, max_concurrency, models)
     record, key = _keys(config_file, data_dir, lambda service: service.create(name, admin=admin, limits=limits))
     click.echo(
         f"created {'admin ' if record.is_admin else ''}key {record.id} ({record.name}); it is shown only once:",
@@ -122,9 +131,10 @@ def update(
     quota_period: str | None,
     rpm: int | None,
     max_concurrency: int | None,
+    models: str | None,
 ) -> None:
     """Set a key's limits (the ones not given are cleared)."""
-    limits = _limits(quota_tokens, quota_period, rpm, max_concurrency)
+    limits = _limits(quota_tokens, quota_period, rpm, max_concurrency, models)
     if not _keys(config_file, data_dir, lambda service: service.update(key_id, limits)):
         raise click.ClickException(f"no key with id {key_id}")
     click.echo(f"updated {key_id}")

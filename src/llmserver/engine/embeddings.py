@@ -12,6 +12,7 @@ from typing import Any
 from llmserver.auth.keys import Principal
 from llmserver.engine import translate
 from llmserver.engine.calls import InstanceCalls
+from llmserver.engine.generation import check_keep_alive
 from llmserver.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UpstreamError
 from llmserver.inputs.prepare import text_bound
 from llmserver.pool.admission import Admission, Ticket, outcome_of
@@ -31,6 +32,7 @@ class EmbeddingService:
         self.calls = calls
         self.models = {model.name: model for model in settings.models if model.embedding}
         self.chat_models = {model.name for model in settings.models if not model.embedding}
+        self.max_keep_alive = settings.max_keep_alive
 
     def _model(self, requested: str | None) -> str:
         if requested is None:
@@ -61,7 +63,8 @@ class EmbeddingService:
                     param="input",
                 )
             bound += min(tokens, context)
-        return await self.admission.admit(principal, ENDPOINT, model, bound)
+        keep_alive = check_keep_alive(request.keep_alive, self.max_keep_alive)
+        return await self.admission.admit(principal, ENDPOINT, model, bound, keep_alive=keep_alive)
 
     def context(self, model: str) -> int:
         """Tokens one input may hold: the slot's context, and no more than one batch (ctx_size)."""

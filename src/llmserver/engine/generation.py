@@ -75,6 +75,7 @@ class GenerationService:
         self.embedding_models = {model.name for model in settings.models if model.embedding}
         self.default_max_tokens = settings.default_max_tokens
         self.max_tokens_limit = settings.max_tokens_limit
+        self.max_keep_alive = settings.max_keep_alive
         # A request's prompt and completion together never exceed its slot's context.
         self._context = {model.name: slot_context(model) for model in settings.models}
 
@@ -100,7 +101,10 @@ class GenerationService:
                 )
             prompt = self.inputs.bound(_native_messages(request))
         bound = self._bound(model, prompt, max_tokens)
-        return await self.admission.admit(principal, endpoint, model, bound, _affinity(model, request, session))
+        keep_alive = check_keep_alive(request.keep_alive, self.max_keep_alive)
+        return await self.admission.admit(
+            principal, endpoint, model, bound, _affinity(model, request, session), keep_alive
+        )
 
     def _max_tokens(self, request: Request) -> int:
         param, requested = "max_tokens", request.max_tokens
@@ -317,6 +321,14 @@ class GenerationService:
             await events.aclose()
             ticket.close(outcome)
         yield shapes.DONE
+
+
+def check_keep_alive(keep_alive: float | None, most: float) -> float | None:
+    if keep_alive is not None and keep_alive > most:
+        raise InvalidRequest(
+            f"keep_alive is {keep_alive:g} s; this server allows at most {most:g}.", param="keep_alive"
+        )
+    return keep_alive
 
 
 def _generated(event_choice: JSON) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llmserver.pool.supervisor import Supervisor
@@ -18,16 +18,28 @@ class _PoolCollector(Collector):
     def __init__(self, supervisor: Supervisor) -> None:
         self._supervisor = supervisor
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        cold = CounterMetricFamily(
+            "llmserver_cold_starts", "Instances started for requests that found none running", labels=["model"]
+        )
+        cold_seconds = CounterMetricFamily(
+            "llmserver_cold_start_seconds", "Seconds those requests waited for the instance to start", labels=["model"]
+        )
+        evictions = CounterMetricFamily(
+            "llmserver_evictions", "Idle instances stopped to make room for another model", labels=["model"]
+        )
         depth = GaugeMetricFamily("llmserver_queue_depth", "Requests waiting for a slot", labels=["model"])
         flight = GaugeMetricFamily("llmserver_in_flight", "Requests on instances", labels=["model"])
         instances = GaugeMetricFamily("llmserver_instances", "Instances by status", labels=["model", "status"])
         for name, pool in self._supervisor.pools.items():
             depth.add_metric([name], pool.queue_depth)
+            cold.add_metric([name], pool.cold_starts)
+            cold_seconds.add_metric([name], pool.cold_start_seconds)
+            evictions.add_metric([name], pool.evictions)
             flight.add_metric([name], sum(i.in_flight for i in pool.instances))
             for status in ("starting", "ready", "busy", "draining", "stopped", "failed"):
                 instances.add_metric([name, status], sum(i.status.value == status for i in pool.instances))
-        yield from (depth, flight, instances)
+        yield from (depth, flight, instances, cold, cold_seconds, evictions)
 
 
 class Metrics:

@@ -19,10 +19,10 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from llmserver.auth.keys import Principal
+from llmserver.auth.keys import Principal, may_use
 from llmserver.auth.limiters import ConcurrencyLimiter, RateLimiter
 from llmserver.auth.quota import QuotaService
-from llmserver.errors import APIError, RateLimited
+from llmserver.errors import APIError, PermissionDenied, RateLimited
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.router import Lease, Router
@@ -114,11 +114,19 @@ class Admission:
             await self._recorder.flush()
 
     async def admit(
-        self, principal: Principal, endpoint: str, model: str, tokens: int, affinity: str | None = None
+        self,
+        principal: Principal,
+        endpoint: str,
+        model: str,
+        tokens: int,
+        affinity: str | None = None,
+        keep_alive: float | None = None,
     ) -> Ticket:
         """Every check but the slot, in order; a ticket holding the place in flight and the reservation.
         `affinity` is the request's prompt-cache key, for the slot's choice of instance."""
-        lease = self._router.lease(model, principal.key_id, affinity)
+        lease = self._router.lease(model, principal.key_id, affinity, keep_alive)
+        if not may_use(principal.limits, model):
+            raise PermissionDenied(f"This API key may not use the model {model!r}.", param="model")
         key = principal.key_id
         try:
             if principal.limits.rpm is not None:

@@ -119,6 +119,7 @@ class Instance:
     # Whether the model's chat template renders tools and tool calls itself (llama-server's /props);
     # if not, the gateway describes them in the prompt (engine/tools.py).
     native_tools: bool = False
+    keep_until: float = 0.0  # a request's keep_alive: not stopped for idleness before this (time.time())
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     _ps: psutil.Process | None = None
 

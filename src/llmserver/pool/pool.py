@@ -50,6 +50,12 @@ class ModelPool:
         # After an instance fails to start, automatic starts wait (doubling) before trying again.
         self.start_backoff = 0.0
         self.next_start_at = 0.0
+        # Why the supervisor cannot start an instance now (the memory budget, a failed start), if so.
+        self.blocked: str | None = None
+        self.measured_mb = 0  # the most RAM one instance was measured to use
+        self.cold_starts = 0
+        self.cold_start_seconds = 0.0
+        self.evictions = 0
 
     @property
     def name(self) -> str:
@@ -88,8 +94,8 @@ class ModelPool:
         if instance is not None and not self._waiters:
             instance.begin(key_id)
             return instance
-        if not any(i.accepting or i.status == Status.STARTING or i.restarting for i in self.instances):
-            # Nothing is running or coming: waiting would only end in a timeout.
+        if self.instances and not any(self._coming(i) for i in self.instances):
+            # Every instance has failed and been given up: waiting would only end in a timeout.
             raise Overloaded(f"No instance of {self.name!r} is running; see the server's log.", retry_after=30)
         if len(self._waiters) >= self.config.max_queue:
             raise Overloaded(
@@ -110,10 +116,24 @@ class ModelPool:
                 # A slot was handed over just as this request gave up: give it back.
                 self.release(waiter.future.result(), key_id)
             if isinstance(exc, TimeoutError):
-                raise GatewayTimeout(
-                    f"No slot of {self.name!r} came free within {self.queue_timeout:.0f} s; the server is overloaded."
-                ) from None
+                raise self._timed_out() from None
             raise
+
+    @staticmethod
+    def _coming(instance: Instance) -> bool:
+        return instance.accepting or instance.status == Status.STARTING or instance.restarting
+
+    def _timed_out(self) -> Exception:
+        waited = f"{self.queue_timeout:.0f} s"
+        if self.ready:
+            return GatewayTimeout(f"No slot of {self.name!r} came free within {waited}; the server is overloaded.")
+        if self.blocked:
+            return Overloaded(
+                f"No instance of {self.name!r} could be started within {waited}: {self.blocked}.", retry_after=30
+            )
+        return Overloaded(
+            f"The instance of {self.name!r} was still starting after {waited}; retry shortly.", retry_after=10
+        )
 
     def release(self, instance: Instance, key_id: str) -> None:
         instance.end(key_id)

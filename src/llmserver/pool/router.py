@@ -6,6 +6,7 @@ reported to its pool, whose owner (the supervisor) decides what that means.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from llmserver.errors import ModelNotFound
@@ -16,10 +17,13 @@ from llmserver.pool.pool import ModelPool
 class Lease:
     """One request's slot on an instance of one model: taken, perhaps replaced once, released."""
 
-    def __init__(self, pool: ModelPool, key_id: str, affinity: str | None = None) -> None:
+    def __init__(
+        self, pool: ModelPool, key_id: str, affinity: str | None = None, keep_alive: float | None = None
+    ) -> None:
         self.pool = pool
         self.key_id = key_id
         self.affinity = affinity  # the prompt-cache affinity key (pool/affinity.py)
+        self.keep_alive = keep_alive  # seconds its instance is kept from idling out after this request
         self.instance: Instance | None = None
         self.failed_on: Instance | None = None  # the instance its last attempt failed on
 
@@ -27,6 +31,8 @@ class Lease:
         """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout)."""
         assert self.instance is None, "a lease holds one slot at a time"
         self.instance = await self.pool.acquire(self.key_id, self.affinity, self.failed_on)
+        if self.keep_alive is not None:
+            self.instance.keep_until = max(self.instance.keep_until, time.time() + self.keep_alive)
         return self.instance
 
     def release(self) -> None:
@@ -52,5 +58,5 @@ class Router:
         except KeyError:
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model") from None
 
-    def lease(self, model: str, key_id: str, affinity: str | None = None) -> Lease:
-        return Lease(self.pool(model), key_id, affinity)
+    def lease(self, model: str, key_id: str, affinity: str | None = None, keep_alive: float | None = None) -> Lease:
+        return Lease(self.pool(model), key_id, affinity, keep_alive)

@@ -6,10 +6,15 @@ A small loop (`tick`, every `check_interval` seconds):
 - every `health_interval`, each instance must answer a real /health probe in time;
   `health_probe_misses` in a row count as a crash (a hung process is killed and replaced);
 - RAM and CPU of each process are sampled;
-- a pool below `min_instances` gets a new instance; an instance above `min_instances` that has been
-  idle for `idle_timeout` is drained and stopped.
+- a pool below `min_instances` gets a new instance when the memory budget has room; an instance
+  above `min_instances` that has been idle for `idle_timeout` (or the `keep_alive` a request asked
+  for, if longer) is drained and stopped — down to none for `min_instances = 0`;
+- a pool with requests waiting and no instance coming is tried again (a cold start that waits for
+  memory to free up).
 Requests that queue call `scale_up`, which starts one more instance when `max_instances` and the
-memory budget allow.
+memory budget allow: a model with no instance starts on its first request (a cold start). When the
+budget is full, the least recently used idle instance of another model is stopped first; instances
+with requests in flight are never stopped for it.
 """
 
 from __future__ import annotations
@@ -104,7 +109,22 @@ class Supervisor:
             raise ModelNotFound(f"The model {name!r} does not exist.", param="model") from None
 
     def memory_used_mb(self) -> int:
-        return sum(i.ram_used_mb for i in self.all_instances() if i.status not in (Status.STOPPED, Status.FAILED))
+        """What the running and starting instances use, or (while starting) are expected to use."""
+        return sum(
+            max(i.ram_used_mb, self.estimate_mb(self.pools[i.model.name]) if i.status == Status.STARTING else 0)
+            for i in self.all_instances()
+            if i.status not in (Status.STOPPED, Status.FAILED)
+        )
+
+    def estimate_mb(self, pool: ModelPool) -> int:
+        """RAM one more instance of a model will take: the most one of its instances was measured to
+        use, else its file size with a margin."""
+        measured = max([pool.measured_mb, *(i.ram_used_mb for i in pool.instances)])
+        if measured:
+            pool.measured_mb = measured
+            return measured
+        file = self._files.get(pool.name)
+        return int(file.stat().st_size / 2**20 * 1.5) if file is not None else 0
 
     # Starting, stopping, scaling
 
@@ -117,7 +137,8 @@ class Supervisor:
         self._claimed_ports.add(port)
         return port
 
-    async def _add_instance(self, pool: ModelPool) -> Instance:
+    def _new_instance(self, pool: ModelPool) -> Instance:
+        """A starting instance, in its pool at once (so that no second start is begun for the same need)."""
         port = self._next_port()
         instance = Instance(
             model=pool.config,
@@ -126,12 +147,24 @@ class Supervisor:
             log_path=self.settings.log_dir / f"{pool.name}-{port}.log",
         )
         pool.instances.append(instance)
+        return instance
+
+    async def _add_instance(self, pool: ModelPool, instance: Instance | None = None) -> Instance:
+        instance = instance or self._new_instance(pool)
+        cold = not pool.ready and pool.queue_depth > 0
         try:
             await self._launch(instance)
-        except InstanceStartError:
-            self._claimed_ports.discard(port)
+        except InstanceStartError as exc:
+            self._claimed_ports.discard(instance.port)
             pool.instances.remove(instance)
+            pool.blocked = f"its instance failed to start ({exc})"
             raise
+        pool.blocked = None
+        if cold:
+            took = time.time() - instance.started_at
+            pool.cold_starts += 1
+            pool.cold_start_seconds += took
+            log.info("cold start of %s: ready in %.1f s for %d waiting requests", pool.name, took, pool.queue_depth)
         pool.dispatch()
         return instance
 
@@ -161,25 +194,62 @@ class Supervisor:
             raise UpstreamError(f"The instance failed to start: {exc}") from None
 
     def scale_up(self, pool: ModelPool) -> None:
-        """Requests are queueing: start one more instance if the limits allow and none is starting."""
+        """Requests are queueing: start one more instance if the limits allow and none is starting,
+        stopping the least recently used idle instance of another model if the memory budget needs it."""
         if not self._may_autostart(pool) or len(pool.live()) >= pool.config.max_instances:
             return
-        estimate = max((i.ram_used_mb for i in pool.instances), default=0) or int(
-            self._files[pool.name].stat().st_size / 2**20 * 1.5
-        )
-        if self.memory_used_mb() + estimate > self.memory_budget_mb:
-            log.warning(
-                "not starting another %s instance: %d MiB in use + ~%d MiB would exceed the %d MiB budget",
-                pool.name, self.memory_used_mb(), estimate, self.memory_budget_mb,
-            )  # fmt: skip
+        estimate = self.estimate_mb(pool)
+        if self.memory_used_mb() + estimate > self.memory_budget_mb and not self._evict_for(pool, estimate):
+            pool.blocked = (
+                f"the memory budget is full ({self.memory_used_mb()} MiB of {self.memory_budget_mb} MiB in use, "
+                f"~{estimate} MiB needed) and no idle instance of another model can be stopped"
+            )
+            log.warning("not starting a %s instance: %s", pool.name, pool.blocked)
             return
-        log.info("requests are queueing for %s: starting another instance", pool.name)
-        self._spawn(self._add_quietly(pool))
+        what = "another instance" if pool.ready else "an instance (cold start)"
+        log.info("requests are waiting for %s: starting %s", pool.name, what)
+        self._spawn(self._add_quietly(pool, self._new_instance(pool)))
 
-    async def _add_quietly(self, pool: ModelPool) -> None:
+    def _evict_for(self, pool: ModelPool, estimate: int) -> bool:
+        """Stop least recently used idle instances of other models until `estimate` MiB fit; False
+        (stopping nothing) if that is impossible."""
+        idle = sorted(
+            (
+                i for other in self.pools.values() if other is not pool and not other.queue_depth
+                for i in other.instances if i.status == Status.READY and i.in_flight == 0
+            ),
+            key=lambda i: i.last_activity,
+        )  # fmt: skip
+        need = self.memory_used_mb() + estimate - self.memory_budget_mb
+        chosen: list[Instance] = []
+        for instance in idle:
+            if need <= 0:
+                break
+            chosen.append(instance)
+            need -= max(instance.ram_used_mb, self.estimate_mb(self.pools[instance.model.name]))
+        if need > 0:
+            return False
+        for instance in chosen:
+            log.info(
+                "stopping idle instance %s (%s, %d MiB) to make room for %s",
+                instance.id, instance.model.name, instance.ram_used_mb, pool.name,
+            )  # fmt: skip
+            instance.status = Status.DRAINING  # no new requests from here on
+            self.pools[instance.model.name].evictions += 1
+        self._spawn(self._replace(chosen, pool))
+        return True
+
+    async def _replace(self, evicted: list[Instance], pool: ModelPool) -> None:
+        """Stop the evicted instances, then start the one they made room for."""
+        await asyncio.gather(*(self.drain(instance, timeout=0) for instance in evicted))
+        if self._stopping:
+            return
+        await self._add_quietly(pool, self._new_instance(pool))
+
+    async def _add_quietly(self, pool: ModelPool, instance: Instance | None = None) -> None:
         """An automatic start (strength or demand): on failure, back off before the next one."""
         try:
-            await self._add_instance(pool)
+            await self._add_instance(pool, instance)
             pool.start_backoff = 0.0
         except InstanceStartError:
             pool.start_backoff = min(self.settings.restart_max_delay * 10, max(1.0, pool.start_backoff * 2))
@@ -239,6 +309,8 @@ class Supervisor:
                     instance.sample()
             self._keep_strength(pool)
             self._reap_idle(pool)
+            if pool.queue_depth and not any(i.accepting or i.status == Status.STARTING for i in pool.instances):
+                self.scale_up(pool)  # waiting for memory to free up, or after a failed start's backoff
 
     def unreachable(self, instance: Instance) -> None:
         """A request could not reach an instance: if its process is gone, take it out of service now
@@ -308,16 +380,22 @@ class Supervisor:
             self.crashed(instance, f"did not answer {misses} health probes in a row")
 
     def _keep_strength(self, pool: ModelPool) -> None:
-        if pool.config.min_instances > len(pool.live()) and self._may_autostart(pool):
-            log.info("%s has fewer than min_instances (%d): starting one", pool.name, pool.config.min_instances)
-            self._spawn(self._add_quietly(pool))
+        """Back up to min_instances, while the memory budget has room (an instance evicted for another
+        model comes back when that one has gone idle)."""
+        if pool.config.min_instances <= len(pool.live()) or not self._may_autostart(pool):
+            return
+        if self.memory_used_mb() + self.estimate_mb(pool) > self.memory_budget_mb:
+            return
+        log.info("%s has fewer than min_instances (%d): starting one", pool.name, pool.config.min_instances)
+        self._spawn(self._add_quietly(pool, self._new_instance(pool)))
 
     def _reap_idle(self, pool: ModelPool) -> None:
         idle_since = time.time() - pool.config.idle_timeout
         ready = [i for i in pool.instances if i.status == Status.READY]
         if len(pool.live()) <= pool.config.min_instances or pool.queue_depth:
             return
-        idle = [i for i in ready if i.in_flight == 0 and i.last_activity < idle_since]
+        now = time.time()
+        idle = [i for i in ready if i.in_flight == 0 and i.last_activity < idle_since and i.keep_until < now]
         if idle:
             instance = min(idle, key=lambda i: i.last_activity)
             log.info("instance %s (%s) idle for %.0f s: stopping it", instance.id, pool.name, pool.config.idle_timeout)

@@ -51,6 +51,10 @@ class Sampling(Strict):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=-1, le=2**63 - 1, description="Same seed, same request: same answer.")
 
+    keep_alive: float | None = Field(
+        default=None, ge=0, description="Seconds to keep the model's instance from idling out after this request."
+    )
+
     mode: Literal["sync", "async"] = Field(default="sync", description="`async`: answer at once with a tracking id.")
     key: str | None = Field(default=None, description="Async mode: base64 of 32 random bytes to encrypt the result.")
     webhook_url: str | None = Field(default=None, description="Async mode: where to POST the result when ready.")

@@ -273,4 +273,7 @@ class EmbeddingRequest(Strict):
     ) = Field(description=f"A text, or up to {MAX_EMBEDDING_INPUTS} texts (or token-id lists), none empty.")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1, description="Only the model's own dimension is supported.")
+    keep_alive: float | None = Field(
+        default=None, ge=0, description="Seconds to keep the model's instance from idling out after this request."
+    )
     user: str | None = None

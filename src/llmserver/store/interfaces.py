@@ -19,6 +19,7 @@ class KeyLimits:
     quota_period: str | None = None  # day | month | total
     rpm: int | None = None
     max_concurrency: int | None = None
+    models: tuple[str, ...] | None = None  # the model names (or fnmatch patterns) it may use; None: all
 
 
 NO_LIMITS = KeyLimits()

@@ -90,4 +90,8 @@ MIGRATIONS: list[str] = [
         finished_at = created_at, expires_at = created_at + 3600
         WHERE status = 'pending';
     """,
+    # 5: which models a key may use (a JSON list of names or patterns; NULL: all).
+    """
+    ALTER TABLE api_keys ADD COLUMN models TEXT;
+    """,
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import sqlite3
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -94,7 +95,7 @@ class SQLiteStore:
         created = utc_now()
         self._db.execute(
             "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at,"
-            " quota_tokens, quota_period, rpm, max_concurrency) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " quota_tokens, quota_period, rpm, max_concurrency, models) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (key_id, name, key_hash, fingerprint, int(is_admin), created, *_limit_values(limits)),
         )
         return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits)
@@ -102,7 +103,8 @@ class SQLiteStore:
     @_in_thread
     def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
         cursor = self._db.execute(
-            "UPDATE api_keys SET quota_tokens = ?, quota_period = ?, rpm = ?, max_concurrency = ? WHERE id = ?",
+            "UPDATE api_keys SET quota_tokens = ?, quota_period = ?, rpm = ?, max_concurrency = ?, models = ?"
+            " WHERE id = ?",
             (*_limit_values(limits), key_id),
         )
         return cursor.rowcount == 1
@@ -295,8 +297,9 @@ class SQLiteStore:
         return cursor.rowcount
 
 
-def _limit_values(limits: KeyLimits) -> tuple[int | None, str | None, int | None, int | None]:
-    return (limits.quota_tokens, limits.quota_period, limits.rpm, limits.max_concurrency)
+def _limit_values(limits: KeyLimits) -> tuple[int | None, str | None, int | None, int | None, str | None]:
+    models = json.dumps(list(limits.models)) if limits.models is not None else None
+    return (limits.quota_tokens, limits.quota_period, limits.rpm, limits.max_concurrency, models)
 
 
 def _key(row: sqlite3.Row) -> KeyRecord:
@@ -307,7 +310,13 @@ def _key(row: sqlite3.Row) -> KeyRecord:
         is_admin=bool(row["is_admin"]),
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
-        limits=KeyLimits(row["quota_tokens"], row["quota_period"], row["rpm"], row["max_concurrency"]),
+        limits=KeyLimits(
+            row["quota_tokens"],
+            row["quota_period"],
+            row["rpm"],
+            row["max_concurrency"],
+            tuple(json.loads(row["models"])) if row["models"] is not None else None,
+        ),
     )
 
 
