@@ -199,7 +199,9 @@ class Supervisor:
         if not self._may_autostart(pool) or len(pool.live()) >= pool.config.max_instances:
             return
         estimate = self.estimate_mb(pool)
-        if self.memory_used_mb() + estimate > self.memory_budget_mb and not self._evict_for(pool, estimate):
+        if self.memory_used_mb() + estimate > self.memory_budget_mb:
+            if self._evict_for(pool, estimate):
+                return  # the new instance starts once they have stopped
             pool.blocked = (
                 f"the memory budget is full ({self.memory_used_mb()} MiB of {self.memory_budget_mb} MiB in use, "
                 f"~{estimate} MiB needed) and no idle instance of another model can be stopped"
@@ -236,15 +238,17 @@ class Supervisor:
             )  # fmt: skip
             instance.status = Status.DRAINING  # no new requests from here on
             self.pools[instance.model.name].evictions += 1
-        self._spawn(self._replace(chosen, pool))
+        # The new instance joins its pool (starting) now, so that the room is not taken meanwhile.
+        self._spawn(self._replace(chosen, pool, self._new_instance(pool)))
         return True
 
-    async def _replace(self, evicted: list[Instance], pool: ModelPool) -> None:
+    async def _replace(self, evicted: list[Instance], pool: ModelPool, instance: Instance) -> None:
         """Stop the evicted instances, then start the one they made room for."""
-        await asyncio.gather(*(self.drain(instance, timeout=0) for instance in evicted))
+        await asyncio.gather(*(self.drain(old, timeout=0) for old in evicted))
         if self._stopping:
+            pool.instances.remove(instance)
             return
-        await self._add_quietly(pool, self._new_instance(pool))
+        await self._add_quietly(pool, instance)
 
     async def _add_quietly(self, pool: ModelPool, instance: Instance | None = None) -> None:
         """An automatic start (strength or demand): on failure, back off before the next one."""
