@@ -186,12 +186,17 @@ def test_key_admin_api(tmp_path: Path, start_server: Callable[..., Server]) -> N
     limited = httpx.post(server.url + "/api/generate", json=body, headers=headers)
     assert limited.status_code == 429 and limited.json()["error"]["type"] == "rate_limit_error"
     assert 1 <= int(limited.headers["Retry-After"]) <= 61
-    bad = httpx.patch(server.url + f"/api/keys/{key_id}", json={"quota_tokens": 5}, headers=admin)
+    bad = httpx.patch(server.url + f"/api/keys/{key_id}", json={"quota_period": None}, headers=admin)
     assert bad.status_code == 400 and "period" in bad.json()["error"]["message"]
     updated = httpx.patch(
-        server.url + f"/api/keys/{key_id}", json={"quota_tokens": 10, "quota_period": "total"}, headers=admin
+        server.url + f"/api/keys/{key_id}",
+        json={"quota_tokens": 10, "quota_period": "total", "rpm": None},
+        headers=admin,
     )
     assert updated.status_code == 200 and updated.json()["rpm"] is None
+    # a PATCH leaves what it does not name
+    narrowed = httpx.patch(server.url + f"/api/keys/{key_id}", json={"models": ["SmolLM2*"]}, headers=admin).json()
+    assert narrowed["models"] == ["SmolLM2*"] and narrowed["quota_tokens"] == 10 and narrowed["quota_period"] == "total"
     over = httpx.post(server.url + "/api/generate", json={"prompt": "hi", "max_tokens": 50}, headers=headers)
     assert over.status_code == 429 and over.json()["error"]["type"] == "insufficient_quota"
     assert "does not reset" in over.json()["error"]["message"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -69,11 +69,16 @@ async def create_key(request: Request) -> JSONResponse:
 
 @router.patch("/api/keys/{key_id}")
 async def update_key(request: Request, key_id: str) -> dict[str, Any]:
-    """Replace a key's limits (fields left out are cleared)."""
+    """Change the limits the body names (null clears one); the others stay as they are."""
     await require_admin(request)
     body = validate(Limits, await json_body(request))
+    current = await keys(request).get(key_id)
+    if current is None:
+        raise NotFound(f"No key with id {key_id!r}.", param="key_id")
+    given = body.limits()
+    changed = replace(current.limits, **{name: getattr(given, name) for name in body.model_fields_set})
     try:
-        found = await keys(request).update(key_id, body.limits())
+        found = await keys(request).update(key_id, changed)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     record = await keys(request).get(key_id) if found else None
