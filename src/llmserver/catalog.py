@@ -74,11 +74,22 @@ def fetch(model: ModelConfig, cache_dir: Path, endpoint: str | None = None, *, o
             raise ModelFileError(
                 f"model {model.name!r}: {source} is not downloaded yet; run `llmserver models pull {model.name}`"
             ) from None
+        if _hub_offline():
+            raise ModelFileError(
+                f"model {model.name!r}: {source} is not downloaded, and HF_HUB_OFFLINE is set: "
+                "unset it to download, or copy the file here and configure its path"
+            ) from None
         raise ModelFileError(
             f"model {model.name!r}: could not download {source} ({type(exc).__name__}: {reason}). "
             "Is this machine online, and do the repo and file exist?"
         ) from None
     return Path(str(local))
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def model_path(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tomllib
 
 import click
 
 from llmserver import __version__
+from llmserver.catalog import ModelFileError
 from llmserver.commands import ask, config, extract, instances, keys, models, serve
 
 
@@ -26,4 +29,32 @@ cli.add_command(extract.extract)
 
 
 def main() -> None:
-    sys.exit(cli.main(standalone_mode=True))
+    """Run the CLI with one way to fail: one line on stderr ("Error: …"), exit status 2 for usage and
+    configuration errors and 1 for the rest, no traceback unless --debug or LLMSERVER_DEBUG=1."""
+    args = sys.argv[1:]
+    debug = "--debug" in args or os.environ.get("LLMSERVER_DEBUG", "") not in ("", "0")
+    args = [arg for arg in args if arg != "--debug"]
+    try:
+        code = cli.main(args=args, prog_name="llmserver", standalone_mode=False)
+    except click.UsageError as exc:
+        _fail(exc.format_message(), 2, exc.ctx.command_path if exc.ctx else "llmserver")
+    except click.ClickException as exc:
+        _fail(exc.format_message(), exc.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        _fail("interrupted", 130)
+    except (ModelFileError, tomllib.TOMLDecodeError) as exc:
+        if debug:
+            raise
+        _fail(str(exc), 2)
+    except Exception as exc:
+        if debug:
+            raise
+        _fail(f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", 1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, status: int, command: str | None = None) -> None:
+    first = message.strip().splitlines()[0] if message.strip() else "failed"
+    hint = f" (see `{command} --help`)" if command else ""
+    click.echo(f"Error: {first}{hint}", err=True)
+    sys.exit(status)

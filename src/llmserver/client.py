@@ -35,6 +35,16 @@ class LLMServerError(RuntimeError):
         self.message = message
 
 
+def unreachable(url: str, exc: BaseException) -> str:
+    reason = getattr(exc, "reason", exc)
+    return f"cannot reach llmserver at {url}: {reason}"
+
+
+def described(exc: LLMServerError) -> str:
+    """One line for a CLI: the server's message with its status and type, or why it was not reached."""
+    return exc.message if exc.status == 0 else f"{exc.message} ({exc.status} {exc.type})"
+
+
 class JobGone(LLMServerError):
     """404 from a poll: unknown, expired or already consumed. Polling again cannot help."""
 
@@ -74,7 +84,7 @@ class Client:
             kind = JobGone if status == 404 and path == "/api/async_result" else LLMServerError
             raise kind(status, type_, message) from None
         except (urllib.error.URLError, OSError) as exc:
-            raise LLMServerError(0, "connection_error", f"cannot reach {self.base_url}: {exc}") from None
+            raise LLMServerError(0, "connection_error", unreachable(self.base_url, exc)) from None
 
     def generate(self, prompt: str, **params: Any) -> JSON:
         """A sync generation; if the server turned it into an async job (sync_timeout), wait for that."""

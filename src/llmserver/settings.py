@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -111,6 +111,10 @@ class ModelConfig(BaseModel):
         if self.pooling is not None and not self.embedding:
             raise ValueError("pooling is for embedding models (embedding = true)")
         return self
+
+    # Whether `threads` was shared out by the settings rather than configured: a new set of models
+    # (`serve --model …`) shares the CPUs out again.
+    _threads_computed: bool = PrivateAttr(default=False)
 
     @property
     def vision_capable(self) -> bool:
@@ -326,8 +330,9 @@ class Settings(BaseSettings):
         # there are CPUs slow each other down many times over. Share the CPUs out by default.
         always_running = sum(max(1, m.min_instances) for m in self.models)
         for m in self.models:
-            if m.threads is None:
+            if m.threads is None or m._threads_computed:
                 m.threads = max(1, default_threads() // always_running)
+                m._threads_computed = True
         names = [m.name for m in self.models]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:

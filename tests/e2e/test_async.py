@@ -286,4 +286,4 @@ def test_python_client_and_ask_command(async_server: Server) -> None:
     )
     assert asked.returncode == 0 and asked.stdout.strip(), asked.stderr
     refused = cli(async_server.data_dir, "ask", "--url", async_server.url, "--key", "wrong", "hi")
-    assert refused.returncode == 1 and "401 authentication_error: Invalid API key" in refused.stderr
+    assert refused.returncode == 1 and refused.stderr == "Error: Invalid API key (401 authentication_error)\n"

@@ -106,13 +106,19 @@ def test_unknown_model_is_404_naming_it(client: httpx.Client) -> None:
 def test_prompt_longer_than_the_context(client: httpx.Client) -> None:
     long_prompt = "apple banana cherry " * 600  # about 1,800 tokens; the test model's context is 1,024
     error = assert_error(
-        client.post("/api/generate", json={"prompt": long_prompt, "max_tokens": 4}), 400, "context_length_exceeded"
+        client.post("/api/generate", json={"prompt": long_prompt, "max_tokens": 4}),
+        400,
+        "context_length_exceeded",
+        "prompt",  # the native API's name for it
     )
     assert "1024" in str(error["message"])
     chat = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 4}
-    assert_error(client.post("/v1/chat/completions", json=chat), 400, "context_length_exceeded")
+    assert_error(client.post("/v1/chat/completions", json=chat), 400, "context_length_exceeded", "messages")
     # A stream that cannot start is an HTTP error, not an event.
-    assert_error(client.post("/v1/chat/completions", json={**chat, "stream": True}), 400, "context_length_exceeded")
+    streamed = client.post("/v1/chat/completions", json={**chat, "stream": True})
+    assert_error(streamed, 400, "context_length_exceeded", "messages")
+    completion = {"prompt": long_prompt, "max_tokens": 4}
+    assert_error(client.post("/v1/completions", json=completion), 400, "context_length_exceeded", "prompt")
 
 
 def test_body_over_the_limit_is_413(client: httpx.Client) -> None:

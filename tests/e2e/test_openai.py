@@ -71,6 +71,11 @@ def test_raw_stream_is_the_seeds_sse(client: httpx.Client) -> None:
         assert "delta" in event["choices"][0] and "finish_reason" in event["choices"][0]
     assert events[-1]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length"}
     assert all("usage" not in event for event in events)  # not asked for
+    # the role comes once, in the first chunk (llama.cpp repeats it in its progress events)
+    assert [event["choices"][0]["delta"].get("role") for event in events if "role" in event["choices"][0]["delta"]] == [
+        "assistant"
+    ]
+    assert events[0]["choices"][0]["delta"].get("role") == "assistant"
 
 
 def test_completions(sdk: openai.OpenAI) -> None:
@@ -85,8 +90,12 @@ def test_completions(sdk: openai.OpenAI) -> None:
 def test_streamed_completions(sdk: openai.OpenAI) -> None:
     args = {"model": MODEL, "prompt": "The sky is", "max_tokens": 12, "temperature": 0, "seed": 5}
     plain = sdk.completions.create(**args)  # type: ignore[call-overload]
-    chunks = list(sdk.completions.create(**args, stream=True))  # type: ignore[call-overload]
+    chunks = list(sdk.completions.create(**args, stream=True, stream_options={"include_usage": True}))  # type: ignore[call-overload]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    assert (usage.prompt_tokens, usage.completion_tokens) == (plain.usage.prompt_tokens, 12)  # type: ignore[union-attr]
+    assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_models(sdk: openai.OpenAI, client: httpx.Client) -> None:

@@ -102,7 +102,7 @@ def test_concurrency_comes_before_the_quota(tmp_path: Path) -> None:
         first = await w.admission.admit(who, "/x", "m", 60)
         with pytest.raises(RateLimited) as caught:
             await w.admission.admit(who, "/x", "m", 60)  # the quota would refuse it too: concurrency says first
-        assert "1 requests in flight" in caught.value.message
+        assert "1 request in flight" in caught.value.message
         first.close("ok")
         second = await w.admission.admit(who, "/x", "m", 60)  # its place and reservation came back
         second.close("ok")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,9 +11,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmserver.api.deps import authenticate, json_body, keys, recorder, require_admin, store, validate
+from llmserver.auth.keys import describe
 from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, summarise
-from llmserver.store import KeyLimits, KeyRecord
+from llmserver.store import KeyLimits
 
 router = APIRouter()
 
@@ -35,19 +36,6 @@ class Limits(BaseModel):
 class CreateKey(Limits):
     name: str = Field(min_length=1, max_length=200)
     admin: bool = False
-
-
-def describe(record: KeyRecord) -> dict[str, Any]:
-    return {
-        "id": record.id,
-        "name": record.name,
-        "fingerprint": record.fingerprint,
-        "admin": record.is_admin,
-        "created_at": record.created_at,
-        "revoked_at": record.revoked_at,
-        **asdict(record.limits),
-        "models": list(record.limits.models) if record.limits.models is not None else None,
-    }
 
 
 @router.get("/api/keys")

@@ -11,7 +11,8 @@ import hashlib
 import hmac
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from llmserver.errors import AuthenticationError
 from llmserver.store import NO_LIMITS, KeyLimits, KeyRecord, KeyStore
@@ -52,6 +53,20 @@ def check_limits(limits: KeyLimits) -> KeyLimits:
         if not MODEL_PATTERN.match(pattern):
             raise ValueError(f"models: {pattern!r} is not a model name or pattern (letters, digits, . _ : - * ? [ ])")
     return limits
+
+
+def describe(record: KeyRecord) -> dict[str, Any]:
+    """A key as the API and the CLI's --json show it (one shape for both)."""
+    return {
+        "id": record.id,
+        "name": record.name,
+        "fingerprint": record.fingerprint,
+        "admin": record.is_admin,
+        "created_at": record.created_at,
+        "revoked_at": record.revoked_at,
+        **asdict(record.limits),
+        "models": list(record.limits.models) if record.limits.models is not None else None,
+    }
 
 
 def may_use(limits: KeyLimits, model: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +35,8 @@ def load(config_file: Path | None, **overrides: Any) -> Settings:
         return load_settings(config_file, **overrides)
     except FileNotFoundError as exc:
         raise click.UsageError(str(exc)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise click.UsageError(f"config file {config_file} is not valid TOML: {exc}") from None
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in error['loc']) or 'settings'}: {error['msg']}" for error in exc.errors()
@@ -41,7 +44,9 @@ def load(config_file: Path | None, **overrides: Any) -> Settings:
         raise click.UsageError(f"invalid settings: {problems}") from None
 
 
-def models_from_args(specs: tuple[str, ...], configured: list[ModelConfig]) -> list[ModelConfig] | None:
+def models_from_args(
+    specs: tuple[str, ...], configured: list[ModelConfig], param: str = "--model"
+) -> list[ModelConfig] | None:
     """`--model` values: a configured model's name, a built-in name, or a .gguf path."""
     if not specs:
         return None
@@ -59,7 +64,7 @@ def models_from_args(specs: tuple[str, ...], configured: list[ModelConfig]) -> l
             raise click.BadParameter(
                 f"{spec!r} is neither a configured model, a built-in one "
                 f"({', '.join([DEFAULT_MODEL_NAME, *BUILTIN])}), nor a .gguf file",
-                param_hint="--model",
+                param_hint=param,
             )
     return chosen
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from llmserver.client import Client, LLMServerError
+from llmserver.client import Client, LLMServerError, described
 from llmserver.commands import server_url, settings_options
 
 
@@ -55,5 +55,5 @@ def ask(
     try:
         answer = client.generate_async(prompt, **params) if use_async else client.generate(prompt, **params)
     except LLMServerError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(described(exc)) from None
     click.echo(json.dumps(answer, indent=2, ensure_ascii=False) if as_json else answer["response"])

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from llmserver.commands import load, settings_options
-from llmserver.errors import APIError
+from llmserver.errors import APIError, RequestTooLarge
 from llmserver.inputs.documents import DocumentService, check_upload, count_check, render, too_large
 
 
@@ -30,7 +30,7 @@ def extract(config_file: Path | None, data_dir: Path | None, files: tuple[Path, 
         uploads = []
         for path in files:
             if path.stat().st_size > limits.max_bytes:
-                raise click.ClickException(too_large(path.name, limits))
+                raise RequestTooLarge(too_large(path.name, limits))
             uploads.append(check_upload(path.name, path.read_bytes()))
         blocks = [render(service.extract_blocking(upload)) for upload in uploads]
     except APIError as exc:

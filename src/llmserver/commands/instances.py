@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from llmserver.client import unreachable
 from llmserver.commands import server_url, settings_options
 
 COLUMNS = [
@@ -35,12 +36,13 @@ def fetch_instances(url: str, key: str) -> list[dict[str, Any]]:
             return data
     except urllib.error.HTTPError as exc:
         try:
-            message = json.load(exc)["error"]["message"]
+            error = json.load(exc)["error"]
+            message, kind = str(error["message"]), str(error["type"])
         except (ValueError, KeyError, TypeError):
-            message = exc.reason
-        raise click.ClickException(f"{url} answered {exc.code}: {message}") from None
+            message, kind = str(exc.reason), "http_error"
+        raise click.ClickException(f"{message} ({exc.code} {kind})") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise click.ClickException(f"cannot reach llmserver at {url}: {exc}") from None
+        raise click.ClickException(unreachable(url, exc)) from None
 
 
 def table(records: list[dict[str, Any]]) -> str:

@@ -6,13 +6,12 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
 import click
 
-from llmserver.auth.keys import KeyService, check_limits
+from llmserver.auth.keys import KeyService, check_limits, describe
 from llmserver.commands import F, load, settings_options
 from llmserver.errors import APIError
 from llmserver.metrics.usage import parse_time, summarise
@@ -108,7 +107,7 @@ def list_keys(config_file: Path | None, data_dir: Path | None, as_json: bool) ->
     """List keys (never the keys themselves: their id, name and fingerprint)."""
     records = _keys(config_file, data_dir, lambda service: service.list())
     if as_json:
-        click.echo(json.dumps([{**asdict(record), **asdict(record.limits)} for record in records], indent=2))
+        click.echo(json.dumps([describe(record) for record in records], indent=2))
         return
     click.echo(f"{'ID':<18} {'NAME':<24} {'ADMIN':<6} {'FINGERPRINT':<12} {'QUOTA':<16} {'CREATED':<26} REVOKED")
     for r in records:

@@ -39,7 +39,7 @@ def models(ctx: click.Context, config_file: Path | None, data_dir: Path | None) 
 def pull(config_file: Path | None, data_dir: Path | None, names: tuple[str, ...]) -> None:
     """Download models (configured or built-in names) into the data folder now."""
     settings = load(config_file, data_dir=data_dir)
-    for model in models_from_args(names, settings.models) or []:
+    for model in models_from_args(names, settings.models, param="NAMES") or []:
         try:
             path = model_path(model, settings.model_cache_dir, settings.hf_endpoint)
             mmproj = mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)

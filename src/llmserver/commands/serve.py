@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from llmserver.catalog import mmproj_path, model_path
 from llmserver.commands import load, models_from_args, settings_options
 
 
@@ -37,6 +38,11 @@ def serve(
     if chosen is not None:
         settings = load(config_file, data_dir=data_dir, host=host, port=port, log_level=log_level, models=chosen)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for model in settings.models:
+        # Every model file found (or downloaded) before the server starts: a missing one is one clean
+        # line (ModelFileError, exit status 2), not a start-up traceback.
+        model_path(model, settings.model_cache_dir, settings.hf_endpoint)
+        mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -18,12 +18,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from llmserver.engine.client import LlamaServerClient
-from llmserver.errors import GatewayTimeout, InstanceUnavailable, UpstreamError
+from llmserver.errors import ContextLengthExceeded, GatewayTimeout, InstanceUnavailable, UpstreamError
 from llmserver.pool.admission import Admission, Ticket
 
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
+PROMPT_PARAM = {"/v1/chat/completions": "messages", "/v1/embeddings": "input"}
 
 
 class InstanceCalls:
@@ -36,7 +37,7 @@ class InstanceCalls:
         """One non-streamed call's JSON answer."""
         for attempt in range(1, self.attempts + 1):
             try:
-                async with self._deadline():
+                async with self._deadline(ticket):
                     return await _client(ticket).post_json(path, payload)
             except InstanceUnavailable:
                 await self._after_failure(ticket, attempt)
@@ -59,7 +60,7 @@ class InstanceCalls:
         raise AssertionError("unreachable")
 
     async def _events(self, ticket: Ticket, path: str, payload: JSON) -> AsyncGenerator[JSON]:
-        async with self._deadline():
+        async with self._deadline(ticket):
             async for event in _client(ticket).stream(path, payload):
                 yield event
 
@@ -81,12 +82,15 @@ class InstanceCalls:
         await self._admission.take_slot(ticket)
 
     @asynccontextmanager
-    async def _deadline(self) -> AsyncIterator[None]:
+    async def _deadline(self, ticket: Ticket) -> AsyncIterator[None]:
         try:
             async with asyncio.timeout(self.timeout):
                 yield
         except TimeoutError:
             raise GatewayTimeout(f"The generation did not finish within {self.timeout:.0f} s.") from None
+        except ContextLengthExceeded as exc:
+            exc.param = PROMPT_PARAM.get(ticket.tally.endpoint, "prompt")  # what the client sent the prompt as
+            raise
 
 
 def _client(ticket: Ticket) -> LlamaServerClient:

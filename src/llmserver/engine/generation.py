@@ -288,6 +288,7 @@ class GenerationService:
             raise
         yield b""  # ready: the HTTP response may start
         sent_any = False
+        usage: JSON | None = None
         try:
             event: JSON | None = first
             while event is not None:
@@ -296,9 +297,9 @@ class GenerationService:
                     tally.prompt_tokens = int(progress.get("total") or 0)
                 choices = event.get("choices") or []
                 if "usage" in event:
-                    counts = translate.usage(event)
-                    tally.prompt_tokens, tally.completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
-                    tally.cached_tokens = translate.cached_tokens(counts)
+                    usage = translate.usage(event)
+                    tally.prompt_tokens, tally.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+                    tally.cached_tokens = translate.cached_tokens(usage)
                 if choices and not (progress is not None and sent_any):
                     if _generated(choices[0]):
                         tally.completion_tokens += 1  # one token per event; the final usage corrects it
@@ -306,9 +307,10 @@ class GenerationService:
                     sent_any = True
                     for piece in shape.pieces(choices[0]):
                         yield shapes.sse({**head, "choices": [piece]})
-                elif not choices and "usage" in event and include_usage:
-                    yield shapes.sse({**head, "choices": [], "usage": translate.usage(event)})
                 event = await anext(events, None)
+            if include_usage and usage is not None:
+                # Last, as OpenAI sends it (llama.cpp's completions carry it on their final choice).
+                yield shapes.sse({**head, "choices": [], "usage": usage})
             outcome = "ok"
         except APIError as exc:
             outcome = exc.type

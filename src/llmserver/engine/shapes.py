@@ -113,14 +113,16 @@ class ChatStream:
         self.schema_param = plan.schema_param
         self.held: list[str] = []
         self.held_logprobs: list[JSON] = []
+        self.role_sent = False
 
     def pieces(self, event_choice: JSON) -> list[JSON]:
         delta = event_choice.get("delta") or {}
         reason = event_choice.get("finish_reason")
         logprobs = translate.chat_logprobs(event_choice.get("logprobs"), self.top_logprobs)
         out: JSON = {}
-        if delta.get("role"):
+        if delta.get("role") and not self.role_sent:  # llama.cpp repeats it in its progress events
             out["role"] = delta["role"]
+            self.role_sent = True
         if self.plan.prompted:
             if delta.get("content"):
                 self.held.append(delta["content"])
@@ -134,6 +136,8 @@ class ChatStream:
         if calls:
             out["tool_calls"] = [tool_call(call, int(call.get("index", 0))) for call in calls]
         finish = translate.finish_reason(reason) if reason else None
+        if not out and finish is None and logprobs is None:
+            return []
         return [_piece(out, finish, logprobs)]
 
     def _release(self, reason: str) -> list[JSON]:

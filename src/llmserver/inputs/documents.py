@@ -66,8 +66,10 @@ def decode_upload(file: dict[str, Any], param: str, limits: FileLimits) -> Uploa
             "Uploaded file ids are not supported: send the file inline in file.data as a data: URI.", param=param
         )
     if not isinstance(data, str) or not data.startswith("data:"):
+        url = isinstance(data, str) and data.lower().startswith(("http://", "https://", "ftp://", "file:"))
         raise InvalidRequest(
-            f"{name}: file.data must be a data: URI (data:<mime>;base64,...); URLs are not accepted for files.",
+            f"{name}: file.data must be a data: URI (data:<mime>;base64,...)"
+            + ("; URLs are not accepted for files." if url else "."),
             param=param,
         )
     uri = data_uri.parse(data)

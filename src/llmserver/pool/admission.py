@@ -57,7 +57,8 @@ def _check_rate(principal: Principal, wait: float | None) -> None:
 
 def _too_many_in_flight(held: int) -> RateLimited:
     return RateLimited(
-        f"This API key already has {held} requests in flight, its limit. Retry when one has finished.",
+        f"This API key already has {held} {'request' if held == 1 else 'requests'} in flight, its limit. "
+        "Retry when one has finished.",
         retry_after=1,
     )
 
@@ -66,7 +67,8 @@ def outcome_of(exc: BaseException) -> str:
     """The ledger's outcome for a request that ended with this exception."""
     if isinstance(exc, APIError):
         return exc.type
-    return "cancelled" if not isinstance(exc, Exception) else "server_error"
+    # Cancelled: the client went away (or the server is shutting down under it).
+    return "client_closed" if not isinstance(exc, Exception) else "server_error"
 
 
 class Admission:

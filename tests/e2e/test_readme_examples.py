@@ -1,0 +1,222 @@
+"""Every example in the README runs against a real server, so that none can rot.
+
+Shell blocks run in bash with the README's placeholders filled in (the server's address, `$KEY`,
+`$ADMIN_KEY`, `KEY_ID`, `$ID`, an instance id, `photo.png` and `report.pdf` in the working folder);
+each answer must be a success, and where the README shows an answer (a json block right after),
+the real one must have the fields it shows. Python blocks run with `KEY` set. TOML blocks must be
+valid settings. Only commands that install, serve, test or benchmark are left to CI itself, and
+the internet-only vision model of the README is served by the test vision tower under its name.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from llmserver.settings import Settings
+from tests import documents
+from tests.e2e.test_async import poll_until_done
+from tests.images import png
+from tests.support import MODEL, Server, make_key, make_key_record
+from tests.vision_model import write_vision_model
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+BIN = Path(sys.executable).parent
+DOCUMENTED_INSTANCE = "3f9c0a1b2c4d"
+# Commands the README shows that CI runs in its own way (install, serve, test, benchmark).
+NOT_HERE = re.compile(r"scripts/setup\.sh|llmserver serve|-m pytest|-m bench|ruff check|mypy")
+
+
+@dataclass
+class Block:
+    lang: str
+    code: str
+    line: int
+    shown: str | None  # the json block that follows it, if any
+
+    @property
+    def id(self) -> str:
+        return f"{self.lang}@{self.line}"
+
+
+def blocks() -> list[Block]:
+    found: list[Block] = []
+    lines = README.read_text().splitlines()
+    index = 0
+    while index < len(lines):
+        match = re.match(r"^```(\w+)$", lines[index])
+        if not match:
+            index += 1
+            continue
+        end = lines.index("```", index + 1)
+        block = Block(match[1], "\n".join(lines[index + 1 : end]), index + 1, None)
+        if found and found[-1].lang in ("sh", "bash") and block.lang == "json" and found[-1].line >= index - 12:
+            found[-1].shown = block.code
+        found.append(block)
+        index = end + 1
+    return found
+
+
+def runnable(block: Block) -> list[str]:
+    return [line for line in block.code.splitlines() if line.strip() and not NOT_HERE.search(line)]
+
+
+# Blocks made only of install, serve, test and benchmark commands are not run here: CI runs them.
+SHELL = [b for b in blocks() if b.lang in ("sh", "bash") and runnable(b)]
+PYTHON = [b for b in blocks() if b.lang == "python"]
+TOML = [b for b in blocks() if b.lang == "toml"]
+
+
+@pytest.fixture(scope="module")
+def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("readme")
+    model, mmproj = write_vision_model(folder / "vision")
+    config = f"""
+[[models]]
+name = "{MODEL}"
+parallel = 2
+ctx_size = 2048
+max_instances = 3
+threads = 1
+
+[[models]]
+name = "SmolVLM-256M"
+path = "{model}"
+mmproj = "{mmproj}"
+parallel = 1
+ctx_size = 1024
+threads = 1
+
+[[models]]
+name = "embed"
+embedding = true
+pooling = "mean"
+parallel = 1
+ctx_size = 512
+threads = 1
+"""
+    server = Server(data_dir=folder / "data", config=config).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def filled(readme_server: Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The values the README's placeholders stand for, and a working folder with its files."""
+    server = readme_server
+    work = tmp_path_factory.mktemp("work")
+    (work / "photo.png").write_bytes(png(32, 32))
+    (work / "report.pdf").write_bytes(documents.make_pdf("Quarterly report: revenue rose by 12 percent."))
+    admin = make_key(server.data_dir, "readme-admin", admin=True)
+    key = make_key(server.data_dir, "readme")
+    key_id, _ = make_key_record(server.data_dir, "readme-target")
+    raw = base64.b64encode(os.urandom(32)).decode()
+    job = httpx.post(
+        server.url + "/api/generate",
+        json={"prompt": "Say hi.", "max_tokens": 4, "mode": "async", "key": raw},
+        headers={"Authorization": f"Bearer {key}"},
+    ).json()
+    extra = httpx.post(
+        server.url + "/api/instances", json={"model": MODEL}, headers={"Authorization": f"Bearer {admin}"}, timeout=120
+    ).json()
+    return {"work": work, "admin": admin, "key": key, "key_id": key_id, "job": job, "instance": extra["instance_id"]}
+
+
+def fill(code: str, server: Server, values: dict[str, Any]) -> str:
+    return (
+        code.replace("http://127.0.0.1:8000", server.url)
+        .replace(".venv/bin/", f"{BIN}/")
+        .replace("KEY_ID", values["key_id"])
+        .replace(DOCUMENTED_INSTANCE, values["instance"])
+    )
+
+
+def shell_env(server: Server, values: dict[str, Any]) -> dict[str, str]:
+    return {
+        **os.environ,
+        "KEY": values["key"],
+        "ADMIN_KEY": values["admin"],
+        "ID": values["job"]["tracking_id"],
+        "LLMSERVER_DATA_DIR": str(server.data_dir),
+        "LLMSERVER_PORT": str(server.port),
+        "PYTHONPATH": str(README.parent),  # `python -m tests.…` as from the repository
+    }
+
+
+def answers(output: str) -> list[Any]:
+    """The JSON documents (or SSE events) in what the commands printed."""
+    found: list[Any] = []
+    decoder = json.JSONDecoder()
+    text = output.strip()
+    while text:
+        if text.startswith("data: "):
+            line, _, text = text.partition("\n")
+            payload = line.removeprefix("data: ").strip()
+            found.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
+        elif text[0] in "{[":
+            value, end = decoder.raw_decode(text)
+            found.append(value)
+            text = text[end:]
+        else:
+            _, _, text = text.partition("\n")  # a line that is not JSON (a key, a message)
+        text = text.strip()
+    return found
+
+
+@pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
+def test_shell_example(block: Block, readme_server: Server, filled: dict[str, Any]) -> None:
+    script = fill("\n".join(runnable(block)), readme_server, filled)
+    ran = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script],
+        cwd=filled["work"],
+        env=shell_env(readme_server, filled),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 0, f"README line {block.line}:\n{script}\n{ran.stdout}\n{ran.stderr}"
+    documents_out = answers(ran.stdout)
+    for answer in documents_out:
+        assert not (isinstance(answer, dict) and "error" in answer), f"README line {block.line}: {answer}"
+    if block.shown is not None:
+        shown = json.loads(re.sub(r'"\.\.\.', '"', block.shown).replace("...", "0"))
+        assert documents_out, f"README line {block.line} printed nothing"
+        first = documents_out[0]
+        missing = set(shown) - set(first) if isinstance(shown, dict) else set()
+        assert not missing, f"README line {block.line}: the answer lacks {missing}"
+    if "-sN" in block.code:
+        assert documents_out[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+def test_python_example(block: Block, readme_server: Server, filled: dict[str, Any]) -> None:
+    code = block.code.replace("http://127.0.0.1:8000", readme_server.url)
+    scope: dict[str, Any] = {"KEY": filled["key"], "__name__": "readme_example"}
+    exec(compile(code, f"README.md:{block.line}", "exec"), scope)
+    if "decrypt" in scope:  # the decryption recipe: it must open a real result
+        key = base64.b64encode(os.urandom(32)).decode()
+        submitted = httpx.post(
+            readme_server.url + "/api/generate",
+            json={"prompt": "Say hi.", "max_tokens": 4, "mode": "async", "key": key},
+            headers={"Authorization": f"Bearer {filled['key']}"},
+        ).json()
+        done = poll_until_done(readme_server, filled["key"], submitted["tracking_id"])
+        plain = scope["decrypt"](done["result"], submitted["nonce"], key)
+        assert plain["response"] and plain["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("block", TOML, ids=[b.id for b in TOML])
+def test_toml_example_is_valid_settings(block: Block) -> None:
+    Settings.model_validate(tomllib.loads(block.code))

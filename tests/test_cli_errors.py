@@ -1,0 +1,81 @@
+"""One way to fail on the command line: one line on stderr, exit 2 for usage and configuration
+errors and 1 for the rest, a traceback only with --debug."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmserver.settings import ModelConfig, load_settings
+
+
+def llmserver(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmserver", *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})}, check=False,
+    )  # fmt: skip
+
+
+def one_line(ran: subprocess.CompletedProcess[str], status: int, *words: str) -> str:
+    assert ran.returncode == status, (ran.returncode, ran.stdout, ran.stderr)
+    lines = ran.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), ran.stderr
+    assert all(word in lines[0] for word in words), lines[0]
+    return lines[0]
+
+
+def test_a_config_with_a_toml_syntax_error(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("port = \n")
+    for command in (["config"], ["keys", "list"], ["serve", "--port", "1"]):
+        one_line(llmserver(*command, "--config", str(config), "--data-dir", str(tmp_path)), 2, "not valid TOML")
+
+
+def test_serve_with_a_missing_model_file(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nname = "x"\npath = "/no/such/model.gguf"\n')
+    one_line(llmserver("serve", "--config", str(config), "--data-dir", str(tmp_path)), 2, "/no/such/model.gguf")
+
+
+def test_usage_errors_are_status_2(tmp_path: Path) -> None:
+    one_line(llmserver("models", "pull", "foo", "--data-dir", str(tmp_path)), 2, "NAMES", "'foo'")
+    one_line(llmserver("keys", "frob"), 2, "frob")
+    one_line(llmserver("ask", "hi", "--url", "http://127.0.0.1:9"), 2, "API key")
+
+
+def test_an_unreachable_server_is_status_1_without_a_traceback() -> None:
+    for command in (["ask", "--key", "k", "hi"], ["instances", "--key", "k"]):
+        line = one_line(llmserver(*command, "--url", "http://127.0.0.1:9"), 1, "cannot reach llmserver at")
+        assert "connection_error" not in line and " 0 " not in line
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nname = "x"\npath = "/no/such/model.gguf"\n')
+    ran = llmserver("serve", "--config", str(config), "--data-dir", str(tmp_path), env={"LLMSERVER_DEBUG": "1"})
+    assert ran.returncode != 0 and "Traceback" in ran.stderr
+
+
+def test_hf_hub_offline_says_so(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nname = "q"\nhf_repo = "a/b"\nhf_file = "c.gguf"\n')
+    ran = llmserver(
+        "models", "pull", "q", "--config", str(config), "--data-dir", str(tmp_path), env={"HF_HUB_OFFLINE": "1"}
+    )
+    line = one_line(ran, 1, "HF_HUB_OFFLINE is set")
+    assert "online" not in line
+
+
+@pytest.mark.parametrize("cpus", [2])
+def test_models_from_the_command_line_share_the_cpus_again(cpus: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("llmserver.settings.default_threads", lambda: cpus)
+    configured = load_settings().models
+    assert configured[0].threads == cpus  # one model: all the CPUs
+    both = load_settings(models=[configured[0], ModelConfig(name="b", path=Path("/x/b.gguf"))]).models
+    assert [m.threads for m in both] == [1, 1]  # two: shared out again
+    fixed = load_settings(models=[ModelConfig(name="c", threads=2), ModelConfig(name="b", path=Path("/x/b.gguf"))])
+    assert [m.threads for m in fixed.models] == [2, 1]  # a configured value stays
