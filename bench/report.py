@@ -139,7 +139,7 @@ def _targets(results: Results) -> list[str]:
     g_tiny, d_tiny = results.overhead[GATEWAY], results.overhead[DIRECT]
     added_p50 = percentile(g_tiny, 0.5) - percentile(d_tiny, 0.5)
     added_p99 = percentile(g_tiny, 0.99) - percentile(d_tiny, 0.99)
-    rows = ["## Targets (DESIGN.md)", "", "| target | measured | met |", "|---|---|---|"]
+    rows = ["## Targets (docs/performance-targets.md)", "", "| target | measured | met |", "|---|---|---|"]
     for c in plan.levels:
         ratio = gateway[c].tokens_per_second / direct[c].tokens_per_second
         rows.append(f"| tokens/s ≥ 0.97 x direct at {c} clients | {ratio:.3f} | {'yes' if ratio >= 0.97 else 'no'} |")

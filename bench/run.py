@@ -2,7 +2,7 @@
 in one run on this machine, with a Markdown report and charts.
 
     .venv/bin/python -m bench            # full: the report committed in bench/results/
-    .venv/bin/python -m bench --quick    # under 3 minutes: a smoke test of the harness
+    .venv/bin/python -m bench --quick    # under a minute here: a smoke test of the harness
 
 Each concurrency level is run on every target in turn, the order alternating between repeats, so
 that drift in the machine's speed hits all of them alike.
@@ -172,7 +172,7 @@ def _affinity(plan: Plan, model: ModelConfig, logs: Path, results: Results) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short run (under 3 minutes) to check the harness")
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute here) to check the harness")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default: bench/results[/quick])")
     parser.add_argument("--threads", type=int, default=None, help="llama-server threads (default: 2)")
     parser.add_argument("--parallel", type=int, default=None, help="slots per instance (default: 4)")
