@@ -114,7 +114,7 @@ def create_app(settings: Settings) -> FastAPI:
             )
             yield
         finally:
-            await job_service.stop()
+            await job_service.stop(grace=settings.drain_timeout)
             await supervisor.stop()
             await recorder.flush()
             await store.close()

@@ -214,7 +214,9 @@ class Settings(BaseSettings):
         default=0, ge=0, description="RAM all instances together may use, in MiB; 0: 80% of this machine's."
     )
     drain_timeout: float = Field(
-        default=30.0, ge=0, description="Seconds in-flight requests get to finish when stopping or draining."
+        default=30.0,
+        ge=0,
+        description="Seconds in-flight requests (and, at a stop, running async jobs) get to finish when stopping or draining.",
     )
     health_interval: float = Field(default=2.0, gt=0, description="Seconds between health probes of each instance.")
     restart_max_failures: int = Field(

@@ -25,7 +25,12 @@ def test_quick_mode_writes_a_report_with_charts(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "concurrency 16" in result.stderr  # progress is shown as it runs
     report = (tmp_path / "report.md").read_text()
-    for section in ("## Targets (docs/performance-targets.md)", "## Throughput (streamed)", "## Gateway overhead", "## Other servers"):
+    for section in (
+        "## Targets (docs/performance-targets.md)",
+        "## Throughput (streamed)",
+        "## Gateway overhead",
+        "## Other servers",
+    ):
         assert section in report
     for clients in (1, 4, 16):
         assert f"\n| {clients} | " in report

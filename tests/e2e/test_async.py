@@ -229,8 +229,29 @@ def test_expired_results_are_404(start_server: Callable[..., Server]) -> None:
     assert answer.status_code == 404 and answer.json() == GONE
 
 
+def test_a_stop_lets_running_jobs_finish_within_drain_timeout(
+    tmp_path: Path, start_server: Callable[..., Server]
+) -> None:
+    config = f'drain_timeout = 60\n[[models]]\nname = "{MODEL}"\nctx_size = 1024\n'
+    first = start_server(config, data_dir=tmp_path)
+    key = make_key(tmp_path, "drained")
+    raw, encoded = new_key()
+    payload = httpx.post(
+        first.url + "/api/generate", json={**LONG, "max_tokens": 150, "mode": "async", "key": encoded, "api_key": key}
+    ).json()
+    params = {"tracking_id": payload["tracking_id"], "api_key": key}
+    assert httpx.get(first.url + "/api/async_result", params=params).json() == {"status": "pending"}
+    first.stop()  # SIGTERM while the job runs
+    assert "waiting up to 60 s for 1 async jobs to finish" in first.log()
+    second = start_server(config, data_dir=tmp_path)
+    done = httpx.get(second.url + "/api/async_result", params=params).json()
+    assert done["status"] == "ready", done
+    plain = json.loads(independent_decrypt(done["result"], raw, base64.b64decode(payload["nonce"])))
+    assert plain["completion_tokens"] == 150
+
+
 def test_restart_turns_running_jobs_into_failed_ones(tmp_path: Path, start_server: Callable[..., Server]) -> None:
-    config = f'[[models]]\nname = "{MODEL}"\nctx_size = 1024\n'
+    config = f'drain_timeout = 0\n[[models]]\nname = "{MODEL}"\nctx_size = 1024\n'
     first = start_server(config, data_dir=tmp_path)
     key = make_key(tmp_path, "restart")
     _, encoded = new_key()

@@ -56,9 +56,14 @@ class JobService:
             log.warning("%d async jobs were running when the server last stopped: marked failed", failed)
         self._sweeper = asyncio.create_task(self._sweep(), name="jobs-sweep")
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 0.0) -> None:
+        """Let running jobs finish for up to `grace` seconds (the server's drain_timeout), then cancel
+        what is left: those become `failed` with a message to resubmit at the next start."""
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._tasks and grace > 0:
+            log.info("waiting up to %.0f s for %d async jobs to finish", grace, len(self._tasks))
+            await asyncio.wait(list(self._tasks), timeout=grace)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
