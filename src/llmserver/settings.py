@@ -216,7 +216,7 @@ class Settings(BaseSettings):
     drain_timeout: float = Field(
         default=30.0,
         ge=0,
-        description="Seconds in-flight requests (and, at a stop, running async jobs) get to finish when stopping or draining.",
+        description="Seconds in-flight requests (and at a stop running async jobs) get to finish when stopping.",
     )
     health_interval: float = Field(default=2.0, gt=0, description="Seconds between health probes of each instance.")
     restart_max_failures: int = Field(
