@@ -3,6 +3,7 @@ errors and 1 for the rest, a traceback only with --debug."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,3 +80,20 @@ def test_models_from_the_command_line_share_the_cpus_again(cpus: int, monkeypatc
     assert [m.threads for m in both] == [1, 1]  # two: shared out again
     fixed = load_settings(models=[ModelConfig(name="c", threads=2), ModelConfig(name="b", path=Path("/x/b.gguf"))])
     assert [m.threads for m in fixed.models] == [2, 1]  # a configured value stays
+
+
+def test_keys_update_changes_only_what_it_names(tmp_path: Path) -> None:
+    created = llmserver("keys", "create", "--name", "k", "--quota-tokens", "300", "--quota-period", "day",
+                        "--rpm", "5", "--data-dir", str(tmp_path))  # fmt: skip
+    assert created.returncode == 0, created.stderr
+    key_id = created.stderr.split("key ")[1].split(" ")[0]
+    assert llmserver("keys", "update", key_id, "--rpm", "100", "--data-dir", str(tmp_path)).returncode == 0
+    listed = json.loads(llmserver("keys", "list", "--json", "--data-dir", str(tmp_path)).stdout)
+    assert (listed[0]["rpm"], listed[0]["quota_tokens"], listed[0]["quota_period"]) == (100, 300, "day")
+    assert set(listed[0]) == {"id", "name", "fingerprint", "admin", "created_at", "revoked_at", "quota_tokens",
+                              "quota_period", "rpm", "max_concurrency", "models"}  # fmt: skip  # the API's shape
+    cleared = llmserver("keys", "update", key_id, "--clear", "quota", "--data-dir", str(tmp_path))
+    assert cleared.returncode == 0, cleared.stderr
+    listed = json.loads(llmserver("keys", "list", "--json", "--data-dir", str(tmp_path)).stdout)
+    assert (listed[0]["rpm"], listed[0]["quota_tokens"], listed[0]["quota_period"]) == (100, None, None)
+    one_line(llmserver("keys", "update", key_id, "--quota-tokens", "5", "--data-dir", str(tmp_path)), 2, "period")

@@ -6,8 +6,9 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import click
 
@@ -66,12 +67,15 @@ def _limits(
     max_concurrency: int | None,
     models: str | None,
 ) -> KeyLimits:
-    allowed = tuple(name.strip() for name in models.split(",") if name.strip()) if models is not None else None
-    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, allowed)
+    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, _models(models))
     try:
         return check_limits(limits)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _models(listed: str | None) -> tuple[str, ...] | None:
+    return tuple(name.strip() for name in listed.split(",") if name.strip()) if listed is not None else None
 
 
 @keys.command()
@@ -118,10 +122,17 @@ def list_keys(config_file: Path | None, data_dir: Path | None, as_json: bool) ->
         )
 
 
+CLEARABLE = {"quota": ("quota_tokens", "quota_period"), "rpm": ("rpm",),
+             "max-concurrency": ("max_concurrency",), "models": ("models",)}  # fmt: skip
+
+
 @keys.command()
 @settings_options
 @click.argument("key_id")
 @limit_options
+@click.option(
+    "--clear", "cleared", multiple=True, type=click.Choice(list(CLEARABLE)), help="Remove a limit. Repeatable."
+)
 def update(
     config_file: Path | None,
     data_dir: Path | None,
@@ -131,10 +142,23 @@ def update(
     rpm: int | None,
     max_concurrency: int | None,
     models: str | None,
+    cleared: tuple[str, ...],
 ) -> None:
-    """Set a key's limits (the ones not given are cleared)."""
-    limits = _limits(quota_tokens, quota_period, rpm, max_concurrency, models)
-    if not _keys(config_file, data_dir, lambda service: service.update(key_id, limits)):
+    """Change the limits given (as PATCH /api/keys/ID does); the others stay; --clear removes one."""
+
+    async def change(service: KeyService) -> bool:
+        record = await service.get(key_id)
+        if record is None:
+            return False
+        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, _models(models))
+        changes: dict[str, Any] = {name: value for name, value in asdict(given).items() if value is not None}
+        changes.update({field: None for name in cleared for field in CLEARABLE[name]})
+        try:
+            return await service.update(key_id, replace(record.limits, **changes))
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+
+    if not _keys(config_file, data_dir, change):
         raise click.ClickException(f"no key with id {key_id}")
     click.echo(f"updated {key_id}")
 
