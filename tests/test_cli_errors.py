@@ -97,3 +97,9 @@ def test_keys_update_changes_only_what_it_names(tmp_path: Path) -> None:
     listed = json.loads(llmserver("keys", "list", "--json", "--data-dir", str(tmp_path)).stdout)
     assert (listed[0]["rpm"], listed[0]["quota_tokens"], listed[0]["quota_period"]) == (100, None, None)
     one_line(llmserver("keys", "update", key_id, "--quota-tokens", "5", "--data-dir", str(tmp_path)), 2, "period")
+
+
+def test_extract_over_the_file_limit_says_413(tmp_path: Path) -> None:
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"x" * (15 * 1024 * 1024 + 1))
+    one_line(llmserver("extract", str(big), "--data-dir", str(tmp_path)), 1, "big.txt", "(413 request_too_large)")

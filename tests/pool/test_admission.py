@@ -183,3 +183,11 @@ def test_precheck_refuses_an_exhausted_key_without_counting_it(tmp_path: Path) -
         await w.admission.precheck(busy)
 
     run(tmp_path, test)
+
+
+def test_a_cancelled_request_is_recorded_as_client_closed() -> None:
+    import asyncio
+
+    from llmserver.pool.admission import outcome_of
+
+    assert outcome_of(asyncio.CancelledError()) == "client_closed"  # the outcome the README lists
