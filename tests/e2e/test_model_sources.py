@@ -65,7 +65,7 @@ def test_missing_file_and_offline_are_clear_errors(tmp_path: Path, hub: StandInH
     assert missing.returncode == 1
     assert "could not download test-org/tiny-GGUF/no-such.gguf@main" in missing.stderr
     offline = cli(tmp_path, "models", "pull", "tiny", "--config", str(config), env={"HF_HUB_OFFLINE": "1"})
-    assert offline.returncode == 1 and "could not download" in offline.stderr
+    assert offline.returncode == 1 and "HF_HUB_OFFLINE is set" in offline.stderr and "online" not in offline.stderr
 
 
 def test_served_model_is_fetched_on_first_use(

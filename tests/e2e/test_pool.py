@@ -255,4 +255,4 @@ def test_instances_command_prints_the_table(pool: Server) -> None:
     as_json = cli(pool.data_dir, "instances", "--url", pool.url, "--json", env={"LLMSERVER_API_KEY": ADMIN})
     assert {r["instance_id"] for r in json.loads(as_json.stdout)} == {i["instance_id"] for i in listed}
     refused = cli(pool.data_dir, "instances", "--url", pool.url, "--key", "nope")
-    assert refused.returncode == 1 and "401: Invalid API key" in refused.stderr
+    assert refused.returncode == 1 and refused.stderr == "Error: Invalid API key (401 authentication_error)\n"
