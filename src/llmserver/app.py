@@ -129,14 +129,29 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+GENERATING = ("/api/generate", "/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+def _record_refusal(request: Request, outcome: str) -> None:
+    """Every generating request with a valid key is a ledger row: one refused before it held a ticket
+    (bad body, limits, quota) too, with the error type as its outcome."""
+    principal = getattr(request.state, "principal", None)
+    if principal is None or getattr(request.state, "tally", None) is not None or request.url.path not in GENERATING:
+        return
+    model = getattr(request.state, "model", None) or request.app.state.settings.models[0].name
+    request.app.state.recorder.refused(principal, request.url.path, str(model)[:128], outcome)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
+        _record_refusal(request, exc.type)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def request_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         error = validation_error(exc.errors())
+        _record_refusal(request, error.type)
         return JSONResponse(error.body(), status_code=error.status)
 
     async def http_exception(request: Request, exc: Exception) -> JSONResponse:

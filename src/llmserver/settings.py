@@ -185,6 +185,11 @@ class Settings(BaseSettings):
         gt=0,
         description="Seconds a request may wait for a free slot (or a cold start) before it fails with 504 (503).",
     )
+    request_read_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds a request may stop arriving (headers or body) before its connection is closed.",
+    )
     max_keep_alive: float = Field(
         default=3600.0, ge=0, description="Most seconds a request's keep_alive may keep its instance from idling out."
     )

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from llmserver.auth.keys import KeyService, Principal
 from llmserver.engine.embeddings import EmbeddingService
@@ -104,14 +106,51 @@ async def authenticate(request: Request, body: dict[str, Any] | None = None) -> 
 
 async def json_body(request: Request) -> dict[str, Any]:
     # The Content-Type is not checked: `curl -d` labels JSON as a form, and refusing it helps no one.
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        # The client went away, or its body stopped arriving (request_read_timeout): nobody to answer.
+        raise ClientClosedRequest("The client closed the connection before sending its whole body.") from None
     try:
         body = json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("The request body nests arrays or objects too deeply.") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    if SURROGATE_ESCAPE.search(raw):  # only then can a string hold a lone surrogate: look for one
+        where = lone_surrogate(body)
+        if where is not None:
+            raise InvalidRequest(
+                f"{where or 'body'}: contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                "which is not Unicode text",
+                param=where or None,
+            )
+    if isinstance(body.get("model"), str):
+        request.state.model = body["model"]  # for the ledger row of a request refused later
     return body
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string holding a lone surrogate, if any ("" for the top)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and lone_surrogate(key) is not None:
+            return f"{path}.{key!r}".lstrip(".")
+        found = lone_surrogate(item, f"{path}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
 
 
 def validate(model: type[Model], body: dict[str, Any]) -> Model:

@@ -32,6 +32,7 @@ def serve(
     import uvicorn
 
     from llmserver.app import create_app
+    from llmserver.http_protocol import with_read_timeout
 
     settings = load(config_file, data_dir=data_dir, host=host, port=port, log_level=log_level)
     chosen = models_from_args(model_specs, settings.models)
@@ -45,6 +46,7 @@ def serve(
         mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)
     uvicorn.run(
         create_app(settings),
+        http=with_read_timeout(settings.request_read_timeout),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

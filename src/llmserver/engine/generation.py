@@ -27,7 +27,7 @@ from llmserver.auth.keys import Principal
 from llmserver.engine import shapes, translate
 from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.tools import ToolPlan, added_prompt, check_request, json_schema_format
-from llmserver.errors import APIError, InvalidRequest, ServerError
+from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, ServerError
 from llmserver.inputs.documents import native_file_parts
 from llmserver.inputs.prepare import CHAT, InputService, NativeWhere, Where, text_bound
 from llmserver.metrics.recorder import UsageRecorder
@@ -45,6 +45,9 @@ Request = GenerateRequest | ChatRequest | CompletionRequest
 T = TypeVar("T")
 # Room around an untemplated prompt (a BOS token and the like).
 RAW_PROMPT_TOKENS = 8
+# More bytes than any token of any tokenizer spells: a prompt's byte count over this is a lower
+# bound of its tokens.
+MAX_TOKEN_BYTES = 256
 
 
 @contextmanager
@@ -100,6 +103,7 @@ class GenerationService:
                     "Images need the chat template: they cannot be sent with raw: true.", param="images"
                 )
             prompt = self.inputs.bound(_native_messages(request))
+        self._surely_too_long(model, prompt, "messages" if isinstance(request, ChatRequest) else "prompt")
         bound = self._bound(model, prompt, max_tokens)
         keep_alive = check_keep_alive(request.keep_alive, self.max_keep_alive)
         return await self.admission.admit(
@@ -117,6 +121,17 @@ class GenerationService:
                 f"{param} is {requested}; this server allows at most {self.max_tokens_limit}.", param=param
             )
         return requested
+
+    def _surely_too_long(self, model: str, prompt_bound: int, param: str) -> None:
+        """Refuse, without sending it, a prompt that cannot fit even if every token were as long as
+        the longest a tokenizer has (its bound counts bytes; no token is longer than 256 of them)."""
+        context = self._context.get(model)
+        if context is not None and prompt_bound // MAX_TOKEN_BYTES > context:
+            raise ContextLengthExceeded(
+                f"The prompt is at least {prompt_bound // MAX_TOKEN_BYTES} tokens, more than the model's context "
+                f"of {context} tokens.",
+                param=param,
+            )
 
     def _bound(self, model: str, prompt_tokens: int, max_tokens: int) -> int:
         return min(prompt_tokens + max_tokens, self._context.get(model, prompt_tokens + max_tokens))
@@ -136,7 +151,7 @@ class GenerationService:
 
     async def _prepared(self, ticket: Ticket, messages: list[ChatMessage], where: Where = CHAT) -> list[ChatMessage]:
         await self.admission.take_slot(ticket)
-        return await self.inputs.prepare(messages, ticket.model, where)
+        return await self.inputs.prepare(messages, ticket.model, where, ticket.tally.principal.key_id)
 
     async def _resize(self, ticket: Ticket, prompt_tokens: int, payload: JSON) -> None:
         await self.admission.resize(ticket, self._bound(ticket.model, prompt_tokens, int(payload["max_tokens"])))

@@ -26,6 +26,7 @@ from typing import Any
 from llmserver.errors import APIError, InvalidRequest, UnsupportedMediaType
 from llmserver.inputs import data_uri
 from llmserver.inputs.extraction import Extracted, child_main
+from llmserver.inputs.fair import FairSlots
 from llmserver.inputs.formats import sniff
 from llmserver.inputs.limits import FileLimits
 from llmserver.schemas.openai import ChatMessage, FilePart, TextPart
@@ -178,7 +179,7 @@ class DocumentService:
         self._slots = threading.BoundedSemaphore(slots)
         # Waiting for a slot happens here, not in a worker thread: waiting threads would take the
         # event loop's thread pool from the image and upload decoding that share it.
-        self._waiting = asyncio.Semaphore(slots)
+        self._waiting = FairSlots(slots)  # shared fairly between keys
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["llmserver.inputs.extraction", "markitdown.converters"])
 
@@ -188,12 +189,13 @@ class DocumentService:
 
         forkserver.ensure_running()
 
-    async def extract(self, upload: Upload) -> Extracted:
-        async with self._waiting:
+    async def extract(self, upload: Upload, owner: str = "") -> Extracted:
+        async with self._waiting.slot(owner):
             return await asyncio.to_thread(self.extract_blocking, upload)
 
-    async def extract_all(self, uploads: Sequence[Upload]) -> list[Extracted]:
-        return list(await asyncio.gather(*(self.extract(upload) for upload in uploads)))
+    async def extract_all(self, uploads: Sequence[Upload], owner: str = "") -> list[Extracted]:
+        """Every file's text; `owner` (the API key) shares the extraction slots fairly with other keys."""
+        return list(await asyncio.gather(*(self.extract(upload, owner) for upload in uploads)))
 
     def extract_blocking(self, upload: Upload) -> Extracted:
         with self._slots:

@@ -10,6 +10,7 @@ process's memory and CPU limits and sends the outcome back over a pipe; the pare
 from __future__ import annotations
 
 import io
+import re
 import resource
 import time
 import zipfile
@@ -84,7 +85,7 @@ def extract(filename: str, data: bytes, *, max_chars: int, limits: ArchiveLimits
             raise Unextractable(f"{filename} holds no file with extractable text ({reasons}).")
         text = "".join(collector.parts)
     else:
-        text = _convert(data, kind, filename, budget).strip()
+        text = _convert(data, kind, filename, budget, max_chars).strip()
         if not text:
             raise Unextractable(f"{filename} has no extractable text.")
         collector.add(text)
@@ -124,7 +125,7 @@ def _walk(data: bytes, label: str, prefix: str, depth: int, budget: Budget, out:
                 out.skipped.append(f"{path} ({kind.format})")
                 continue
             try:
-                text = _convert(content, kind, path, budget).strip()
+                text = _convert(content, kind, path, budget, out.max_chars - out.chars).strip()
             except Unextractable as exc:
                 out.skipped.append(f"{path} ({exc})")
                 continue
@@ -134,7 +135,7 @@ def _walk(data: bytes, label: str, prefix: str, depth: int, budget: Budget, out:
             out.add(f"--- {path} ---\n{text}")
 
 
-def _convert(data: bytes, kind: Sniffed, name: str, budget: Budget) -> str:
+def _convert(data: bytes, kind: Sniffed, name: str, budget: Budget, max_chars: int) -> str:
     if kind.family == "encrypted":
         raise Unextractable(f"{name} is encrypted (a {kind.format}); remove the password and send it again.")
     if kind.family == "text":
@@ -145,9 +146,10 @@ def _convert(data: bytes, kind: Sniffed, name: str, budget: Budget) -> str:
     open_checked(data, name, budget).close()
     if kind.format.startswith("OpenDocument"):
         return _opendocument(data, name)
+    if kind.format == "Excel workbook":
+        return _xlsx(data, name, max_chars)
     converter = {
         "Word document": "docx",
-        "Excel workbook": "xlsx",
         "PowerPoint presentation": "pptx",
         "EPUB book": "epub",
     }[kind.format]
@@ -157,11 +159,10 @@ def _convert(data: bytes, kind: Sniffed, name: str, budget: Budget) -> str:
 def _markitdown(converter: str, data: bytes, name: str) -> str:
     # Imported here: the parent never needs markitdown, the forkserver preloads it for the children.
     from markitdown import StreamInfo
-    from markitdown.converters import DocxConverter, EpubConverter, HtmlConverter, PptxConverter, XlsxConverter
+    from markitdown.converters import DocxConverter, EpubConverter, HtmlConverter, PptxConverter
 
     classes: dict[str, Any] = {
         "docx": (DocxConverter, ".docx"),
-        "xlsx": (XlsxConverter, ".xlsx"),
         "pptx": (PptxConverter, ".pptx"),
         "epub": (EpubConverter, ".epub"),
         "html": (HtmlConverter, ".html"),
@@ -174,6 +175,95 @@ def _markitdown(converter: str, data: bytes, name: str) -> str:
     except Exception as exc:  # each library fails in its own way on a broken file
         raise Unextractable(f"{name} could not be read ({type(exc).__name__}); the file may be corrupt.") from None
     return str(result.markdown or "")
+
+
+# A workbook is read row by row and no further than it must: to the character cap, and never past
+# this many cells (empty ones count: a sheet of a million blank cells costs as much to walk).
+XLSX_MAX_CELLS = 100_000
+# More distinct strings than this in the shared-string table (read whole, up front) is refused.
+XLSX_MAX_SHARED_STRINGS = 500_000
+
+
+def _xlsx(data: bytes, name: str, max_chars: int) -> str:
+    """An Excel workbook as one Markdown table per sheet, streamed (openpyxl's read-only mode) and
+    stopped at `max_chars` or XLSX_MAX_CELLS, whichever comes first."""
+    from openpyxl import load_workbook
+    from openpyxl.worksheet._read_only import ReadOnlyWorksheet
+
+    # openpyxl sizes each sheet at load by parsing it to the end when it has no <dimension> up
+    # front (a 2.4 MB workbook of blank cells: 6-15 s of XML before the first row). Reading rows
+    # needs no size: look for it in the sheet's first bytes only.
+    ReadOnlyWorksheet._get_size = _size_from_head
+    _check_shared_strings(data, name)
+    try:
+        workbook = load_workbook(io.BytesIO(data), read_only=True, data_only=True)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise Unextractable(f"{name} could not be read ({type(exc).__name__}); the file may be corrupt.") from None
+    lines: list[str] = []
+    chars = cells = 0
+    stopped = False
+    try:
+        for sheet in workbook.worksheets:
+            lines.append(f"## {sheet.title}")
+            first = True
+            for row in sheet.iter_rows(values_only=True):
+                cells += len(row)
+                values = ["" if value is None else str(value).strip() for value in row]
+                while values and not values[-1]:
+                    values.pop()
+                if values:
+                    line = "| " + " | ".join(v.replace("|", "\\|").replace("\n", " ") for v in values) + " |"
+                    if first:
+                        line += "\n|" + "---|" * len(values)
+                        first = False
+                    lines.append(line)
+                    chars += len(line) + 1
+                if chars >= max_chars:
+                    return "\n".join(lines)
+                if cells >= XLSX_MAX_CELLS:
+                    stopped = True
+                    break
+            if stopped:
+                break
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise Unextractable(f"{name} could not be read ({type(exc).__name__}); the file may be corrupt.") from None
+    finally:
+        workbook.close()
+    if stopped:
+        lines.append(f"[only the first {XLSX_MAX_CELLS:,} cells of this workbook were read]")
+    if not any(line.startswith("|") for line in lines):
+        return ""
+    return "\n".join(lines)
+
+
+def _size_from_head(sheet: Any) -> None:
+    from openpyxl.utils.cell import range_boundaries
+
+    with sheet._get_source() as source:
+        head = source.read(65536)
+    found = re.search(rb'<(?:\w+:)?dimension ref="([A-Z]+[0-9]+(?::[A-Z]+[0-9]+)?)"', head)
+    if found:
+        sheet._min_column, sheet._min_row, sheet._max_column, sheet._max_row = range_boundaries(found[1].decode())
+
+
+def _check_shared_strings(data: bytes, name: str) -> None:
+    """Refuse, from its first bytes, a shared-string table that declares too many strings."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive, archive.open("xl/sharedStrings.xml") as table:
+            head = table.read(1024)
+    except KeyError:
+        return  # no shared strings
+    except (zipfile.BadZipFile, OSError):
+        return  # openpyxl says what is wrong
+    found = re.search(rb'uniqueCount="(\d+)"', head)
+    if found and int(found[1]) > XLSX_MAX_SHARED_STRINGS:
+        raise Unextractable(
+            f"{name} declares {int(found[1]):,} distinct strings; at most {XLSX_MAX_SHARED_STRINGS:,} are read."
+        )
 
 
 def _pdf(data: bytes, name: str) -> str:

@@ -123,8 +123,11 @@ class InputService:
         params = [where.part("file", index, position) for index, position, _ in found]
         return await asyncio.to_thread(files.decode_parts, found, params, self.documents.limits)
 
-    async def prepare(self, messages: list[ChatMessage], model: str, where: Where = CHAT) -> list[ChatMessage]:
-        """The messages with each file part replaced by its text block and each image by the one we made."""
+    async def prepare(
+        self, messages: list[ChatMessage], model: str, where: Where = CHAT, owner: str = ""
+    ) -> list[ChatMessage]:
+        """The messages with each file part replaced by its text block and each image by the one we made;
+        `owner` (the API key) shares the extraction slots fairly with other keys."""
         if not any(isinstance(m.content, list) for m in messages):
             return messages
         self.check(messages, model, where)
@@ -134,7 +137,7 @@ class InputService:
         if found:
             messages = await self._replace_images(messages, found, where)
         if uploads:
-            extracted = await self.documents.extract_all([upload for _, upload in uploads])
+            extracted = await self.documents.extract_all([upload for _, upload in uploads], owner)
             messages = files.merged_messages(messages, [index for index, _ in uploads], extracted)
         return messages
 

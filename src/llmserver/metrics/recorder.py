@@ -124,6 +124,18 @@ class UsageRecorder:
                 self._batch.speeds.append(increment)
         self._schedule_write()
 
+    def refused(self, principal: Principal, endpoint: str, model: str, outcome: str) -> None:
+        """A ledger row for a request refused before it was admitted (its body, its limits)."""
+        self._batch.rows.append(
+            {
+                "time": time.time(), "key_id": principal.key_id, "model": model, "instance_id": None,
+                "endpoint": endpoint, "prompt_tokens": 0, "completion_tokens": 0, "latency_ms": 0.0,
+                "ttft_ms": None, "tokens_per_second": None, "outcome": outcome,
+            }
+        )  # fmt: skip
+        self._metrics.requests.labels(endpoint, model, outcome).inc()
+        self._schedule_write()
+
     def first_token(self, tally: Tally, seconds: float) -> None:
         """A non-streamed answer's time to first token, as llama-server measured it."""
         tally.ttft = seconds

@@ -29,9 +29,10 @@ SAMPLING_FIELDS = (
 
 
 class Strict(BaseModel):
-    """A request object: unknown fields are refused."""
+    """A request object: unknown fields are refused, JSON types are strict as OpenAI's are ("4" is
+    not a number, "yes" not a boolean) and numbers are finite (1e400 and Infinity are refused)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Sampling(Strict):

@@ -103,7 +103,7 @@ class JSONSchemaFormat(Strict):
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = Field(default=None, description="Always enforced: the grammar admits nothing else.")
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
 
 
 class TextFormat(Strict):
