@@ -69,9 +69,13 @@ def test_quota_holds_under_concurrency_and_survives_restart(
             assert r.status_code == 429 and json.loads(r.read())["error"]["type"] == "insufficient_quota"
             assert int(r.headers["Retry-After"]) > 0
         answered += len(ok)
-        # Ledger rows are written just after each response goes out.
-        assert wait_for(lambda: len(ledger(tmp_path, key_id)) == answered, 5)  # noqa: B023
+        fired = 40 * round_
+        # Ledger rows are written just after each response goes out: every request is one, refused
+        # ones too (with their error type as outcome, and no tokens).
+        assert wait_for(lambda: len(ledger(tmp_path, key_id)) == fired, 5)  # noqa: B023
         rows = ledger(tmp_path, key_id)
+        assert sum(row["outcome"] == "ok" for row in rows) == answered
+        assert {row["outcome"] for row in rows} == {"ok", "insufficient_quota"}
         used = sum(row["prompt_tokens"] + row["completion_tokens"] for row in rows)
         assert 0 < used <= QUOTA
         remaining = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
