@@ -38,7 +38,7 @@ class InstanceCalls:
         for attempt in range(1, self.attempts + 1):
             try:
                 async with self._deadline(ticket):
-                    return await _client(ticket).post_json(path, payload)
+                    return await _client(ticket).post_json(path, payload, fresh=attempt > 1)
             except InstanceUnavailable:
                 await self._after_failure(ticket, attempt)
         raise AssertionError("unreachable")
@@ -46,7 +46,7 @@ class InstanceCalls:
     async def open_stream(self, ticket: Ticket, path: str, payload: JSON) -> tuple[JSON, AsyncGenerator[JSON]]:
         """A streamed call's first event, and the rest of its events (the caller closes them)."""
         for attempt in range(1, self.attempts + 1):
-            events = self._events(ticket, path, payload)
+            events = self._events(ticket, path, payload, fresh=attempt > 1)
             try:
                 return await anext(events), events
             except StopAsyncIteration:
@@ -59,9 +59,9 @@ class InstanceCalls:
                 raise
         raise AssertionError("unreachable")
 
-    async def _events(self, ticket: Ticket, path: str, payload: JSON) -> AsyncGenerator[JSON]:
+    async def _events(self, ticket: Ticket, path: str, payload: JSON, *, fresh: bool) -> AsyncGenerator[JSON]:
         async with self._deadline(ticket):
-            async for event in _client(ticket).stream(path, payload):
+            async for event in _client(ticket).stream(path, payload, fresh=fresh):
                 yield event
 
     async def _after_failure(self, ticket: Ticket, attempt: int) -> None:

@@ -30,9 +30,18 @@ class LlamaServerClient:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
             json_serialize=json.dumps,
         )
+        # Retries go out on a new connection: llama-server may have closed the kept-alive ones the
+        # pool still holds (it does so right after a streamed answer), and a second stale one would
+        # fail the request for nothing.
+        self._fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=connections, force_close=True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            json_serialize=json.dumps,
+        )
 
     async def close(self) -> None:
         await self._session.close()
+        await self._fresh.close()
 
     async def healthy(self, timeout: float = 2.0) -> bool:
         try:
@@ -51,11 +60,12 @@ class LlamaServerClient:
             raise _unreachable(exc) from None
 
     @asynccontextmanager
-    async def _post(self, path: str, payload: JSON) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _post(self, path: str, payload: JSON, fresh: bool = False) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST once. A connection that drops before any answer (llama-server may close connections
         just after a streamed answer ends) is InstanceUnavailable, which the one retry policy
         (`engine/calls.py`) sends again."""
-        response = await self._session.post(self.base_url + path, json=payload)
+        session = self._fresh if fresh else self._session
+        response = await session.post(self.base_url + path, json=payload)
         try:
             yield response
         finally:
@@ -66,21 +76,22 @@ class LlamaServerClient:
             else:
                 response.close()
 
-    async def post_json(self, path: str, payload: JSON) -> JSON:
+    async def post_json(self, path: str, payload: JSON, *, fresh: bool = False) -> JSON:
+        """POST and read the JSON answer; `fresh`: on a new connection (a retry)."""
         try:
-            async with self._post(path, payload) as response:
+            async with self._post(path, payload, fresh) as response:
                 return await _json_or_raise(response)
         except aiohttp.ClientError as exc:
             raise _unreachable(exc) from None
 
-    async def stream(self, path: str, payload: JSON) -> AsyncIterator[JSON]:
+    async def stream(self, path: str, payload: JSON, *, fresh: bool = False) -> AsyncIterator[JSON]:
         """POST with `stream: true` and yield each event's JSON until `[DONE]`.
 
         Leaving the iteration early (a client that went away) closes the connection, which makes
         llama-server stop generating and free the slot.
         """
         try:
-            async with self._post(path, payload) as response:
+            async with self._post(path, payload, fresh) as response:
                 if response.status != 200:
                     await _json_or_raise(response)
                 async for raw_line in response.content:
