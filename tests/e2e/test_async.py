@@ -229,19 +229,27 @@ def test_expired_results_are_404(start_server: Callable[..., Server]) -> None:
     assert answer.status_code == 404 and answer.json() == GONE
 
 
+def stopped_while_running(
+    tmp_path: Path, start_server: Callable[..., Server], drain_timeout: int, max_tokens: int
+) -> tuple[str, dict[str, Any], dict[str, str], bytes, Server]:
+    """A server stopped (SIGTERM) while an async job of `max_tokens` runs: its config, the submit
+    answer, the poll parameters, the client key, and the stopped server."""
+    config = f'drain_timeout = {drain_timeout}\n[[models]]\nname = "{MODEL}"\nctx_size = 1024\n'
+    first = start_server(config, data_dir=tmp_path)
+    key = make_key(tmp_path, "stopped")
+    raw, encoded = new_key()
+    body = {**LONG, "max_tokens": max_tokens, "mode": "async", "key": encoded, "api_key": key}
+    payload = httpx.post(first.url + "/api/generate", json=body).json()
+    params = {"tracking_id": payload["tracking_id"], "api_key": key}
+    assert httpx.get(first.url + "/api/async_result", params=params).json() == {"status": "pending"}
+    first.stop()
+    return config, payload, params, raw, first
+
+
 def test_a_stop_lets_running_jobs_finish_within_drain_timeout(
     tmp_path: Path, start_server: Callable[..., Server]
 ) -> None:
-    config = f'drain_timeout = 60\n[[models]]\nname = "{MODEL}"\nctx_size = 1024\n'
-    first = start_server(config, data_dir=tmp_path)
-    key = make_key(tmp_path, "drained")
-    raw, encoded = new_key()
-    payload = httpx.post(
-        first.url + "/api/generate", json={**LONG, "max_tokens": 150, "mode": "async", "key": encoded, "api_key": key}
-    ).json()
-    params = {"tracking_id": payload["tracking_id"], "api_key": key}
-    assert httpx.get(first.url + "/api/async_result", params=params).json() == {"status": "pending"}
-    first.stop()  # SIGTERM while the job runs
+    config, payload, params, raw, first = stopped_while_running(tmp_path, start_server, 60, 150)
     assert "waiting up to 60 s for 1 async jobs to finish" in first.log()
     second = start_server(config, data_dir=tmp_path)
     done = httpx.get(second.url + "/api/async_result", params=params).json()
@@ -251,16 +259,7 @@ def test_a_stop_lets_running_jobs_finish_within_drain_timeout(
 
 
 def test_restart_turns_running_jobs_into_failed_ones(tmp_path: Path, start_server: Callable[..., Server]) -> None:
-    config = f'drain_timeout = 0\n[[models]]\nname = "{MODEL}"\nctx_size = 1024\n'
-    first = start_server(config, data_dir=tmp_path)
-    key = make_key(tmp_path, "restart")
-    _, encoded = new_key()
-    payload = httpx.post(
-        first.url + "/api/generate", json={**LONG, "max_tokens": 400, "mode": "async", "key": encoded, "api_key": key}
-    ).json()
-    params = {"tracking_id": payload["tracking_id"], "api_key": key}
-    assert httpx.get(first.url + "/api/async_result", params=params).json() == {"status": "pending"}
-    first.stop()
+    config, _, params, _, _ = stopped_while_running(tmp_path, start_server, 0, 400)
     second = start_server(config, data_dir=tmp_path)
     answer = httpx.get(second.url + "/api/async_result", params=params).json()
     assert answer["status"] == "failed" and "submit it again" in answer["error"]["message"]

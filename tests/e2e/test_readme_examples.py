@@ -122,16 +122,19 @@ def filled(readme_server: Server, tmp_path_factory: pytest.TempPathFactory) -> d
     admin = make_key(server.data_dir, "readme-admin", admin=True)
     key = make_key(server.data_dir, "readme")
     key_id, _ = make_key_record(server.data_dir, "readme-target")
-    raw = base64.b64encode(os.urandom(32)).decode()
-    job = httpx.post(
-        server.url + "/api/generate",
-        json={"prompt": "Say hi.", "max_tokens": 4, "mode": "async", "key": raw},
-        headers={"Authorization": f"Bearer {key}"},
-    ).json()
+    job, _ = submit_job(server, key)
     extra = httpx.post(
         server.url + "/api/instances", json={"model": MODEL}, headers={"Authorization": f"Bearer {admin}"}, timeout=120
     ).json()
     return {"work": work, "admin": admin, "key": key, "key_id": key_id, "job": job, "instance": extra["instance_id"]}
+
+
+def submit_job(server: Server, api_key: str) -> tuple[dict[str, Any], str]:
+    """A small async job: the submit answer and the (base64) key its result is encrypted under."""
+    key = base64.b64encode(os.urandom(32)).decode()
+    body = {"prompt": "Say hi.", "max_tokens": 4, "mode": "async", "key": key}
+    answer = httpx.post(server.url + "/api/generate", json=body, headers={"Authorization": f"Bearer {api_key}"})
+    return answer.json(), key
 
 
 def fill(code: str, server: Server, values: dict[str, Any]) -> str:
@@ -206,12 +209,7 @@ def test_python_example(block: Block, readme_server: Server, filled: dict[str, A
     scope: dict[str, Any] = {"KEY": filled["key"], "__name__": "readme_example"}
     exec(compile(code, f"README.md:{block.line}", "exec"), scope)
     if "decrypt" in scope:  # the decryption recipe: it must open a real result
-        key = base64.b64encode(os.urandom(32)).decode()
-        submitted = httpx.post(
-            readme_server.url + "/api/generate",
-            json={"prompt": "Say hi.", "max_tokens": 4, "mode": "async", "key": key},
-            headers={"Authorization": f"Bearer {filled['key']}"},
-        ).json()
+        submitted, key = submit_job(readme_server, filled["key"])
         done = poll_until_done(readme_server, filled["key"], submitted["tracking_id"])
         plain = scope["decrypt"](done["result"], submitted["nonce"], key)
         assert plain["response"] and plain["completion_tokens"] == 4

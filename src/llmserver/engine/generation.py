@@ -35,7 +35,7 @@ from llmserver.pool.admission import Admission, Ticket, outcome_of
 from llmserver.pool.affinity import affinity_key
 from llmserver.pool.instance import slot_context
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
-from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest, TextPart
+from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest
 from llmserver.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class GenerationService:
             schema = native_schema(request)
             if request.raw:
                 system = f"{request.system}\n\n" if request.system else ""
-                payload["prompt"] = system + _text(messages[-1])
+                payload["prompt"] = system + translate.message_text(messages[-1])
                 if schema is not None:
                     payload["json_schema"] = schema
                 await self._resize(ticket, RAW_PROMPT_TOKENS + text_bound(payload["prompt"]), payload)
@@ -382,8 +382,8 @@ def _affinity(model: str, request: Request, session: str | None) -> str:
         return affinity_key(model, _completion_prompt(request))
     if isinstance(request, GenerateRequest):
         return affinity_key(model, request.system or "", request.prompt)
-    system = next((_text(m) for m in request.messages if m.role in ("system", "developer")), "")
-    first = next((_text(m) for m in request.messages if m.role == "user"), "")
+    system = next((translate.message_text(m) for m in request.messages if m.role in ("system", "developer")), "")
+    first = next((translate.message_text(m) for m in request.messages if m.role == "user"), "")
     return affinity_key(model, system, first)
 
 
@@ -401,10 +401,3 @@ def _completion_prompt(request: CompletionRequest) -> str:
 def _native_messages(request: GenerateRequest) -> list[ChatMessage]:
     files = native_file_parts(request.files) if request.files else []
     return translate.native_messages(request.system, request.prompt, request.images or [], files)
-
-
-def _text(message: ChatMessage) -> str:
-    """A message's text: its text parts joined, as the chat template would see them."""
-    if isinstance(message.content, list):
-        return "\n".join(part.text for part in message.content if isinstance(part, TextPart))
-    return message.content or ""

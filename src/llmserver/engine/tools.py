@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserver.engine.translate import content_message
+from llmserver.engine.translate import content_message, message_text
 from llmserver.errors import InvalidRequest
 from llmserver.schemas.openai import (
     ChatMessage,
@@ -28,7 +28,6 @@ from llmserver.schemas.openai import (
     JSONObjectFormat,
     JSONSchemaResponseFormat,
     NamedToolChoice,
-    TextPart,
     Tool,
 )
 
@@ -47,14 +46,13 @@ def new_call_id() -> str:
 
 
 def response_schema(request: ChatRequest) -> JSON | None:
-    """The JSON schema the answer must match, from `response_format`; None for plain text."""
+    """The JSON schema the answer must match, from `response_format`; None for plain text.
+    (`check_request` has checked it, before admission.)"""
     form = request.response_format
     if isinstance(form, JSONObjectFormat):
         return {"type": "object"}
     if isinstance(form, JSONSchemaResponseFormat):
-        schema = form.json_schema.schema_ or {"type": "object"}
-        check_schema(schema, "response_format")
-        return schema
+        return form.json_schema.schema_ or {"type": "object"}
     return None
 
 
@@ -80,7 +78,7 @@ def check_schema(schema: Any, param: str, where: str = "#") -> None:
 
 def check_request(request: ChatRequest) -> None:
     """The schema checks of `response_format` and the tools' parameters, before admission."""
-    response_schema(request)
+    check_schema(response_schema(request), "response_format")
     for tool in request.tools or []:
         check_schema(tool.function.parameters or {}, "tools")
 
@@ -224,12 +222,6 @@ def json_schema_format(schema: JSON) -> JSON:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
 
-def _text(message: ChatMessage) -> str:
-    if isinstance(message.content, list):
-        return "\n".join(part.text for part in message.content if isinstance(part, TextPart))
-    return message.content or ""
-
-
 def native_message(message: ChatMessage) -> JSON:
     """A message as llama-server takes it when the template renders tools itself."""
     out = content_message(message)
@@ -254,7 +246,7 @@ def prompted_history(messages: list[ChatMessage]) -> list[JSON]:
             result.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
         elif message.role == "tool":
             assert message.tool_call_id is not None
-            outcome = {"tool_call_id": message.tool_call_id, "content": _text(message)}
+            outcome = {"tool_call_id": message.tool_call_id, "content": message_text(message)}
             if message.tool_call_id in names:
                 outcome["name"] = names[message.tool_call_id]
             result.append({"role": "user", "content": json.dumps({"tool_result": outcome}, ensure_ascii=False)})

@@ -55,6 +55,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[JSON]:
     return [content_message(message) for message in messages]
 
 
+def message_text(message: ChatMessage) -> str:
+    """A message's text: its text parts joined, as the chat template sees them."""
+    if isinstance(message.content, list):
+        return "\n".join(part.text for part in message.content if isinstance(part, TextPart))
+    return message.content or ""
+
+
 def content_message(message: ChatMessage) -> JSON:
     """A message's role and content as llama-server's chat template takes them: text parts joined
     into one string; a message with images keeps its parts in order, each image already one we
@@ -66,8 +73,7 @@ def content_message(message: ChatMessage) -> JSON:
         assert not any(isinstance(part, FilePart) for part in content), "a file part reached the payload"
         if any(isinstance(part, ImagePart) for part in content):
             return {"role": role, "content": [_part(part) for part in content]}
-        content = "\n".join(part.text for part in content if isinstance(part, TextPart))
-    return {"role": role, "content": content or ""}
+    return {"role": role, "content": message_text(message)}
 
 
 def _part(part: TextPart | ImagePart | FilePart) -> JSON:
