@@ -118,6 +118,7 @@ def create_app(settings: Settings) -> FastAPI:
             await supervisor.stop()
             await recorder.flush()
             await store.close()
+            documents.close()
 
     app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     for module in (native, openai, embeddings, models, jobs, instances, keys, metrics, health):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import zipfile
+
 import pytest
 
 from llmserver.inputs import extraction
@@ -110,3 +113,24 @@ def test_member_labels() -> None:
     assert member_label("/abs/path.txt") == "abs/path.txt"
     assert member_label("a/../../b\\c.txt") == "a/b/c.txt"
     assert member_label("..") == "(unnamed)"
+
+
+# Found by fuzzing (fuzz/crashes/zip_walker/): both raised past the walker, and the extraction child
+# died with "the extractor stopped unexpectedly" instead of naming the entry.
+
+
+def test_a_corrupt_deflate_stream_is_refused_naming_its_entry() -> None:
+    good = documents.make_zip({"notes.txt": b"some words that deflate " * 40})
+    start = good.index(b"notes.txt") + len("notes.txt")  # the local header's name, then the stream
+    corrupt = good[:start] + bytes(b ^ 0x5A for b in good[start : start + 8]) + good[start + 8 :]
+    with pytest.raises(ArchiveRejected, match=r"the entry 'notes.txt' is corrupt"):
+        extract("bundle.zip", corrupt)
+
+
+def test_an_entry_with_an_empty_name_is_read_as_unnamed() -> None:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(zipfile.ZipInfo(""), b"nameless text")
+        archive.writestr("b.txt", b"named text")
+    result = extract("bundle.zip", out.getvalue())
+    assert result.text == "--- (unnamed) ---\nnameless text\n\n--- b.txt ---\nnamed text"

@@ -111,6 +111,14 @@ async def json_body(request: Request) -> dict[str, Any]:
     except ClientDisconnect:
         # The client went away, or its body stopped arriving (request_read_timeout): nobody to answer.
         raise ClientClosedRequest("The client closed the connection before sending its whole body.") from None
+    body = parse_json(raw)
+    if isinstance(body.get("model"), str):
+        request.state.model = body["model"]  # for the ledger row of a request refused later
+    return body
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object of Unicode text, or InvalidRequest (fuzzed: fuzz/harnesses.py)."""
     try:
         body = json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -127,8 +135,6 @@ async def json_body(request: Request) -> dict[str, Any]:
                 "which is not Unicode text",
                 param=where or None,
             )
-    if isinstance(body.get("model"), str):
-        request.state.model = body["model"]  # for the ledger row of a request refused later
     return body
 
 

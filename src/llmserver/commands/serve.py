@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 import click
@@ -44,6 +45,11 @@ def serve(
         # line (ModelFileError, exit status 2), not a start-up traceback.
         model_path(model, settings.model_cache_dir, settings.hf_endpoint)
         mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)
+    # uvicorn re-raises the signal it stopped on once its shutdown is over; by default that ends the
+    # process by the signal, which skips Python's exit handlers (the forkserver's socket folder would
+    # stay in TMPDIR) and reports "killed by SIGTERM" to the init system. A finished stop is exit 0.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, _stopped)
     uvicorn.run(
         create_app(settings),
         http=with_read_timeout(settings.request_read_timeout),
@@ -53,3 +59,7 @@ def serve(
         access_log=False,  # ours (llmserver.access) leaves out query strings, which may carry keys
         timeout_graceful_shutdown=int(settings.drain_timeout),  # in-flight requests get this long
     )
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -9,8 +9,10 @@ Runs in the extraction child, whose memory limit and timeout are the last line o
 from __future__ import annotations
 
 import io
+import lzma
 import posixpath
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -79,7 +81,7 @@ def open_checked(data: bytes, label: str, budget: Budget) -> zipfile.ZipFile:
         archive.close()
         raise _too_many(label, limits)
     for info in infos:
-        if info.is_dir():
+        if _is_folder(info):
             continue
         budget.total_bytes += info.file_size
         if budget.total_bytes > limits.max_total_bytes:
@@ -101,7 +103,8 @@ def read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, label: str) -> 
     try:
         with archive.open(info) as member:
             data = member.read(info.file_size + 1)
-    except (zipfile.BadZipFile, ValueError, NotImplementedError, EOFError, OSError) as exc:
+    except (zipfile.BadZipFile, ValueError, NotImplementedError, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
+        # zlib's and lzma's errors are not OSErrors: a corrupt deflate stream (found by fuzz/) raised zlib.error.
         raise ArchiveRejected(f"{label}: the entry {member_label(info.filename)!r} is corrupt ({exc}).") from None
     if len(data) > info.file_size:
         raise ArchiveRejected(f"{label}: the entry {member_label(info.filename)!r} is larger than its header says.")
@@ -111,8 +114,13 @@ def read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, label: str) -> 
 def members(archive: zipfile.ZipFile) -> Iterator[zipfile.ZipInfo]:
     """The files of an archive in directory order; folders are not members."""
     for info in archive.infolist():
-        if not info.is_dir():
+        if not _is_folder(info):
             yield info
+
+
+def _is_folder(info: zipfile.ZipInfo) -> bool:
+    # Not ZipInfo.is_dir(): it raises IndexError for an entry with an empty name (found by fuzz/).
+    return info.filename.endswith("/")
 
 
 def is_encrypted(info: zipfile.ZipInfo) -> bool:

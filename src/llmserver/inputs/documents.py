@@ -18,6 +18,8 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -182,12 +184,32 @@ class DocumentService:
         self._waiting = FairSlots(slots)  # shared fairly between keys
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["llmserver.inputs.extraction", "markitdown.converters"])
+        self._temp_dir: str | None = None
 
     def warm_up(self) -> None:
-        """Start the forkserver (it imports the converters once: about 2 s) so the first file is fast."""
+        """Start the forkserver (it imports the converters once: about 2 s) so the first file is fast.
+
+        It and its children (the converters) get a private TMPDIR, removed by close(): what a converter
+        leaves there (onnxruntime writes a `.ses` file at import; a child killed at its limit leaves
+        whatever it had open) goes with it."""
         from multiprocessing import forkserver
 
-        forkserver.ensure_running()
+        tempfile.gettempdir()  # this process's own temp folder stays the system's
+        self._temp_dir = tempfile.mkdtemp(prefix="llmserver-extract-")
+        saved = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = self._temp_dir
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = saved
+
+    def close(self) -> None:
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
 
     async def extract(self, upload: Upload, owner: str = "") -> Extracted:
         async with self._waiting.slot(owner):

@@ -1,0 +1,757 @@
+"""Soak and chaos: mixed traffic against one gateway for N minutes while faults are injected, then
+the count of everything that was lost.
+
+    .venv/bin/python -m bench.soak --minutes 2 --check     # the CI version (tests/bench/test_soak.py)
+    .venv/bin/python -m bench.soak --minutes 30 --out bench/results   # the committed soak.md
+
+Traffic: streamed and non-streamed native, chat and completions requests, chat with documents
+(DOCX, a ZIP holding a DOCX), images on the test vision model (tests/vision_model.py), async jobs
+polled or delivered by webhook, and keys at and over their token quota and requests per minute.
+Faults, on a schedule: kill -9 a model instance, a burst of clients that leave mid-stream, a burst
+that overfills the model's queue, and SIGTERM to the gateway followed by a fresh start.
+
+What is counted (each must be 0):
+- requests accepted and never answered: no HTTP answer, though the gateway was not restarting
+  when the request was sent (a request sent while the gateway stops or starts is refused at the
+  socket — a load balancer's retry case — and is reported apart);
+- streams answered 200 that ended without `data: [DONE]` (clients that left on purpose aside);
+- tokens settled over a key's quota, and reservations left after the last stop;
+- async jobs still pending at the end, jobs lost (404 before their one read), webhooks never sent,
+  results that do not decrypt;
+- ledger rows ≠ requests answered (every generating request is one row);
+- orphan processes (children of the gateway alive after it stopped) and files left in its TMPDIR.
+Gateway RSS and open file descriptors are sampled every second, per gateway process (a restart
+starts a new one); their growth after warm-up is reported and bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import collections
+import contextlib
+import json
+import os
+import random
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from nacl.bindings import crypto_aead_xchacha20poly1305_ietf_decrypt
+
+from llmserver.auth.keys import KeyService
+from llmserver.settings import DEFAULT_MODEL_NAME
+from llmserver.store import open_store
+from llmserver.store.interfaces import KeyLimits
+from tests import documents, images
+from tests.receiver import Receiver
+from tests.support import free_port, free_port_range
+from tests.vision_model import write_vision_model
+
+VISION = "soak-vision"
+QUOTA_TOKENS = 1500
+RPM = 20
+TEXT_SLOTS = 4
+MAX_QUEUE = 12
+DRAIN_TIMEOUT = 20.0
+# Growth allowed after warm-up (the first 40% of a gateway process's life) to its end.
+RSS_GROWTH_LIMIT_MB = 40.0
+FD_GROWTH_LIMIT = 16
+SERVING = ("ready", "busy")
+
+
+def log(message: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# The gateway under test
+
+
+@dataclass
+class Gateway:
+    data_dir: Path
+    port: int = field(default_factory=free_port)
+    instance_port: int = field(default_factory=lambda: free_port_range(8))
+    process: subprocess.Popen[bytes] | None = None
+    # (start, stop-signal time, ready-again time) of every restart window, in wall-clock seconds.
+    restarts: list[tuple[float, float]] = field(default_factory=list)
+    incarnation: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def tmp(self) -> Path:
+        return self.data_dir / "tmp"
+
+    def start(self, timeout: float = 180.0) -> float:
+        """Start the gateway; the seconds it took to be ready."""
+        started = time.monotonic()
+        self.tmp.mkdir(exist_ok=True)
+        env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port), "TMPDIR": str(self.tmp)}
+        with (self.data_dir / "gateway.log").open("ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "llmserver", "serve", "--config", str(self.data_dir / "config.toml"),
+                 "--data-dir", str(self.data_dir), "--port", str(self.port), "--log-level", "info"],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+        self.incarnation += 1
+        deadline = started + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the gateway exited with {self.process.returncode}; see {self.data_dir}/gateway.log"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            time.sleep(0.1)
+        raise RuntimeError(f"the gateway was not ready within {timeout:.0f} s")
+
+    def stop(self) -> tuple[float, int | None]:
+        """SIGTERM, as an init system stops it: the seconds it took to exit and its exit status."""
+        assert self.process is not None
+        started = time.monotonic()
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(DRAIN_TIMEOUT * 2 + 30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return time.monotonic() - started, None
+        return time.monotonic() - started, self.process.returncode
+
+
+def write_config(data_dir: Path) -> None:
+    model, mmproj = write_vision_model(data_dir / "vision")
+    (data_dir / "config.toml").write_text(
+        f"drain_timeout = {DRAIN_TIMEOUT}\nqueue_timeout = 20\nwebhook_allow_private = true\n"
+        f"max_concurrency_per_key = 32\nrequest_timeout = 120\n\n"
+        f'[[models]]\nname = "{DEFAULT_MODEL_NAME}"\nparallel = {TEXT_SLOTS}\nctx_size = 4096\nthreads = 1\n'
+        f"max_queue = {MAX_QUEUE}\n\n"
+        f'[[models]]\nname = "{VISION}"\npath = "{model}"\nmmproj = "{mmproj}"\nparallel = 2\n'
+        f"ctx_size = 2048\nthreads = 1\nmax_queue = {MAX_QUEUE}\n"
+    )
+
+
+async def create_keys(data_dir: Path) -> dict[str, tuple[str, str]]:
+    """name → (key id, key)."""
+    store = open_store(f"sqlite:///{data_dir / 'llmserver.db'}")
+    service = KeyService(store)
+    specs: dict[str, tuple[bool, KeyLimits]] = {
+        "admin": (True, KeyLimits()),
+        "alice": (False, KeyLimits()),
+        "bob": (False, KeyLimits()),
+        "quota": (False, KeyLimits(quota_tokens=QUOTA_TOKENS, quota_period="total")),
+        "rpm": (False, KeyLimits(rpm=RPM)),
+    }
+    keys = {}
+    try:
+        for name, (admin, limits) in specs.items():
+            record, key = await service.create(name, admin=admin, limits=limits)
+            keys[name] = (record.id, key)
+    finally:
+        await store.close()
+    return keys
+
+
+# One request, as the client saw it
+
+
+@dataclass
+class Call:
+    scenario: str
+    key: str
+    started: float
+    generating: bool = True
+    stream: bool = False
+    ended: float = 0.0
+    status: int | None = None
+    error_type: str | None = None
+    message: str | None = None
+    failure: str | None = None  # "refused" (no connection), "reset" (closed before an answer), "timeout"
+    done: bool = False  # a stream's data: [DONE]
+    dropped: bool = False  # the client left mid-stream on purpose
+    body: Any = None
+
+
+class Traffic:
+    def __init__(self, gateway: Gateway, keys: dict[str, tuple[str, str]], receiver: Receiver) -> None:
+        self.gateway = gateway
+        self.keys = keys
+        self.receiver = receiver
+        self.calls: list[Call] = []
+        # tracking_id → (client key bytes, webhook?, resolved status or None)
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.http = httpx.AsyncClient(
+            base_url=gateway.url,
+            timeout=httpx.Timeout(180.0, connect=5.0),
+            # Idle connections are let go before the gateway's keep-alive (5 s) closes them under us.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=2.0),
+        )
+        self.docx = documents.make_docx()
+        self.zip = documents.make_zip({"notes/readme.txt": b"Soak notes.\n" * 20, "report.docx": self.docx})
+        self.png_uri = images.data_uri(images.png(64, 48))
+
+    def headers(self, key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[key][1]}"}
+
+    async def call(
+        self,
+        scenario: str,
+        key: str,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        stream: bool = False,
+        leave_after: int = 0,
+        generating: bool = True,
+    ) -> Call:
+        call = Call(scenario, key, time.time(), generating=generating, stream=stream)
+        self.calls.append(call)
+        try:
+            if body is None:
+                response = await self.http.get(path, headers=self.headers(key))
+                call.status, call.body = response.status_code, _json(response.content)
+            elif stream:
+                await self._stream(call, path, body, leave_after)
+            else:
+                response = await self.http.post(path, json=body, headers=self.headers(key))
+                call.status, call.body = response.status_code, _json(response.content)
+        except httpx.ConnectError:
+            call.failure = "refused"
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            call.failure = "reset"
+        except httpx.TimeoutException:
+            call.failure = "timeout"
+        call.ended = time.time()
+        if call.status is not None and call.status >= 400 and isinstance(call.body, dict):
+            call.error_type = (call.body.get("error") or {}).get("type")
+            call.message = (call.body.get("error") or {}).get("message")
+        return call
+
+    async def _stream(self, call: Call, path: str, body: dict[str, Any], leave_after: int) -> None:
+        async with self.http.stream("POST", path, json=body, headers=self.headers(call.key)) as response:
+            call.status = response.status_code
+            if response.status_code != 200:
+                call.body = _json(await response.aread())
+                return
+            events = 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    call.done = True
+                    continue
+                events += 1
+                event = json.loads(line[6:])
+                if "error" in event:
+                    call.error_type = "stream:" + str(event["error"].get("type"))
+                    call.message = event["error"].get("message")
+                if leave_after and events >= leave_after:
+                    call.dropped = True
+                    return
+
+    # The scenarios
+
+    def pick_key(self) -> str:
+        return random.choice(("alice", "bob"))
+
+    async def native(self) -> None:
+        await self.call("native", self.pick_key(), "/api/generate", {"prompt": "Name three colours.", "max_tokens": 16})
+
+    async def native_raw(self) -> None:
+        body = {"prompt": "1, 2, 3, 4, 5,", "raw": True, "max_tokens": 24, "temperature": 0}
+        await self.call("native_raw", self.pick_key(), "/api/generate", body)
+
+    async def chat(self) -> None:
+        body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+        await self.call("chat", self.pick_key(), "/v1/chat/completions", body)
+
+    async def chat_stream(self) -> None:
+        body = {
+            "messages": [{"role": "user", "content": "Count to ten."}],
+            "max_tokens": 32,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        await self.call("chat_stream", self.pick_key(), "/v1/chat/completions", body, stream=True)
+
+    async def completions_stream(self) -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 24, "stream": True}
+        await self.call("completions_stream", self.pick_key(), "/v1/completions", body, stream=True)
+
+    async def with_documents(self) -> None:
+        part = documents.file_part("bundle.zip", self.zip) if random.random() < 0.5 else None
+        part = part or documents.file_part("report.docx", self.docx)
+        body = {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Summarise."}, part]}],
+            "max_tokens": 16,
+        }
+        await self.call("documents", self.pick_key(), "/v1/chat/completions", body)
+
+    async def with_image(self) -> None:
+        content = [{"type": "text", "text": "Describe."}, images.image_part(self.png_uri)]
+        body = {"model": VISION, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+        await self.call("image", self.pick_key(), "/v1/chat/completions", body)
+
+    async def async_webhook(self) -> None:
+        key = secrets.token_bytes(32)
+        body = {
+            "prompt": "Write one sentence.",
+            "max_tokens": 16,
+            "mode": "async",
+            "key": base64.b64encode(key).decode(),
+            "webhook_url": self.receiver.url,
+        }
+        call = await self.call("async_webhook", self.pick_key(), "/api/generate", body)
+        if call.status == 200:
+            self.jobs[call.body["tracking_id"]] = {"key": key, "webhook": True, "owner": call.key, "status": None}
+
+    async def async_polled(self) -> None:
+        key = secrets.token_bytes(32)
+        body = {
+            "messages": [{"role": "user", "content": "Write one sentence."}],
+            "max_tokens": 16,
+            "mode": "async",
+            "key": base64.b64encode(key).decode(),
+        }
+        owner = self.pick_key()
+        call = await self.call("async_polled", owner, "/v1/chat/completions", body)
+        if call.status != 200:
+            return
+        tracking_id = call.body["tracking_id"]
+        self.jobs[tracking_id] = {"key": key, "webhook": False, "owner": owner, "status": None}
+        await self.poll(tracking_id, deadline=time.monotonic() + 60)
+
+    async def poll(self, tracking_id: str, deadline: float) -> None:
+        job = self.jobs[tracking_id]
+        while time.monotonic() < deadline:
+            call = await self.call(
+                "poll", job["owner"], f"/api/async_result?tracking_id={tracking_id}", None, generating=False
+            )
+            if call.status == 200 and call.body["status"] != "pending":
+                job["status"] = call.body["status"]
+                job["answer"] = call.body
+                return
+            if call.status == 404:
+                job["status"] = "lost"
+                return
+            await asyncio.sleep(0.5)
+
+    async def quota(self) -> None:
+        """Two at once on a key with a small quota: reservations race near and past its limit."""
+        body = {"prompt": "Tell a short story.", "max_tokens": 24}
+        await asyncio.gather(*(self.call("quota", "quota", "/api/generate", body) for _ in range(2)))
+
+    async def rpm_burst(self) -> None:
+        body = {"prompt": "Hi", "max_tokens": 2}
+        await asyncio.gather(*(self.call("rpm", "rpm", "/api/generate", body) for _ in range(4)))
+
+    async def leave_mid_stream(self, scenario: str = "leave") -> None:
+        body = {"messages": [{"role": "user", "content": "Count to one hundred."}], "max_tokens": 64, "stream": True}
+        await self.call(scenario, self.pick_key(), "/v1/chat/completions", body, stream=True, leave_after=3)
+
+    SCENARIOS = (
+        ("native", 3),
+        ("native_raw", 2),
+        ("chat", 3),
+        ("chat_stream", 4),
+        ("completions_stream", 2),
+        ("with_documents", 2),
+        ("with_image", 2),
+        ("async_webhook", 1),
+        ("async_polled", 1),
+        ("quota", 1),
+        ("rpm_burst", 1),
+        ("leave_mid_stream", 1),
+    )
+
+    async def worker(self, until: float) -> None:
+        names = [name for name, _ in self.SCENARIOS]
+        weights = [weight for _, weight in self.SCENARIOS]
+        while time.monotonic() < until:
+            before = len(self.calls)
+            await getattr(self, random.choices(names, weights)[0])()
+            if any(call.failure == "refused" for call in self.calls[before:]):
+                await asyncio.sleep(0.5)  # the gateway is restarting
+            await asyncio.sleep(random.uniform(0, 0.2))
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None
+
+
+# Faults
+
+
+@dataclass
+class Fault:
+    at: float
+    kind: str
+    detail: str = ""
+
+
+class Chaos:
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic = traffic
+        self.gateway = traffic.gateway
+        self.faults: list[Fault] = []
+
+    async def instances(self) -> list[dict[str, Any]]:
+        call = await self.traffic.call("admin", "admin", "/api/instances", None, generating=False)
+        if call.status != 200:
+            return []
+        return list(call.body["data"])
+
+    async def kill_instance(self) -> str:
+        ready = [i for i in await self.instances() if i["model"] == DEFAULT_MODEL_NAME and i["status"] in SERVING]
+        if not ready:
+            return "no ready instance to kill"
+        victim = ready[0]
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+        started = time.monotonic()
+        while time.monotonic() - started < 60:
+            await asyncio.sleep(0.5)
+            now = [i for i in await self.instances() if i["model"] == DEFAULT_MODEL_NAME and i["status"] in SERVING]
+            if any(i["pid"] != victim["pid"] for i in now):
+                return f"pid {victim['pid']} killed; a ready instance again after {time.monotonic() - started:.1f} s"
+        return f"pid {victim['pid']} killed; no ready instance 60 s later"
+
+    async def leave_burst(self) -> str:
+        await asyncio.gather(*(self.traffic.leave_mid_stream("leave_burst") for _ in range(6)))
+        return "6 streams left after their third event"
+
+    async def fill_queue(self) -> str:
+        body = {"prompt": "1, 2, 3,", "raw": True, "max_tokens": 48, "temperature": 0}
+        count = TEXT_SLOTS + MAX_QUEUE + 8
+        calls = await asyncio.gather(
+            *(self.traffic.call("queue_burst", "alice", "/api/generate", body) for _ in range(count))
+        )
+        statuses = collections.Counter(str(call.status or call.failure) for call in calls)
+        return f"{count} at once: " + ", ".join(f"{n} x {status}" for status, n in sorted(statuses.items()))
+
+    async def restart_gateway(self) -> str:
+        stopping = time.time()
+        seconds, code = await asyncio.to_thread(self.gateway.stop)
+        ready = await asyncio.to_thread(self.gateway.start)
+        self.gateway.restarts.append((stopping, time.time()))
+        return f"SIGTERM: exited {code} after {seconds:.1f} s; ready again after {ready:.1f} s"
+
+    async def run(self, started: float, until: float, minutes: float, interval: float) -> None:
+        # The gateway is restarted once per 10 minutes of run (at least once), at evenly spread times;
+        # the other faults take turns every `interval` seconds.
+        restarts = max(1, round(minutes / 10))
+        restart_at = [started + minutes * 60 * (n + 1) / (restarts + 1) for n in range(restarts)]
+        rotation = [self.kill_instance, self.leave_burst, self.fill_queue]
+        turn = 0
+        next_fault = started + interval
+        while True:
+            upcoming = min([next_fault, *restart_at])
+            if upcoming >= until:
+                return
+            await asyncio.sleep(max(0.0, upcoming - time.monotonic()))
+            if restart_at and upcoming == restart_at[0]:
+                restart_at.pop(0)
+                action = self.restart_gateway
+            else:
+                action = rotation[turn % len(rotation)]
+                turn += 1
+                next_fault += interval
+            at = time.time()
+            detail = await action()
+            self.faults.append(Fault(at, action.__name__, detail))
+            log(f"fault {action.__name__}: {detail}")
+
+
+# Sampling the gateway process
+
+
+@dataclass
+class Sample:
+    at: float
+    incarnation: int
+    rss_mb: float
+    fds: int
+
+
+class Sampler:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.samples: list[Sample] = []
+        self.children: dict[int, str] = {}
+
+    async def run(self) -> None:
+        while True:
+            process = self.gateway.process
+            if process is not None and process.poll() is None:
+                with contextlib.suppress(psutil.Error):
+                    gateway = psutil.Process(process.pid)
+                    rss = gateway.memory_info().rss / 2**20
+                    self.samples.append(Sample(time.time(), self.gateway.incarnation, rss, gateway.num_fds()))
+                    for child in gateway.children(recursive=True):
+                        with contextlib.suppress(psutil.Error):
+                            self.children.setdefault(child.pid, child.name())
+            await asyncio.sleep(1.0)
+
+    def growth(self) -> list[dict[str, float]]:
+        """Per gateway process: RSS and fds after warm-up (40% of its life) and at its end."""
+        rows = []
+        for incarnation in sorted({s.incarnation for s in self.samples}):
+            series = [s for s in self.samples if s.incarnation == incarnation]
+            if len(series) < 20:
+                continue
+            warm = series[int(len(series) * 0.4) :]
+            head, tail = warm[: max(1, len(warm) // 4)], warm[-max(1, len(warm) // 4) :]
+            rows.append(
+                {
+                    "incarnation": incarnation,
+                    "seconds": series[-1].at - series[0].at,
+                    "rss_warm": statistics.median(s.rss_mb for s in head),
+                    "rss_end": statistics.median(s.rss_mb for s in tail),
+                    "rss_max": max(s.rss_mb for s in series),
+                    "fds_warm": statistics.median(s.fds for s in head),
+                    "fds_end": statistics.median(s.fds for s in tail),
+                    "fds_max": max(s.fds for s in series),
+                }
+            )
+        return rows
+
+
+# The run and its counters
+
+
+async def finish_jobs(traffic: Traffic) -> None:
+    """Poll every job not yet read (webhook jobs are read here too: a webhook is not a read)."""
+    deadline = time.monotonic() + 120
+    open_jobs = [tid for tid, job in traffic.jobs.items() if job["status"] is None]
+    await asyncio.gather(*(traffic.poll(tid, deadline) for tid in open_jobs))
+
+
+def decrypts(job: dict[str, Any]) -> bool:
+    answer = job.get("answer") or {}
+    if job["status"] != "ready":
+        return True
+    nonce = base64.b64decode(job["nonce"])
+    try:
+        plaintext = crypto_aead_xchacha20poly1305_ietf_decrypt(
+            base64.b64decode(answer["result"]), None, nonce, job["key"]
+        )
+        json.loads(plaintext)
+    except Exception:
+        return False
+    return True
+
+
+async def run(minutes: float, interval: float, workers: int) -> dict[str, Any]:
+    data_dir = Path(tempfile.mkdtemp(prefix="llmserver-soak-"))
+    log(f"data dir {data_dir}")
+    write_config(data_dir)
+    keys = await create_keys(data_dir)
+    gateway = Gateway(data_dir)
+    log(f"starting the gateway: ready after {gateway.start():.1f} s")
+    receiver = Receiver().start()
+    traffic = Traffic(gateway, keys, receiver)
+    chaos = Chaos(traffic)
+    sampler = Sampler(gateway)
+    sampling = asyncio.create_task(sampler.run())
+    started_wall = time.time()
+    started = time.monotonic()
+    until = started + minutes * 60
+    log(f"{workers} clients for {minutes:g} min, a fault every {interval:g} s")
+    await asyncio.gather(chaos.run(started, until, minutes, interval), *(traffic.worker(until) for _ in range(workers)))
+    log(f"traffic over: {len(traffic.calls)} requests; reading every async job")
+    # The nonces come from the submit answers.
+    for call in traffic.calls:
+        if call.scenario.startswith("async") and call.status == 200:
+            traffic.jobs[call.body["tracking_id"]]["nonce"] = call.body["nonce"]
+    await finish_jobs(traffic)
+    stuck = await in_flight_after(traffic)
+    await asyncio.sleep(2)  # the last webhooks
+    stop_seconds, stop_code = gateway.stop()
+    sampling.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sampling
+    await traffic.http.aclose()
+    receiver.stop()
+    log(f"gateway stopped in {stop_seconds:.1f} s (exit {stop_code})")
+    await asyncio.sleep(1)
+    result = await count(traffic, chaos, sampler, keys, started_wall)
+    result["counters"]["requests still on an instance after the traffic"] = stuck
+    result.update(minutes=minutes, workers=workers, interval=interval, data_dir=str(data_dir), stop_code=stop_code)
+    return result
+
+
+async def in_flight_after(traffic: Traffic, timeout: float = 30.0) -> int:
+    """Requests the gateway still counts on its instances once every client is gone (a slot that a
+    client who left, a fault or a retry never gave back), after `timeout` seconds for the last ones."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = await traffic.http.get("/metrics", headers=traffic.headers("admin"))
+        flying = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in response.text.splitlines()
+            if line.startswith("llmserver_in_flight{")
+        )
+        if flying == 0 or time.monotonic() > deadline:
+            return int(flying)
+        await asyncio.sleep(0.5)
+
+
+def in_restart(gateway: Gateway, moment: float) -> bool:
+    return any(stopping - 0.25 <= moment <= ready for stopping, ready in gateway.restarts)
+
+
+async def count(
+    traffic: Traffic, chaos: Chaos, sampler: Sampler, keys: dict[str, tuple[str, str]], since: float
+) -> dict[str, Any]:
+    gateway = traffic.gateway
+    calls = traffic.calls
+    unanswered = [c for c in calls if c.failure and c.failure != "refused" and not in_restart(gateway, c.started)]
+    refused = [c for c in calls if c.failure and c not in unanswered]
+    no_done = [c for c in calls if c.stream and c.status == 200 and not c.done and not c.dropped]
+    answered = [c for c in calls if c.generating and (c.status is not None)]
+
+    store = open_store(f"sqlite:///{gateway.data_dir / 'llmserver.db'}")
+    try:
+        rows = await store.usage_rows(None, since - 1, time.time() + 1)
+        used, reserved = await store.quota_counts(keys["quota"][0], "total")
+    finally:
+        await store.close()
+    names = {key_id: name for name, (key_id, _) in keys.items()}
+    rows_by_key = collections.Counter(names.get(str(row["key_id"]), "?") for row in rows)
+    calls_by_key = collections.Counter(c.key for c in answered)
+    quota_ledger = sum(
+        int(row["prompt_tokens"]) + int(row["completion_tokens"])  # type: ignore[call-overload]
+        for row in rows
+        if row["key_id"] == keys["quota"][0]
+    )
+
+    jobs = traffic.jobs
+    delivered = collections.Counter(str(item.get("tracking_id")) for item in traffic.receiver.received)
+    children_alive = {
+        pid: name for pid, name in sampler.children.items() if psutil.pid_exists(pid) and _not_zombie(pid)
+    }
+    leftovers = [str(p.relative_to(gateway.tmp)) for p in gateway.tmp.rglob("*")] if gateway.tmp.exists() else []
+    growth = sampler.growth()
+
+    counters = {
+        "requests accepted and never answered": len(unanswered),
+        "streams without [DONE]": len(no_done),
+        "tokens settled over a quota": max(0, used - QUOTA_TOKENS) + max(0, quota_ledger - QUOTA_TOKENS),
+        "quota reservations left after the stop": reserved,
+        "async jobs pending forever": sum(1 for job in jobs.values() if job["status"] in (None, "pending")),
+        "async jobs lost (404 before their one read)": sum(1 for job in jobs.values() if job["status"] == "lost"),
+        "webhooks never sent": sum(1 for tid, job in jobs.items() if job["webhook"] and not delivered[tid]),
+        "results that do not decrypt": sum(1 for job in jobs.values() if not decrypts(job)),
+        "ledger rows ≠ requests answered": abs(len(rows) - len(answered)),
+        "orphan processes": len(children_alive),
+        "files left in the gateway's TMPDIR": len(leftovers),
+        "RSS growth after warm-up over the bound": sum(
+            1 for g in growth if g["rss_end"] - g["rss_warm"] > RSS_GROWTH_LIMIT_MB
+        ),
+        "fd growth after warm-up over the bound": sum(
+            1 for g in growth if g["fds_end"] - g["fds_warm"] > FD_GROWTH_LIMIT
+        ),
+    }
+    messages = collections.Counter(f"{c.status} {c.message}" for c in calls if c.message)
+    messages.update(
+        f"job failed: {job['answer']['error'].get('message')}" for job in jobs.values() if job["status"] == "failed"
+    )
+    outcomes: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for c in calls:
+        outcomes[c.scenario][_outcome(c, gateway)] += 1
+    return {
+        "counters": counters,
+        "details": {
+            "unanswered": [vars(c) | {"body": None} for c in unanswered[:20]],
+            "streams without [DONE]": [vars(c) | {"body": None} for c in no_done[:20]],
+            "ledger rows by key": dict(rows_by_key),
+            "answered requests by key": dict(calls_by_key),
+            "orphans": children_alive,
+            "leftover files": leftovers[:20],
+        },
+        "requests": len(calls),
+        "generating answered": len(answered),
+        "ledger rows": len(rows),
+        "refused while restarting": len(refused),
+        "quota": {"limit": QUOTA_TOKENS, "used": used, "ledger": quota_ledger},
+        "jobs": collections.Counter(str(job["status"]) for job in jobs.values()),
+        "webhook deliveries": sum(delivered.values()),
+        "outcomes": {scenario: dict(counter) for scenario, counter in sorted(outcomes.items())},
+        "messages": messages.most_common(),
+        "faults": [vars(f) for f in chaos.faults],
+        "growth": growth,
+        "samples": [vars(s) for s in sampler.samples],
+        "calls": [(c.started, _outcome(c, gateway)) for c in calls],
+        "restarts": gateway.restarts,
+    }
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _outcome(call: Call, gateway: Gateway) -> str:
+    if call.dropped:
+        return "left mid-stream"
+    if call.failure:
+        return (
+            "refused (restarting)" if call.failure == "refused" or in_restart(gateway, call.started) else "unanswered"
+        )
+    if call.error_type and call.error_type.startswith("stream:"):
+        return f"200 + error event ({call.error_type[7:]})"
+    if call.status and call.status >= 400:
+        return f"{call.status} {call.error_type}"
+    return str(call.status)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=2.0, help="how long the traffic runs (default 2)")
+    parser.add_argument("--interval", type=float, default=20.0, help="seconds between faults (default 20)")
+    parser.add_argument("--clients", type=int, default=6, help="concurrent client loops (default 6)")
+    parser.add_argument("--out", type=Path, default=None, help="write soak.md and its charts here")
+    parser.add_argument("--check", action="store_true", help="exit 1 unless every counter is 0")
+    args = parser.parse_args()
+    random.seed(20)
+    result = asyncio.run(run(args.minutes, args.interval, args.clients))
+    from bench import soak_report
+
+    text = soak_report.markdown(result)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        soak_report.charts(result, args.out)
+        (args.out / "soak.md").write_text(text)
+        (args.out / "soak.json").write_text(
+            json.dumps({k: v for k, v in result.items() if k not in ("samples", "calls")}, indent=1, default=str)
+        )
+        log(f"report written to {args.out / 'soak.md'}")
+    print(text)
+    failed = {name: n for name, n in result["counters"].items() if n}
+    if failed:
+        log("NOT ZERO: " + ", ".join(f"{name}: {n}" for name, n in failed.items()))
+        print(json.dumps(result["details"], indent=1, default=str), file=sys.stderr)
+    if args.check and failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The 2-minute soak-and-chaos run (bench/soak.py): mixed traffic under faults, every loss counter 0."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_minute_soak_loses_nothing(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.soak", "--minutes", "2", "--check", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    summary = json.loads((tmp_path / "soak.json").read_text())
+    assert summary["counters"] and not any(summary["counters"].values())
+    # Every kind of fault happened, and the traffic was real: answers, refusals and jobs.
+    assert {fault["kind"] for fault in summary["faults"]} == {
+        "kill_instance", "leave_burst", "fill_queue", "restart_gateway"
+    }  # fmt: skip
+    assert summary["generating answered"] > 300 and summary["ledger rows"] == summary["generating answered"]
+    outcomes = summary["outcomes"]
+    assert (
+        "429 insufficient_quota" in outcomes["quota"]
+        and outcomes["image"].get("200")
+        and outcomes["documents"].get("200")
+    )
+    assert any(outcome.startswith("429") for outcome in outcomes["rpm"])
+    assert summary["jobs"].get("ready", 0) > 0 and summary["webhook deliveries"] > 0
+    for chart in ("soak_resources.png", "soak_outcomes.png"):
+        assert (tmp_path / chart).read_bytes().startswith(b"\x89PNG")
