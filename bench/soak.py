@@ -55,7 +55,7 @@ from llmserver.store import open_store
 from llmserver.store.interfaces import KeyLimits
 from tests import documents, images
 from tests.receiver import Receiver
-from tests.support import free_port, free_port_range
+from tests.support import die_with_parent, free_port, free_port_range
 from tests.vision_model import write_vision_model
 
 VISION = "soak-vision"
@@ -104,7 +104,7 @@ class Gateway:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "llmserver", "serve", "--config", str(self.data_dir / "config.toml"),
                  "--data-dir", str(self.data_dir), "--port", str(self.port), "--log-level", "info"],
-                stdout=out, stderr=subprocess.STDOUT, env=env,
+                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
             )  # fmt: skip
         self.incarnation += 1
         deadline = started + timeout
@@ -122,6 +122,8 @@ class Gateway:
     def stop(self) -> tuple[float, int | None]:
         """SIGTERM, as an init system stops it: the seconds it took to exit and its exit status."""
         assert self.process is not None
+        if self.process.poll() is not None:
+            return 0.0, self.process.returncode
         started = time.monotonic()
         self.process.send_signal(signal.SIGTERM)
         try:
@@ -569,25 +571,29 @@ async def run(minutes: float, interval: float, workers: int) -> dict[str, Any]:
     chaos = Chaos(traffic)
     sampler = Sampler(gateway)
     sampling = asyncio.create_task(sampler.run())
-    started_wall = time.time()
-    started = time.monotonic()
-    until = started + minutes * 60
-    log(f"{workers} clients for {minutes:g} min, a fault every {interval:g} s")
-    await asyncio.gather(chaos.run(started, until, minutes, interval), *(traffic.worker(until) for _ in range(workers)))
-    log(f"traffic over: {len(traffic.calls)} requests; reading every async job")
-    # The nonces come from the submit answers.
-    for call in traffic.calls:
-        if call.scenario.startswith("async") and call.status == 200:
-            traffic.jobs[call.body["tracking_id"]]["nonce"] = call.body["nonce"]
-    await finish_jobs(traffic)
-    stuck = await in_flight_after(traffic)
-    await asyncio.sleep(2)  # the last webhooks
-    stop_seconds, stop_code = gateway.stop()
-    sampling.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await sampling
-    await traffic.http.aclose()
-    receiver.stop()
+    try:
+        started_wall = time.time()
+        started = time.monotonic()
+        until = started + minutes * 60
+        log(f"{workers} clients for {minutes:g} min, a fault every {interval:g} s")
+        await asyncio.gather(
+            chaos.run(started, until, minutes, interval), *(traffic.worker(until) for _ in range(workers))
+        )
+        log(f"traffic over: {len(traffic.calls)} requests; reading every async job")
+        # The nonces come from the submit answers.
+        for call in traffic.calls:
+            if call.scenario.startswith("async") and call.status == 200:
+                traffic.jobs[call.body["tracking_id"]]["nonce"] = call.body["nonce"]
+        await finish_jobs(traffic)
+        stuck = await in_flight_after(traffic)
+        await asyncio.sleep(2)  # the last webhooks
+    finally:
+        stop_seconds, stop_code = gateway.stop()
+        sampling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampling
+        await traffic.http.aclose()
+        receiver.stop()
     log(f"gateway stopped in {stop_seconds:.1f} s (exit {stop_code})")
     await asyncio.sleep(1)
     result = await count(traffic, chaos, sampler, keys, started_wall)

@@ -21,7 +21,7 @@ MODEL = "SmolLM2-135M-Instruct-Q4_1"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
@@ -99,7 +99,7 @@ class Server:
         with self.log_path.open("ab") as log:
             # If pytest itself dies, its servers (and so their instances) die with it.
             self.process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+                args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
