@@ -46,6 +46,11 @@ class LevelResult:
     concurrency: int
     samples: list[Sample] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the runs, summed
+    cpu_seconds: float = 0.0  # a gateway's process CPU time during the runs, summed
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        return self.cpu_seconds * 1000 / self.tokens if self.tokens else float("nan")
 
     @property
     def tokens(self) -> int:
@@ -171,22 +176,27 @@ async def run_level(target: Target, concurrency: int, per_client: int, max_token
     return [sample for samples in results for sample in samples], seconds
 
 
-async def overhead(targets: list[Target], count: int) -> dict[str, list[float]]:
-    """Tiny requests one at a time, alternating targets request by request."""
+async def overhead(targets: list[Target], count: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Tiny requests one at a time, alternating targets request by request: their latencies, and each
+    gateway's CPU time per request."""
     latencies: dict[str, list[float]] = {target.name: [] for target in targets}
     async with session() as client:
         for target in targets:  # warm: connections, prompt cache
             for _ in range(3):
                 await tiny(client, target)
+        before = {target.name: cpu_seconds(target) for target in targets if target.gateway}
         for i in range(count):
             for target in targets if i % 2 == 0 else list(reversed(targets)):
                 latencies[target.name].append(await tiny(client, target))
-    return latencies
+        cpu = {target.name: (cpu_seconds(target) - before[target.name]) / count for target in targets if target.gateway}
+    return latencies, cpu
 
 
-async def capacity(target: Target, concurrency: int, seconds: float) -> tuple[float, float]:
-    """Tiny requests from `concurrency` clients for `seconds`: requests/s and median latency."""
+async def capacity(target: Target, concurrency: int, seconds: float) -> tuple[float, float, float]:
+    """Tiny requests from `concurrency` clients for `seconds`: requests/s, median latency and (for a
+    gateway) its CPU seconds per request."""
     latencies: list[float] = []
+    before = cpu_seconds(target) if target.gateway else 0.0
     async with session() as client:
         deadline = time.perf_counter() + seconds
 
@@ -197,7 +207,15 @@ async def capacity(target: Target, concurrency: int, seconds: float) -> tuple[fl
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-    return len(latencies) / elapsed, statistics.median(latencies)
+    cpu = (cpu_seconds(target) - before) / len(latencies) if target.gateway else float("nan")
+    return len(latencies) / elapsed, statistics.median(latencies), cpu
+
+
+def cpu_seconds(target: Target) -> float:
+    """The target's process CPU time (user + system), without its children's: for a gateway, what
+    it spends itself. Far steadier here than wall-clock differences."""
+    times = psutil.Process(target.pid).cpu_times()
+    return float(times.user + times.system)
 
 
 class RSSSampler:

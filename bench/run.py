@@ -29,6 +29,7 @@ from bench.targets import (
     start_llama_cpp_python,
     start_llama_server,
     start_llmserver,
+    start_passthrough,
 )
 from llmserver.settings import ModelConfig
 
@@ -52,7 +53,7 @@ class Plan:
 
 
 QUICK = Plan("quick", [1, 4, 16], 1, 1, 1, 32, 60, [1, 4], 3.0, 2, 2)
-FULL = Plan("full", [1, 4, 16], 3, 12, 2, 128, 400, [1, 2, 4, 8, 16], 8.0, 4, 6)
+FULL = Plan("full", [1, 4, 8, 16], 3, 12, 2, 128, 400, [1, 2, 4, 8, 16], 8.0, 4, 6)
 ADMIN_KEY = "bench-admin-key-0123456789"
 
 
@@ -66,7 +67,9 @@ class Results:
     targets: list[str]
     levels: dict[str, dict[int, load.LevelResult]] = field(default_factory=dict)
     overhead: dict[str, list[float]] = field(default_factory=dict)
-    capacity: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
+    overhead_cpu: dict[str, float] = field(default_factory=dict)  # gateway CPU seconds per tiny request
+    # (clients, requests/s, median latency, gateway CPU seconds per request) by target
+    capacity: dict[str, list[tuple[int, float, float, float]]] = field(default_factory=dict)
     rss_idle: int = 0
     rss_peak: int = 0
     affinity: dict[str, affinity_workload.Later] = field(default_factory=dict)
@@ -89,6 +92,8 @@ def run(plan: Plan, out: Path) -> Results:
         progress("starting llmserver and a plain llama-server with the same model, slots and threads")
         targets.append(start_llmserver(model, logs))
         targets.append(start_llama_server(model, logs))
+        progress("starting the bare pass-through proxy in front of that llama-server (the floor)")
+        targets.append(start_passthrough(targets[1], logs))
         if llama_cpp_python_available():
             progress("starting llama-cpp-python's OpenAI server")
             targets.append(start_llama_cpp_python(model, logs))
@@ -106,12 +111,12 @@ def run(plan: Plan, out: Path) -> Results:
         with sampler:
             _throughput(plan, targets, results)
             progress(f"gateway overhead: {plan.overhead_requests} max_tokens=1 requests per target, alternating")
-            results.overhead = asyncio.run(load.overhead(targets[:2], plan.overhead_requests))
+            results.overhead, results.overhead_cpu = asyncio.run(load.overhead(targets[:3], plan.overhead_requests))
             for concurrency in plan.capacity_levels:
-                for target in targets[:2]:
+                for target in targets[:3]:
                     progress(f"capacity: {target.name}, {concurrency} clients, {plan.capacity_seconds:g} s")
-                    rps, median = asyncio.run(load.capacity(target, concurrency, plan.capacity_seconds))
-                    results.capacity.setdefault(target.name, []).append((concurrency, rps, median))
+                    measured = asyncio.run(load.capacity(target, concurrency, plan.capacity_seconds))
+                    results.capacity.setdefault(target.name, []).append((concurrency, *measured))
         results.rss_peak = sampler.peak
     finally:
         for target in targets:
@@ -136,15 +141,19 @@ def _throughput(plan: Plan, targets: list[Target], results: Results) -> None:
                     f"concurrency {concurrency}, repeat {repeat + 1}/{plan.repeats}: {target.name}, "
                     f"{requests} streamed requests of {plan.max_tokens} tokens"
                 )
+                cpu_before = load.cpu_seconds(target) if target.gateway else 0.0
                 samples, seconds = asyncio.run(load.run_level(target, concurrency, each, plan.max_tokens))
+                cpu = load.cpu_seconds(target) - cpu_before if target.gateway else 0.0
                 level = results.levels.setdefault(target.name, {}).setdefault(
                     concurrency, load.LevelResult(target.name, concurrency)
                 )
                 level.samples += samples
                 level.seconds += seconds
-                rate = sum(s.tokens for s in samples) / seconds
+                level.cpu_seconds += cpu
+                tokens = sum(s.tokens for s in samples)
                 ttft = statistics.median(s.ttft for s in samples) * 1000
-                progress(f"  {rate:.1f} tok/s, median TTFT {ttft:.0f} ms")
+                per_token = f", gateway CPU {cpu * 1000 / tokens:.3f} ms/token" if target.gateway else ""
+                progress(f"  {tokens / seconds:.1f} tok/s, median TTFT {ttft:.0f} ms{per_token}")
 
 
 def _affinity(plan: Plan, model: ModelConfig, logs: Path, results: Results) -> None:

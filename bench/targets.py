@@ -3,6 +3,8 @@
 - `llmserver`: the gateway with one instance of the model.
 - `llama-server`: a plain llama-server started with exactly the arguments llmserver gives its
   instance (same model, slots, context, threads), so the difference is the gateway alone.
+- `passthrough`: a bare pass-through proxy (bench/passthrough.py) in front of that llama-server: the
+  floor of what a gateway on this stack costs.
 - `llama-cpp-python`: its own OpenAI server on the same GGUF, when the package is installed.
 """
 
@@ -43,6 +45,8 @@ class Target:
     process: subprocess.Popen[bytes]
     headers: dict[str, str] = field(default_factory=dict)
     model: str = DEFAULT_MODEL_NAME
+    # A gateway in front of an engine: its process's CPU time is what the gateway costs (engines: False).
+    gateway: bool = False
 
     @property
     def pid(self) -> int:
@@ -102,8 +106,28 @@ def start_llmserver(
              "--port", str(port), "--log-level", "warning"],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-    target = Target(name, f"http://127.0.0.1:{port}", process, {"Authorization": f"Bearer {key}"})
+    target = Target(name, f"http://127.0.0.1:{port}", process, {"Authorization": f"Bearer {key}"}, gateway=True)
     return wait_ready(target, "/ready")
+
+
+def start_passthrough(upstream: Target, log_dir: Path) -> Target:
+    """The bare pass-through proxy (bench/passthrough.py) in front of `upstream`: the floor."""
+    port = free_port()
+    with (log_dir / "passthrough.log").open("ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bench.passthrough", "--upstream", upstream.url, "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    target = Target("passthrough", f"http://127.0.0.1:{port}", process, gateway=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return target
+        except OSError:
+            time.sleep(0.1)
+    target.stop()
+    raise RuntimeError("the pass-through proxy did not start")
 
 
 def start_llama_server(model: ModelConfig, log_dir: Path) -> Target:

@@ -96,7 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
 
         app.state.settings = settings
         app.state.store = store
-        app.state.keys = KeyService(store, admin_key)
+        app.state.keys = KeyService(store, admin_key, settings.key_cache_seconds)
         app.state.supervisor = supervisor
         app.state.metrics = metrics
         app.state.quota = quota

@@ -212,6 +212,13 @@ class Settings(BaseSettings):
         description="With affinity: requests in flight an instance may have beyond the least loaded one and still "
         "be chosen (a busier one gives way to the next in the key's order).",
     )
+    key_cache_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        description="Seconds a key's record is reused between requests; a revocation or limit change made with "
+        "the CLI or another gateway takes effect within this (one made through this gateway's API at once). 0: "
+        "the store is read on every request.",
+    )
     max_concurrency_per_key: int = Field(
         default=16, ge=1, description="Requests one API key may have in flight at once; 429 beyond."
     )

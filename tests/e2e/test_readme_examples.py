@@ -36,7 +36,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 BIN = Path(sys.executable).parent
 DOCUMENTED_INSTANCE = "3f9c0a1b2c4d"
 # Commands the README shows that CI runs in its own way (install, serve, test, benchmark).
-NOT_HERE = re.compile(r"scripts/setup\.sh|llmserver serve|-m pytest|-m bench|ruff check|mypy")
+NOT_HERE = re.compile(r"scripts/setup\.sh|llmserver serve|-m pytest|-m bench|-m fuzz|ruff check|mypy")
 
 
 @dataclass
@@ -168,14 +168,22 @@ def answers(output: str) -> list[Any]:
             line, _, text = text.partition("\n")
             payload = line.removeprefix("data: ").strip()
             found.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
-        elif text[0] in "{[":
-            value, end = decoder.raw_decode(text)
-            found.append(value)
-            text = text[end:]
+        elif text[0] in "{[" and (decoded := _decoded(decoder, text)) is not None:
+            found.append(decoded[0])
+            text = text[decoded[1] :]
         else:
             _, _, text = text.partition("\n")  # a line that is not JSON (a key, a message)
         text = text.strip()
     return found
+
+
+def _decoded(decoder: json.JSONDecoder, text: str) -> tuple[Any, int] | None:
+    """A JSON document at the start of `text`; None for a line of prose that merely starts with a brace
+    (a model's free-text answer, as `llmserver ask` prints it, may hold code)."""
+    try:
+        return decoder.raw_decode(text)
+    except json.JSONDecodeError:
+        return None
 
 
 @pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])

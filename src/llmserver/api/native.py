@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from llmserver.api.deps import body_schema, cancel_on_disconnect, generation, jobs, parse
+from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconnect, generation, jobs, parse
 from llmserver.engine.generation import closed_on_failure
 from llmserver.jobs.runner import JobService
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
@@ -19,7 +19,7 @@ router = APIRouter()
     responses={200: {"model": GenerateResponse}},
     openapi_extra=body_schema(GenerateRequest),
 )
-async def generate(request: Request) -> dict[str, Any]:
+async def generate(request: Request) -> FastJSONResponse:
     service = generation(request)
     principal, body = await parse(request, GenerateRequest, gate=service.admission.precheck)
     key = JobService.client_key(body.key) if body.mode == "async" else None
@@ -32,7 +32,7 @@ async def generate(request: Request) -> dict[str, Any]:
     if key is not None:
         await service.check_inputs(ticket, body)
         with closed_on_failure(ticket):
-            return await jobs(request).submit(principal, work, key=key, webhook_url=body.webhook_url)
+            return FastJSONResponse(await jobs(request).submit(principal, work, key=key, webhook_url=body.webhook_url))
     # A sync request that outlasts sync_timeout turns into an async job and answers with its payload.
     with closed_on_failure(ticket):
-        return await cancel_on_disconnect(request, jobs(request).sync_or_fallback(principal, work))
+        return FastJSONResponse(await cancel_on_disconnect(request, jobs(request).sync_or_fallback(principal, work)))

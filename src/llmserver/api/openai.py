@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
-from llmserver.api.deps import body_schema, cancel_on_disconnect, generation, jobs, parse
+from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconnect, generation, jobs, parse
 from llmserver.engine.generation import closed_on_failure
 from llmserver.errors import InvalidRequest
 from llmserver.jobs.runner import JobService
@@ -19,18 +19,18 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest), response_model=None)
-async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+async def chat_completions(request: Request) -> FastJSONResponse | StreamingResponse:
     return await _generate(request, ChatRequest, "/v1/chat/completions")
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest), response_model=None)
-async def completions(request: Request) -> JSONResponse | StreamingResponse:
+async def completions(request: Request) -> FastJSONResponse | StreamingResponse:
     return await _generate(request, CompletionRequest, "/v1/completions")
 
 
 async def _generate(
     request: Request, kind: type[ChatRequest] | type[CompletionRequest], endpoint: str
-) -> JSONResponse | StreamingResponse:
+) -> FastJSONResponse | StreamingResponse:
     service = generation(request)
     principal, body = await parse(request, kind, gate=service.admission.precheck)
     key = None
@@ -50,7 +50,7 @@ async def _generate(
         if isinstance(body, ChatRequest):
             await service.check_inputs(ticket, body)
         with closed_on_failure(ticket):
-            return JSONResponse(await jobs(request).submit(principal, work, key=key, webhook_url=body.webhook_url))
+            return FastJSONResponse(await jobs(request).submit(principal, work, key=key, webhook_url=body.webhook_url))
     with closed_on_failure(ticket):
         if body.stream:
             if isinstance(body, ChatRequest):
@@ -58,4 +58,4 @@ async def _generate(
             else:
                 stream = await service.completion_stream(ticket, body)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await cancel_on_disconnect(request, work()))
+        return FastJSONResponse(await cancel_on_disconnect(request, work()))

@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import re
 import secrets
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -74,6 +75,9 @@ def may_use(limits: KeyLimits, model: str) -> bool:
     return limits.models is None or any(fnmatch.fnmatchcase(model, pattern) for pattern in limits.models)
 
 
+CACHE_ENTRIES = 10_000
+
+
 def generate_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
@@ -87,9 +91,13 @@ def fingerprint(key_hash: str) -> str:
 
 
 class KeyService:
-    def __init__(self, store: KeyStore, admin_key: str | None = None) -> None:
+    def __init__(self, store: KeyStore, admin_key: str | None = None, cache_seconds: float = 0.0) -> None:
         self._store = store
         self._admin_hash = hash_key(admin_key) if admin_key else None
+        # Key hash → (its record or None for an unknown key, when the entry expires): a request whose
+        # key was seen within `cache_seconds` skips the store (a thread hop and a query per request).
+        self._cache_seconds = cache_seconds
+        self._cache: dict[str, tuple[KeyRecord | None, float]] = {}
 
     async def create(self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
@@ -108,7 +116,9 @@ class KeyService:
         return record, key
 
     async def update(self, key_id: str, limits: KeyLimits) -> bool:
-        return await self._store.update_key_limits(key_id, check_limits(limits))
+        changed = await self._store.update_key_limits(key_id, check_limits(limits))
+        self._cache.clear()  # at once on this gateway; elsewhere within cache_seconds
+        return changed
 
     async def get(self, key_id: str) -> KeyRecord | None:
         return await self._store.key_by_id(key_id)
@@ -117,7 +127,22 @@ class KeyService:
         return await self._store.list_keys()
 
     async def revoke(self, key_id: str) -> bool:
-        return await self._store.revoke_key(key_id)
+        revoked = await self._store.revoke_key(key_id)
+        self._cache.clear()
+        return revoked
+
+    async def _record(self, key_hash: str) -> KeyRecord | None:
+        if self._cache_seconds <= 0:
+            return await self._store.key_by_hash(key_hash)
+        now = time.monotonic()
+        cached = self._cache.get(key_hash)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        record = await self._store.key_by_hash(key_hash)
+        if len(self._cache) >= CACHE_ENTRIES:  # a flood of made-up keys cannot grow it without bound
+            self._cache.clear()
+        self._cache[key_hash] = (record, now + self._cache_seconds)
+        return record
 
     async def authenticate(self, presented: str | None) -> Principal:
         """The principal for a presented key; AuthenticationError when missing, unknown or revoked."""
@@ -126,7 +151,7 @@ class KeyService:
         key_hash = hash_key(presented)
         if self._admin_hash is not None and hmac.compare_digest(key_hash, self._admin_hash):
             return Principal(ADMIN_ENV_KEY_ID, "LLMSERVER_ADMIN_KEY", fingerprint(key_hash), True)
-        record = await self._store.key_by_hash(key_hash)
+        record = await self._record(key_hash)
         if record is None or not record.active:
             raise AuthenticationError()
         return Principal(record.id, record.name, record.fingerprint, record.is_admin, record.limits)

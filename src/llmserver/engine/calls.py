@@ -43,8 +43,11 @@ class InstanceCalls:
                 await self._after_failure(ticket, attempt)
         raise AssertionError("unreachable")
 
-    async def open_stream(self, ticket: Ticket, path: str, payload: JSON) -> tuple[JSON, AsyncGenerator[JSON]]:
-        """A streamed call's first event, and the rest of its events (the caller closes them)."""
+    async def open_stream(
+        self, ticket: Ticket, path: str, payload: JSON
+    ) -> tuple[list[JSON], AsyncGenerator[list[JSON]]]:
+        """A streamed call's first events, and the rest of them, in the batches they arrived in (the
+        caller closes them)."""
         for attempt in range(1, self.attempts + 1):
             events = self._events(ticket, path, payload, fresh=attempt > 1)
             try:
@@ -59,10 +62,10 @@ class InstanceCalls:
                 raise
         raise AssertionError("unreachable")
 
-    async def _events(self, ticket: Ticket, path: str, payload: JSON, *, fresh: bool) -> AsyncGenerator[JSON]:
+    async def _events(self, ticket: Ticket, path: str, payload: JSON, *, fresh: bool) -> AsyncGenerator[list[JSON]]:
         async with self._deadline(ticket):
-            async for event in _client(ticket).stream(path, payload, fresh=fresh):
-                yield event
+            async for batch in _client(ticket).stream(path, payload, fresh=fresh):
+                yield batch
 
     async def _after_failure(self, ticket: Ticket, attempt: int) -> None:
         """Report the instance to its pool and give its slot back; then raise on the last attempt, or

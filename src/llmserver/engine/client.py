@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import orjson
 
 from llmserver.errors import APIError, ContextLengthExceeded, InstanceUnavailable, InvalidRequest, UpstreamError
 
@@ -84,8 +85,10 @@ class LlamaServerClient:
         except aiohttp.ClientError as exc:
             raise _unreachable(exc) from None
 
-    async def stream(self, path: str, payload: JSON, *, fresh: bool = False) -> AsyncIterator[JSON]:
-        """POST with `stream: true` and yield each event's JSON until `[DONE]`.
+    async def stream(self, path: str, payload: JSON, *, fresh: bool = False) -> AsyncIterator[list[JSON]]:
+        """POST with `stream: true` and yield the events' JSON until `[DONE]`, as they arrived: one
+        list per read from the socket (several when llama-server wrote them at once), so that the
+        relay writes them to its client in one piece, and wakes up once for them.
 
         Leaving the iteration early (a client that went away) closes the connection, which makes
         llama-server stop generating and free the slot.
@@ -94,20 +97,28 @@ class LlamaServerClient:
             async with self._post(path, payload, fresh) as response:
                 if response.status != 200:
                     await _json_or_raise(response)
-                async for raw_line in response.content:
-                    line = raw_line.strip()
-                    if not line:
-                        continue
-                    if line.startswith(b"data:"):
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            return
-                        event = json.loads(data)
-                        if "error" in event and "choices" not in event:
-                            raise upstream_error(event, 500)
-                        yield event
-                    elif line.startswith(b"error:"):
-                        raise upstream_error(json.loads(line[6:].strip()), 500)
+                pending = b""
+                async for chunk in response.content.iter_any():
+                    *complete, pending = (pending + chunk).split(b"\n\n")
+                    batch: list[JSON] = []
+                    for block in complete:
+                        for line in block.split(b"\n"):
+                            if line.startswith(b"data:"):
+                                data = line[5:].strip()
+                                if data == b"[DONE]":
+                                    if batch:
+                                        yield batch
+                                    return
+                                event = orjson.loads(data)
+                                if "error" in event and "choices" not in event:
+                                    raise upstream_error(event, 500)
+                                batch.append(event)
+                            elif line.startswith(b"error:"):
+                                raise upstream_error(orjson.loads(line[6:].strip()), 500)
+                    if batch:
+                        yield batch
+        except orjson.JSONDecodeError:
+            raise UpstreamError("The model instance answered with a broken response.") from None
         except aiohttp.ClientError as exc:
             raise _unreachable(exc) from None
 

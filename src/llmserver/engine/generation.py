@@ -291,7 +291,7 @@ class GenerationService:
     ) -> AsyncGenerator[bytes]:
         tally = ticket.tally
         outcome = "client_closed"
-        events: AsyncGenerator[JSON] | None = None
+        events: AsyncGenerator[list[JSON]] | None = None
         try:
             # Progress events carry the prompt's token count up front: a client that leaves early is
             # still charged for its prompt, not only for the tokens it received.
@@ -305,24 +305,30 @@ class GenerationService:
         sent_any = False
         usage: JSON | None = None
         try:
-            event: JSON | None = first
-            while event is not None:
-                progress = event.get("prompt_progress")
-                if isinstance(progress, dict):
-                    tally.prompt_tokens = int(progress.get("total") or 0)
-                choices = event.get("choices") or []
-                if "usage" in event:
-                    usage = translate.usage(event)
-                    tally.prompt_tokens, tally.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-                    tally.cached_tokens = translate.cached_tokens(usage)
-                if choices and not (progress is not None and sent_any):
-                    if _generated(choices[0]):
-                        tally.completion_tokens += 1  # one token per event; the final usage corrects it
-                        self.recorder.token(tally)
-                    sent_any = True
-                    for piece in shape.pieces(choices[0]):
-                        yield shapes.sse({**head, "choices": [piece]})
-                event = await anext(events, None)
+            batch: list[JSON] | None = first
+            while batch is not None:
+                out: list[bytes] = []  # what arrived together goes out together: one write, one wake-up
+                for event in batch:
+                    progress = event.get("prompt_progress")
+                    if isinstance(progress, dict):
+                        tally.prompt_tokens = int(progress.get("total") or 0)
+                    choices = event.get("choices") or []
+                    if "usage" in event:
+                        usage = translate.usage(event)
+                        tally.prompt_tokens, tally.completion_tokens = (
+                            usage["prompt_tokens"],
+                            usage["completion_tokens"],
+                        )
+                        tally.cached_tokens = translate.cached_tokens(usage)
+                    if choices and not (progress is not None and sent_any):
+                        if _generated(choices[0]):
+                            tally.completion_tokens += 1  # one token per event; the final usage corrects it
+                            self.recorder.token(tally)
+                        sent_any = True
+                        out.extend(shapes.sse({**head, "choices": [piece]}) for piece in shape.pieces(choices[0]))
+                if out:
+                    yield out[0] if len(out) == 1 else b"".join(out)
+                batch = await anext(events, None)
             if include_usage and usage is not None:
                 # Last, as OpenAI sends it (llama.cpp's completions carry it on their final choice).
                 yield shapes.sse({**head, "choices": [], "usage": usage})

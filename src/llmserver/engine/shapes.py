@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Protocol
+
+import orjson
 
 from llmserver.engine import translate
 from llmserver.engine.tools import ToolPlan
@@ -13,7 +14,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def sse(event: JSON) -> bytes:
-    return b"data: " + json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 def choice(body: JSON) -> JSON:

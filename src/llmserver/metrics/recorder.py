@@ -12,6 +12,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from prometheus_client import Histogram
+
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService, Reservation
 from llmserver.metrics.prometheus import Metrics
@@ -39,6 +41,9 @@ class Tally:
     closed: bool = False
 
 
+WRITE_DELAY = 0.2  # seconds
+
+
 class UsageRecorder:
     def __init__(self, store: UsageStore, quota: QuotaService, speed: RollingSpeed, metrics: Metrics) -> None:
         self._store = store
@@ -48,6 +53,7 @@ class UsageRecorder:
         self._batch = UsageBatch()
         self._writing = UsageBatch()
         self._writer: asyncio.Task[None] | None = None
+        self._gaps: dict[str, Histogram] = {}
 
     def settling(self, key_id: str) -> bool:
         """Whether a settlement of this key's quota is queued or being written."""
@@ -66,7 +72,10 @@ class UsageRecorder:
             self._writer = asyncio.get_running_loop().create_task(self._write(), name="usage-writer")
 
     async def _write(self) -> None:
-        # Starts in the loop's next turn: requests that close in this one join the batch.
+        # Waits a moment first: requests that end meanwhile join the batch, so that a busy gateway
+        # writes (a thread hop and a transaction) a few times a second, not once per request.
+        # flush() waits for it; nothing reads the ledger without flushing first.
+        await asyncio.sleep(WRITE_DELAY)
         while self._batch:
             self._writing, self._batch = self._batch, UsageBatch()
             batch = self._writing
@@ -84,7 +93,10 @@ class UsageRecorder:
             tally.ttft = now - tally.started
             self._metrics.ttft.labels(tally.model).observe(tally.ttft)
         elif tally.last_token_at is not None:
-            self._metrics.inter_token.labels(tally.model).observe(now - tally.last_token_at)
+            gaps = self._gaps.get(tally.model)
+            if gaps is None:  # the labelled child, looked up once per model rather than per token
+                gaps = self._gaps[tally.model] = self._metrics.inter_token.labels(tally.model)
+            gaps.observe(now - tally.last_token_at)
         tally.last_token_at = now
 
     def close(self, tally: Tally, outcome: str) -> None:

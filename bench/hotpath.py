@@ -1,0 +1,103 @@
+"""The hot path's cost, A/B: gateway CPU per streamed token and per tiny request for one or more
+llmserver source trees, beside the bare pass-through proxy, against one shared llama-server.
+
+    .venv/bin/python -m bench.hotpath                         # the working tree
+    .venv/bin/python -m bench.hotpath --src /tmp/before/src   # ... and another tree (a git worktree)
+
+Every variant runs each measurement in turn, the order alternating between repeats; the figures are
+medians over the repeats of process CPU time divided by the work (far steadier here than wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import load
+from bench.targets import Target, model_config, start_llama_server, start_llmserver, start_passthrough
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def measure(target: Target, clients: int, requests: int, max_tokens: int) -> tuple[float, float]:
+    """(gateway CPU ms per streamed token, tokens/s) for `requests` streamed requests per client."""
+    before = load.cpu_seconds(target)
+    samples, seconds = asyncio.run(load.run_level(target, clients, requests, max_tokens))
+    tokens = sum(s.tokens for s in samples)
+    return (load.cpu_seconds(target) - before) * 1000 / tokens, tokens / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.hotpath", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--src", action="append", default=[], help="another llmserver src/ tree to compare")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", type=int, default=300, help="tiny requests per variant and repeat")
+    parser.add_argument("--tiny-only", action="store_true", help="measure only the tiny requests")
+    args = parser.parse_args()
+    model = model_config(4, 2048, 2)
+    logs = Path(tempfile.mkdtemp(prefix="llmserver-hotpath-"))
+    direct = start_llama_server(model, logs)
+    targets: list[Target] = [start_passthrough(direct, logs)]
+    for index, src in enumerate([str(ROOT / "src"), *args.src]):
+        name = "llmserver" if index == 0 else f"llmserver-{index}"
+        progress(f"{name}: {src}")
+        targets.append(start_llmserver(model, logs, name=name, env={"PYTHONPATH": src}))
+    levels = () if args.tiny_only else ((1, 6), (8, 2))  # (clients, requests per client) of 128 tokens
+    per_token: dict[tuple[str, int], list[float]] = {}
+    rates: dict[tuple[str, int], list[float]] = {}
+    per_tiny: dict[str, list[float]] = {}
+    try:
+        for target in [direct, *targets]:
+            asyncio.run(load.run_level(target, 1, 1, 16))  # warm
+        for repeat in range(args.repeats):
+            order = targets if repeat % 2 == 0 else list(reversed(targets))
+            for clients, requests in levels:
+                for target in [direct, *order]:
+                    if target is direct:
+                        _, rate = measure_direct(direct, clients, requests)
+                        rates.setdefault((direct.name, clients), []).append(rate)
+                        continue
+                    cpu, rate = measure(target, clients, requests, 128)
+                    per_token.setdefault((target.name, clients), []).append(cpu)
+                    rates.setdefault((target.name, clients), []).append(rate)
+                    progress(f"repeat {repeat + 1}: {target.name}, {clients} clients: {cpu:.3f} ms CPU/token")
+            _, cpu = asyncio.run(load.overhead(order, args.tiny))
+            for name, seconds in cpu.items():
+                per_tiny.setdefault(name, []).append(seconds * 1000)
+                progress(f"repeat {repeat + 1}: {name}: {seconds * 1000:.3f} ms CPU per tiny request")
+    finally:
+        for target in [*targets, direct]:
+            target.stop()
+    if not levels:
+        for target in targets:
+            print(f"| {target.name} | {statistics.median(per_tiny[target.name]):.3f} ms CPU per tiny request |")
+        return
+    print("| target | CPU ms/token, 1 client | 8 clients | CPU ms/tiny request | tok/s ratio to direct, 1 / 8 |")
+    print("|---|---|---|---|---|")
+    for target in targets:
+        cells = [statistics.median(per_token[target.name, c]) for c, _ in levels]
+        ratios = [
+            statistics.median(rates[target.name, c]) / statistics.median(rates[direct.name, c]) for c, _ in levels
+        ]
+        print(
+            f"| {target.name} | {cells[0]:.3f} | {cells[1]:.3f} | {statistics.median(per_tiny[target.name]):.3f} | "
+            f"{ratios[0]:.3f} / {ratios[1]:.3f} |"
+        )
+
+
+def measure_direct(target: Target, clients: int, requests: int) -> tuple[float, float]:
+    samples, seconds = asyncio.run(load.run_level(target, clients, requests, 128))
+    return 0.0, sum(s.tokens for s in samples) / seconds
+
+
+if __name__ == "__main__":
+    main()

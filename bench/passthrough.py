@@ -1,0 +1,68 @@
+"""The floor: a bare pass-through proxy on the gateway's own stack (uvicorn, aiohttp), no auth, no
+accounting, no parsing. It forwards each request's body to llama-server and relays each chunk of
+the answer unchanged. Whatever llmserver costs beyond this is its own work.
+
+    python -m bench.passthrough --upstream http://127.0.0.1:8081 --port 8090
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import aiohttp
+import uvicorn
+
+
+class PassThrough:
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+                await send({"type": "lifespan.startup.complete"})
+            if self.session is not None:
+                await self.session.close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        assert self.session is not None
+        headers = {"content-type": "application/json"}
+        url = self.upstream + scope["path"]
+        for attempt in (1, 2):  # llama-server may close a kept-alive connection just after a stream
+            try:
+                response = await self.session.request(scope["method"], url, data=body, headers=headers)
+                break
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                if attempt == 2:
+                    raise
+        async with response:
+            content_type = response.headers.get("content-type", "application/json").encode()
+            start = {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [(b"content-type", content_type)],
+            }
+            await send(start)
+            async for chunk in response.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.passthrough", description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    uvicorn.run(PassThrough(args.upstream), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()
