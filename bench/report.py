@@ -163,16 +163,18 @@ def _targets(results: Results) -> list[str]:
 
 def _overhead(results: Results) -> list[str]:
     g, d = results.overhead[GATEWAY], results.overhead[DIRECT]
+    others = [name for name in results.overhead if name not in (GATEWAY, DIRECT)]
     lines = [
         "",
         "## Gateway overhead on tiny requests (`max_tokens: 1`, non-streamed, one at a time)",
         "",
-        "| | llmserver ms | llama-server ms | added ms | ratio |",
-        "|---|---|---|---|---|",
+        "| | llmserver ms | llama-server ms | added ms | ratio | " + " | ".join(f"{n} ms" for n in others) + " |",
+        "|---|---|---|---|---|" + "---|" * len(others),
     ]
     for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
         gq, dq = percentile(g, q), percentile(d, q)
-        lines.append(f"| {name} | {_ms(gq)} | {_ms(dq)} | {(gq - dq) * 1000:.2f} | {_ratio(gq, dq)} |")
+        rest = " | ".join(_ms(percentile(results.overhead[n], q)) for n in others)
+        lines.append(f"| {name} | {_ms(gq)} | {_ms(dq)} | {(gq - dq) * 1000:.2f} | {_ratio(gq, dq)} | {rest} |")
     return lines
 
 
@@ -195,7 +197,7 @@ def _cpu_targets(results: Results) -> list[str]:
 
 
 def _cpu(results: Results) -> list[str]:
-    gateways = [name for name in (GATEWAY, FLOOR) if name in results.levels]
+    gateways = [name for name in (GATEWAY, "litellm", FLOOR) if name in results.levels]
     if FLOOR not in gateways:
         return []
     lines = [
@@ -206,7 +208,7 @@ def _cpu(results: Results) -> list[str]:
         "work it relayed; `passthrough` is a bare pass-through proxy on the same stack (bench/passthrough.py): "
         "the floor.",
         "",
-        "| work | " + " | ".join(f"{name} ms" for name in gateways) + " | ratio to the floor |",
+        "| work | " + " | ".join(f"{name} ms" for name in gateways) + " | llmserver / the floor |",
         "|---|" + "---|" * (len(gateways) + 1),
     ]
 

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,11 +23,11 @@ from pathlib import Path
 
 from bench import affinity as affinity_workload
 from bench import load, report
+from bench import peers as peers_module
+from bench.peers import PEERS
 from bench.targets import (
     Target,
-    llama_cpp_python_available,
     model_config,
-    start_llama_cpp_python,
     start_llama_server,
     start_llmserver,
     start_passthrough,
@@ -81,7 +82,13 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def run(plan: Plan, out: Path) -> Results:
+PEER_STARTERS = {
+    "litellm": lambda upstream, model, logs: peers_module.start_litellm(upstream, model, logs),
+    "llama-cpp-python": lambda upstream, model, logs: peers_module.start_llama_cpp_python(model, logs),
+}
+
+
+def run(plan: Plan, out: Path, peers: list[str]) -> Results:
     started = time.perf_counter()
     model = model_config(plan.parallel, plan.ctx_size, plan.threads)
     logs = Path(tempfile.mkdtemp(prefix="llmserver-bench-logs-"))
@@ -94,15 +101,18 @@ def run(plan: Plan, out: Path) -> Results:
         targets.append(start_llama_server(model, logs))
         progress("starting the bare pass-through proxy in front of that llama-server (the floor)")
         targets.append(start_passthrough(targets[1], logs))
-        if llama_cpp_python_available():
-            progress("starting llama-cpp-python's OpenAI server")
-            targets.append(start_llama_cpp_python(model, logs))
-        else:
-            notes.append(
-                "llama-cpp-python is not installed, so it was not measured "
-                "(`pip install 'llama-cpp-python[server]'` adds it to the next run)."
-            )
-            progress("llama-cpp-python is not installed: skipping it")
+        for peer in peers:
+            progress(f"starting {peer} (its own virtual environment under {PEERS})")
+            try:
+                target, version = PEER_STARTERS[peer](targets[1], model, logs)
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+                notes.append(f"{peer} could not be started, so it was not measured: {exc}")
+                progress(f"  {peer} failed to start: {exc}")
+                continue
+            targets.append(target)
+            notes.append(f"{peer} {version}, from PyPI in its own virtual environment.")
+        if not peers:
+            notes.append("No other servers in this run (`--peers litellm,llama-cpp-python` adds them).")
         results = Results(plan, [t.name for t in targets], notes=notes)
         gateway = targets[0]
         sampler = load.RSSSampler(gateway.pid)
@@ -111,9 +121,10 @@ def run(plan: Plan, out: Path) -> Results:
         with sampler:
             _throughput(plan, targets, results)
             progress(f"gateway overhead: {plan.overhead_requests} max_tokens=1 requests per target, alternating")
-            results.overhead, results.overhead_cpu = asyncio.run(load.overhead(targets[:3], plan.overhead_requests))
+            proxied = [t for t in targets if t.name != "llama-cpp-python"]  # llmserver, direct, the floor, LiteLLM
+            results.overhead, results.overhead_cpu = asyncio.run(load.overhead(proxied, plan.overhead_requests))
             for concurrency in plan.capacity_levels:
-                for target in targets[:3]:
+                for target in proxied:
                     progress(f"capacity: {target.name}, {concurrency} clients, {plan.capacity_seconds:g} s")
                     measured = asyncio.run(load.capacity(target, concurrency, plan.capacity_seconds))
                     results.capacity.setdefault(target.name, []).append((concurrency, *measured))
@@ -185,6 +196,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="report folder (default: bench/results[/quick])")
     parser.add_argument("--threads", type=int, default=None, help="llama-server threads (default: 2)")
     parser.add_argument("--parallel", type=int, default=None, help="slots per instance (default: 4)")
+    parser.add_argument(
+        "--peers",
+        default=None,
+        help="other servers to measure, comma-separated: litellm, llama-cpp-python (default: both in a full run, "
+        "none with --quick; 'none' for none)",
+    )
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     if args.threads is not None:
@@ -193,4 +210,9 @@ def main() -> None:
         plan = dataclasses.replace(plan, parallel=args.parallel)
     default = Path(__file__).resolve().parent / "results"
     out = args.out or (default / "quick" if args.quick else default)
-    run(plan, out)
+    chosen = args.peers if args.peers is not None else ("none" if args.quick else ",".join(PEER_STARTERS))
+    peers = [] if chosen == "none" else [name.strip() for name in chosen.split(",") if name.strip()]
+    unknown = set(peers) - set(PEER_STARTERS)
+    if unknown:
+        parser.error(f"unknown peers: {', '.join(sorted(unknown))}")
+    run(plan, out, peers)

@@ -5,13 +5,12 @@
   instance (same model, slots, context, threads), so the difference is the gateway alone.
 - `passthrough`: a bare pass-through proxy (bench/passthrough.py) in front of that llama-server: the
   floor of what a gateway on this stack costs.
-- `llama-cpp-python`: its own OpenAI server on the same GGUF, when the package is installed.
+- the peers a user might pick instead (LiteLLM's proxy, llama-cpp-python's server): bench/peers.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import socket
 import subprocess
@@ -136,24 +135,3 @@ def start_llama_server(model: ModelConfig, log_dir: Path) -> Target:
     with (log_dir / "llama-server.log").open("ab") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return wait_ready(Target("llama-server", f"http://127.0.0.1:{port}", process), "/health")
-
-
-def llama_cpp_python_available() -> bool:
-    return (
-        importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("llama_cpp.server") is not None
-    )
-
-
-def start_llama_cpp_python(model: ModelConfig, log_dir: Path) -> Target:
-    port = free_port()
-    args = [
-        sys.executable, "-m", "llama_cpp.server",
-        "--model", str(embedded_model_path()),
-        "--model_alias", model.name,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--n_ctx", str(model.ctx_size),
-        "--n_threads", str(model.threads), "--n_threads_batch", str(model.threads),
-    ]  # fmt: skip
-    with (log_dir / "llama-cpp-python.log").open("ab") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return wait_ready(Target("llama-cpp-python", f"http://127.0.0.1:{port}", process), "/v1/models")

@@ -232,7 +232,10 @@ class Settings(BaseSettings):
     )
     health_interval: float = Field(default=2.0, gt=0, description="Seconds between health probes of each instance.")
     restart_max_failures: int = Field(
-        default=5, ge=1, description="Crashes within restart_window after which an instance is given up."
+        default=5,
+        ge=1,
+        description="Crashes within restart_window after which an instance is given up for restart_window seconds "
+        "(then tried again afresh).",
     )
     restart_window: float = Field(default=300.0, gt=0, description="Seconds over which crashes are counted.")
     restart_max_delay: float = Field(

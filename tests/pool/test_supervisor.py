@@ -4,10 +4,14 @@ not llama-server: when an instance is taken out of service, restarted, or given 
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
 
 from llmserver.engine.client import LlamaServerClient
 from llmserver.pool.instance import Instance, Status
@@ -67,6 +71,23 @@ def test_crashes_within_the_window_are_given_up_at_the_limit() -> None:
             assert len(instance.crashes) == 2
 
     asyncio.run(scenario())
+
+
+def test_a_given_up_instance_is_tried_again_after_the_window(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with supervised(alive=False, restart_max_failures=1, restart_window=0.3) as (supervisor, instance):
+            # A binary that exits at once: every launch fails for real.
+            supervisor._binary, supervisor._files["m"], supervisor._mmproj["m"] = Path("/bin/false"), Path("x"), None
+            instance.log_path = tmp_path / "instance.log"
+            supervisor.crashed(instance, "died")
+            assert instance.status == Status.FAILED and not instance.restarting  # given up, for the window
+            # After restart_window it is launched again with a fresh crash count (and given up again
+            # when that launch fails too, and tried again after the next window).
+            assert await until(lambda: caplog.text.count("trying again after") >= 2, timeout=20)
+            assert "failed to start" in caplog.text and len(instance.crashes) <= 1
+
+    with caplog.at_level(logging.WARNING, logger="llmserver.pool.supervisor"):
+        asyncio.run(scenario())
 
 
 def test_missed_health_probes_in_a_row_count_as_a_crash() -> None:

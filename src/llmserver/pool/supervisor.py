@@ -2,7 +2,10 @@
 
 A small loop (`tick`, every `check_interval` seconds):
 - an instance whose process died is marked failed and restarted in its slot with exponential
-  backoff, until it has crashed `restart_max_failures` times within `restart_window`;
+  backoff, until it has crashed `restart_max_failures` times within `restart_window`; then it is
+  given up for `restart_window` (requests get 503 at once), and tried again afresh after that, so
+  that a model recovers on its own once the cause is gone (a soak that killed an instance every
+  minute found models given up for good until the gateway restarted);
 - every `health_interval`, each instance must answer a real /health probe in time;
   `health_probe_misses` in a row count as a crash (a hung process is killed and replaced);
 - RAM and CPU of each process are sampled;
@@ -329,6 +332,7 @@ class Supervisor:
         instance.status = Status.FAILED
         if self._give_up(instance, why):
             self._spawn(instance.stop(grace=1.0))
+            self._spawn(self._retry_later(instance))
             return
         log.error("instance %s (%s) %s; restarting it", instance.id, instance.model.name, why)
         instance.restarting = True
@@ -364,11 +368,25 @@ class Supervisor:
                 except InstanceStartError:
                     instance.status = Status.FAILED
                     if self._give_up(instance, "failed to restart"):
+                        self._spawn(self._retry_later(instance))
                         return
                     delay = min(self.settings.restart_max_delay, delay * 2)
                     log.error("restart of instance %s failed; next try in %.1f s", instance.id, delay)
         finally:
             instance.restarting = False
+
+    async def _retry_later(self, instance: Instance) -> None:
+        """A given-up instance, tried again once `restart_window` has passed, its crash count afresh."""
+        await asyncio.sleep(self.settings.restart_window)
+        if self._stopping or instance.status != Status.FAILED or instance.restarting:
+            return
+        if instance not in self.pools[instance.model.name].instances:
+            return
+        log.warning("instance %s (%s): trying again after %.0f s given up", instance.id, instance.model.name,
+                    self.settings.restart_window)  # fmt: skip
+        instance.crashes.clear()
+        instance.restarting = True
+        await self._restart(instance, delay=0.0)
 
     async def _probe(self, instance: Instance) -> None:
         if await instance.probe():
