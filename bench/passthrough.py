@@ -22,7 +22,11 @@ class PassThrough:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while (message := await receive())["type"] != "lifespan.shutdown":
-                self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+                # At most 8 connections (llama-server serves parallel + 4 = 8 HTTP threads here and drops
+                # connections beyond them), as llmserver keeps its own within them.
+                self.session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=8), timeout=aiohttp.ClientTimeout(total=None)
+                )
                 await send({"type": "lifespan.startup.complete"})
             if self.session is not None:
                 await self.session.close()
@@ -36,12 +40,12 @@ class PassThrough:
         assert self.session is not None
         headers = {"content-type": "application/json"}
         url = self.upstream + scope["path"]
-        for attempt in (1, 2):  # llama-server may close a kept-alive connection just after a stream
+        for attempt in (1, 2, 3):  # llama-server may close a kept-alive connection just after a stream
             try:
                 response = await self.session.request(scope["method"], url, data=body, headers=headers)
                 break
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                if attempt == 2:
+                if attempt == 3:
                     raise
         async with response:
             content_type = response.headers.get("content-type", "application/json").encode()

@@ -289,6 +289,7 @@ def _others(results: Results) -> list[str]:
                 f"| {c} | {level.tokens_per_second:.1f} | {_ratio(level.tokens_per_second, d.tokens_per_second)} | "
                 f"{_ms(_lat(level, 'ttft', 0.5))} |"
             )
+        lines.append("")
     lines += results.notes
     resent = ", ".join(f"{name} {count}" for name, count in sorted(load.RESENT.items())) or "none"
     lines += [
