@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import platformdirs
 
-from bench.targets import Target, free_port
+from bench.targets import Target, free_port, wait_ready
 from llmserver.catalog import embedded_model_path
 from llmserver.settings import ModelConfig
 
@@ -47,21 +45,6 @@ def version(bin_dir: Path, distribution: str) -> str:
     return result.stdout.strip() or "unknown"
 
 
-def _wait(target: Target, path: str, timeout: float = 300) -> Target:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if target.process.poll() is not None:
-            raise RuntimeError(f"{target.name} exited with {target.process.returncode} while starting")
-        try:
-            if httpx.get(target.url + path, headers=target.headers, timeout=2).status_code == 200:
-                return target
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    target.stop()
-    raise RuntimeError(f"{target.name} was not ready within {timeout:.0f} s")
-
-
 def start_litellm(upstream: Target, model: ModelConfig, log_dir: Path) -> tuple[Target, str]:
     bin_dir = environment("litellm", "litellm[proxy]", "litellm.proxy.proxy_server")
     config = log_dir / "litellm.yaml"
@@ -84,7 +67,7 @@ def start_litellm(upstream: Target, model: ModelConfig, log_dir: Path) -> tuple[
         )  # fmt: skip
     target = Target("litellm", f"http://127.0.0.1:{port}", process, {"Authorization": f"Bearer {MASTER_KEY}"})
     target.gateway = True
-    return _wait(target, "/health/liveliness"), version(bin_dir, "litellm")
+    return wait_ready(target, "/health/liveliness", timeout=300), version(bin_dir, "litellm")
 
 
 def start_llama_cpp_python(model: ModelConfig, log_dir: Path) -> tuple[Target, str]:
@@ -99,4 +82,4 @@ def start_llama_cpp_python(model: ModelConfig, log_dir: Path) -> tuple[Target, s
     with (log_dir / "llama-cpp-python.log").open("ab") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     target = Target("llama-cpp-python", f"http://127.0.0.1:{port}", process)
-    return _wait(target, "/v1/models"), version(bin_dir, "llama_cpp_python")
+    return wait_ready(target, "/v1/models", timeout=300), version(bin_dir, "llama_cpp_python")

@@ -73,7 +73,7 @@ def wait_ready(target: Target, path: str, timeout: float = 180) -> Target:
         if target.process.poll() is not None:
             raise RuntimeError(f"{target.name} exited with {target.process.returncode} while starting")
         try:
-            if httpx.get(target.url + path, timeout=2).status_code == 200:
+            if httpx.get(target.url + path, headers=target.headers, timeout=2).status_code == 200:
                 return target
         except httpx.HTTPError:
             pass
@@ -118,15 +118,7 @@ def start_passthrough(upstream: Target, log_dir: Path) -> Target:
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     target = Target("passthrough", f"http://127.0.0.1:{port}", process, gateway=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return target
-        except OSError:
-            time.sleep(0.1)
-    target.stop()
-    raise RuntimeError("the pass-through proxy did not start")
+    return wait_ready(target, "/health")  # relayed to llama-server
 
 
 def start_llama_server(model: ModelConfig, log_dir: Path) -> Target:

@@ -255,16 +255,14 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T], after: floa
 
     timer = loop.call_later(after, start_watching)
     try:
-        result = await work
-        finished = True  # in the step that ends `work`: the watcher cannot cancel this task any more
-        return result
+        return await work
     except asyncio.CancelledError:
         if gone:
             current.uncancel()
             raise ClientClosedRequest("The client closed the connection before the answer was ready.") from None
         raise
     finally:
-        finished = True
+        finished = True  # in the step that ends `work`: the watcher can no longer cancel this task
         timer.cancel()
         if watcher is not None:
             watcher.cancel()

@@ -332,7 +332,6 @@ class Supervisor:
         instance.status = Status.FAILED
         if self._give_up(instance, why):
             self._spawn(instance.stop(grace=1.0))
-            self._spawn(self._retry_later(instance))
             return
         log.error("instance %s (%s) %s; restarting it", instance.id, instance.model.name, why)
         instance.restarting = True
@@ -341,7 +340,8 @@ class Supervisor:
         )
 
     def _give_up(self, instance: Instance, why: str) -> bool:
-        """Count a failure; True (and say so in the log) once there are too many within the window."""
+        """Count a failure; True (and say so in the log) once there are too many within the window:
+        then the instance is given up for `restart_window`, and tried again after it."""
         now = time.monotonic()
         instance.crashes.append(now)
         while instance.crashes and instance.crashes[0] < now - self.settings.restart_window:
@@ -353,6 +353,7 @@ class Supervisor:
             "instance %s (%s) %s; giving up on it after %d failures within %.0f s (see %s)",
             instance.id, instance.model.name, why, failures, self.settings.restart_window, instance.log_path,
         )  # fmt: skip
+        self._spawn(self._retry_later(instance))
         return True
 
     async def _restart(self, instance: Instance, delay: float) -> None:
@@ -368,7 +369,6 @@ class Supervisor:
                 except InstanceStartError:
                     instance.status = Status.FAILED
                     if self._give_up(instance, "failed to restart"):
-                        self._spawn(self._retry_later(instance))
                         return
                     delay = min(self.settings.restart_max_delay, delay * 2)
                     log.error("restart of instance %s failed; next try in %.1f s", instance.id, delay)
