@@ -149,7 +149,7 @@ def write_config(data_dir: Path) -> None:
 
 async def create_keys(data_dir: Path) -> dict[str, tuple[str, str]]:
     """name → (key id, key)."""
-    store = open_store(f"sqlite:///{data_dir / 'llmserver.db'}")
+    store = await open_store(f"sqlite:///{data_dir / 'llmserver.db'}")
     service = KeyService(store)
     specs: dict[str, tuple[bool, KeyLimits]] = {
         "admin": (True, KeyLimits()),
@@ -632,7 +632,7 @@ async def count(
     no_done = [c for c in calls if c.stream and c.status == 200 and not c.done and not c.dropped]
     answered = [c for c in calls if c.generating and (c.status is not None)]
 
-    store = open_store(f"sqlite:///{gateway.data_dir / 'llmserver.db'}")
+    store = await open_store(f"sqlite:///{gateway.data_dir / 'llmserver.db'}")
     try:
         rows = await store.usage_rows(None, since - 1, time.time() + 1)
         used, reserved = await store.quota_counts(keys["quota"][0], "total")

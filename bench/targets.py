@@ -30,7 +30,7 @@ from llmserver.store import open_store
 
 
 async def _create_key(data_dir: Path) -> str:
-    store = open_store(f"sqlite:///{data_dir / 'llmserver.db'}")
+    store = await open_store(f"sqlite:///{data_dir / 'llmserver.db'}")
     try:
         return (await KeyService(store).create("bench"))[1]
     finally:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.services import Postgres, Redis
 from tests.support import MODEL, Server, create_key
 
 # A small per-request context so that the context-length limit is cheap to hit.
@@ -59,3 +62,33 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Postgres]:
+    """A private PostgreSQL server for the session (each test takes a fresh database from it)."""
+    server = Postgres().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[Redis]:
+    server = Redis().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty database of each engine (PostgreSQL's migrated)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    server: Postgres = request.getfixturevalue("postgres")
+    url = server.new_database()
+    result = subprocess.run(
+        [sys.executable, "-m", "llmserver", "db", "migrate", "--database-url", url],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return url

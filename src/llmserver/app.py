@@ -16,12 +16,13 @@ from llmserver import __version__
 from llmserver.api import embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api.deps import validation_error
 from llmserver.auth.keys import KeyService
-from llmserver.auth.limiters import open_limiters
+from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
 from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, error_body
+from llmserver.gateway import GatewayLease
 from llmserver.inputs.documents import DocumentService
 from llmserver.inputs.images import ImageService
 from llmserver.inputs.prepare import InputService
@@ -57,19 +58,18 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        store = open_store(settings.store_url)
+        store = await open_store(settings.store_url)
         gateway = settings.gateway_name
         admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
         supervisor = Supervisor(settings)
         metrics = Metrics(supervisor)
         quota = QuotaService(store, gateway)
-        cleared = await quota.clear_own_reservations()
-        if cleared:
-            log.info("cleared %d quota reservations that gateway %s held when it last stopped", cleared, gateway)
         speed = RollingSpeed(store)
         await speed.load()
         recorder = UsageRecorder(store, quota, speed, metrics)
-        rate, concurrency = open_limiters(settings.limiters)
+        rate, concurrency, shared = open_limiters(settings.redis_url, gateway)
+        if shared is None and not settings.store_url.startswith("sqlite:"):
+            log.warning("no redis_url: rpm and max_concurrency are counted per gateway, not for all gateways at once")
         admission = Admission(
             Router(supervisor.pools),
             rate,
@@ -78,6 +78,22 @@ def create_app(settings: Settings) -> FastAPI:
             recorder,
             metrics,
             default_concurrency=settings.max_concurrency_per_key,
+            local_concurrency=MemoryConcurrencyLimiter() if shared is not None else None,
+        )
+
+        async def refresh_speed() -> None:
+            await recorder.flush()
+            await speed.refresh()
+
+        lease = GatewayLease(
+            store,
+            store,
+            gateway,
+            lease=settings.gateway_lease_seconds,
+            job_ttl=settings.async_result_ttl,
+            produced=recorder.produced,
+            on_beat=[refresh_speed, *([shared.resync] if shared is not None else [])],
+            on_sweep=shared.forget_gateway if shared is not None else None,
         )
         documents = DocumentService(
             timeout=settings.extract_timeout,
@@ -92,7 +108,7 @@ def create_app(settings: Settings) -> FastAPI:
         )
         inputs = InputService(images, documents, [m.name for m in settings.models if m.vision_capable])
         calls = InstanceCalls(admission, attempts=settings.instance_attempts, timeout=settings.request_timeout)
-        job_service = JobService(settings, store, store)
+        job_service = JobService(settings, store, store, store)
 
         app.state.settings = settings
         app.state.store = store
@@ -107,6 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.jobs = job_service
         app.state.started_at = time.time()
         try:
+            await lease.start()
             await job_service.start()
             await supervisor.start()
             log.info(
@@ -117,6 +134,9 @@ def create_app(settings: Settings) -> FastAPI:
             await job_service.stop(grace=settings.drain_timeout)
             await supervisor.stop()
             await recorder.flush()
+            await lease.stop()
+            if shared is not None:
+                await shared.close()
             await store.close()
             documents.close()
 

@@ -125,3 +125,7 @@ class GatewayTimeout(APIError):
 class ServerError(APIError):
     status = 500
     type = "server_error"
+
+
+class StateUnavailable(Overloaded):
+    """The shared state (the database, or Redis for a key's limits) cannot be reached: retry shortly."""

@@ -138,17 +138,27 @@ class Settings(BaseSettings):
     )
     database_url: str = Field(
         default="",
-        description="Where keys, quotas, the usage ledger and jobs live; empty: sqlite:///DATA_DIR/llmserver.db.",
+        description="Where keys, quotas, the usage ledger and jobs live: sqlite:///PATH, or "
+        "postgresql://USER:PASSWORD@HOST/DB shared by many gateways (apply its schema with `llmserver db migrate`); "
+        "empty: sqlite:///DATA_DIR/llmserver.db.",
     )
-    limiters: Literal["memory"] = Field(
-        default="memory",
-        description="Where the per-key requests-per-minute and in-flight counters live: `memory` (this process).",
+    redis_url: str = Field(
+        default="",
+        description="redis://HOST:PORT/DB where keys' rpm and max_concurrency are counted for every gateway at once; "
+        "empty: in this process. Needed when more than one gateway shares a PostgreSQL database.",
     )
     gateway_id: str = Field(
         default="",
         max_length=200,
-        description="This gateway's name in shared state (its quota reservations and async jobs, which it clears "
-        "when it starts); empty: the host name. Gateways that share a database need distinct ones.",
+        description="This gateway's name in shared state (its lease, quota reservations and async jobs); empty: the "
+        "host name. Gateways that share a database need distinct ones.",
+    )
+    gateway_lease_seconds: float = Field(
+        default=10.0,
+        ge=1.0,
+        le=600.0,
+        description="How long a gateway's lease lasts unrenewed (renewed every fifth of it): a gateway that died is "
+        "swept by another this long after its last renewal.",
     )
     admin_key: SecretStr | None = Field(
         default=None, description="An extra admin API key, taken from the environment (for containers)."

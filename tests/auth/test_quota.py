@@ -1,19 +1,17 @@
-"""Quota windows, reservations, adjustments and settlements, on a real SQLite file, with an injectable
-clock (no waiting)."""
+"""Quota windows, reservations, adjustments, settlements and the sweep of a dead gateway's reservations,
+on each engine (a real SQLite file, a real PostgreSQL database), with an injectable clock."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import InsufficientQuota, QuotaService, Reservation, window
-from llmserver.store import KeyLimits, UsageBatch
-from llmserver.store.sqlite import SQLiteStore
+from llmserver.store import KeyLimits, Store, UsageBatch, open_store
 
 
 class Clock:
@@ -28,9 +26,9 @@ def principal(**limits: object) -> Principal:
     return Principal("key_q", "q", "qqqqqqqq", False, KeyLimits(**limits))  # type: ignore[arg-type]
 
 
-def with_store(tmp_path: Path, test: Callable[[SQLiteStore], Awaitable[None]]) -> None:
+def with_store(database_url: str, test: Callable[[Store], Awaitable[None]]) -> None:
     async def scenario() -> None:
-        store = SQLiteStore(tmp_path / "q.db")
+        store = await open_store(database_url)
         try:
             await test(store)
         finally:
@@ -39,7 +37,7 @@ def with_store(tmp_path: Path, test: Callable[[SQLiteStore], Awaitable[None]]) -
     asyncio.run(scenario())
 
 
-async def settle(store: SQLiteStore, quota: QuotaService, reservation: Reservation | None, used: int) -> None:
+async def settle(store: Store, quota: QuotaService, reservation: Reservation | None, used: int) -> None:
     """What the usage recorder does when a request closes: the settlement, written with the ledger."""
     settlement = quota.settlement(reservation, used)
     await store.record(UsageBatch(settlements=[settlement] if settlement else []))
@@ -54,8 +52,8 @@ def test_windows() -> None:
     assert window("month", datetime(2026, 12, 5, tzinfo=UTC).timestamp()).resets_at == datetime(2027, 1, 1, tzinfo=UTC)
 
 
-def test_reserve_settle_and_day_rollover(tmp_path: Path) -> None:
-    async def test(store: SQLiteStore) -> None:
+def test_reserve_settle_and_day_rollover(database_url: str) -> None:
+    async def test(store: Store) -> None:
         clock = Clock(datetime(2026, 3, 1, 23, 59, tzinfo=UTC))
         quota = QuotaService(store, "gw1", clock)
         who = principal(quota_tokens=100, quota_period="day")
@@ -79,11 +77,11 @@ def test_reserve_settle_and_day_rollover(tmp_path: Path) -> None:
             "x-ratelimit-reset-tokens": f"{24 * 3600 - 60}s",
         }
 
-    with_store(tmp_path, test)
+    with_store(database_url, test)
 
 
-def test_adjust_shrinks_or_grows_within_what_is_left(tmp_path: Path) -> None:
-    async def test(store: SQLiteStore) -> None:
+def test_adjust_shrinks_or_grows_within_what_is_left(database_url: str) -> None:
+    async def test(store: Store) -> None:
         quota = QuotaService(store, "gw1", Clock(datetime(2026, 3, 1, tzinfo=UTC)))
         who = principal(quota_tokens=100, quota_period="month")
         held = await quota.reserve(who, 80)
@@ -100,24 +98,32 @@ def test_adjust_shrinks_or_grows_within_what_is_left(tmp_path: Path) -> None:
         await settle(store, quota, held, 25)
         assert (await quota.headers(who))["x-ratelimit-remaining-tokens"] == "75"
 
-    with_store(tmp_path, test)
+    with_store(database_url, test)
 
 
-def test_start_up_clears_only_this_gateways_reservations(tmp_path: Path) -> None:
-    async def test(store: SQLiteStore) -> None:
+def test_a_sweep_charges_only_that_gateways_reservations_at_what_they_produced(database_url: str) -> None:
+    async def test(store: Store) -> None:
         clock = Clock(datetime(2026, 3, 1, tzinfo=UTC))
         mine, theirs = QuotaService(store, "gw1", clock), QuotaService(store, "gw2", clock)
         who = principal(quota_tokens=100, quota_period="total")
         await mine.reserve(who, 30)
         await theirs.reserve(who, 50)
-        assert await QuotaService(store, "gw1", clock).clear_own_reservations() == 1  # gw1 restarted
-        assert (await mine.headers(who))["x-ratelimit-remaining-tokens"] == "50"  # gw2's 50 still held
+        await store.quota_progress("gw1", {("key_q", "total"): 12})  # gw1's requests had produced 12 tokens
+        await store.quota_progress("gw2", {("key_q", "total"): 99})  # capped at what gw2 reserved
+        swept = await store.sweep_gateway("gw1", error="{}", expires_at=0.0, only_if_lapsed=False)
+        assert swept is not None and (swept.reservations, swept.charged) == (1, 12)
+        # 12 used, gw2's 50 still held
+        assert (await mine.headers(who))["x-ratelimit-remaining-tokens"] == "38"
+        assert await store.quota_counts("key_q", "total") == (12, 50)
+        swept = await store.sweep_gateway("gw2", error="{}", expires_at=0.0, only_if_lapsed=False)
+        assert swept is not None and swept.charged == 50
+        assert await store.quota_counts("key_q", "total") == (62, 0)
 
-    with_store(tmp_path, test)
+    with_store(database_url, test)
 
 
-def test_total_quota_never_resets_and_keys_without_quota(tmp_path: Path) -> None:
-    async def test(store: SQLiteStore) -> None:
+def test_total_quota_never_resets_and_keys_without_quota(database_url: str) -> None:
+    async def test(store: Store) -> None:
         quota = QuotaService(store, "gw1", Clock(datetime(2026, 3, 1, tzinfo=UTC)))
         who = principal(quota_tokens=10, quota_period="total")
         await settle(store, quota, await quota.reserve(who, 10), 10)
@@ -126,4 +132,4 @@ def test_total_quota_never_resets_and_keys_without_quota(tmp_path: Path) -> None
         assert "does not reset" in caught.value.message and "Retry-After" not in caught.value.headers
         assert await quota.reserve(principal(), 10**9) is None and await quota.headers(principal()) == {}
 
-    with_store(tmp_path, test)
+    with_store(database_url, test)

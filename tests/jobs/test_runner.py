@@ -1,5 +1,5 @@
-"""The job runner on a real SQLite store: results encrypted and handed out once, failures kept,
-a restart failing only this gateway's running jobs, and the sync→async fallback."""
+"""The job runner on each store engine: results encrypted and handed out once, failures kept, a
+gateway's stop failing only its own running jobs, and the sync→async fallback."""
 
 from __future__ import annotations
 
@@ -16,24 +16,30 @@ from nacl.bindings import crypto_aead_xchacha20poly1305_ietf_decrypt
 
 from llmserver.auth.keys import Principal
 from llmserver.errors import InvalidRequest
+from llmserver.gateway import GatewayLease
 from llmserver.jobs import crypto
 from llmserver.jobs.runner import JobGone, JobService
 from llmserver.settings import Settings
-from llmserver.store.sqlite import SQLiteStore
+from llmserver.store import open_store
 
 ALICE = Principal("key_a", "alice", "aaaaaaaa", False)
 BOB = Principal("key_b", "bob", "bbbbbbbb", False)
 
 
 @asynccontextmanager
-async def runner(tmp_path: Path, gateway: str = "gw1", **options: Any) -> AsyncIterator[JobService]:
-    store = SQLiteStore(tmp_path / "jobs.db")
-    service = JobService(Settings(data_dir=tmp_path, gateway_id=gateway, **options), store, store)
+async def runner(database_url: str, gateway: str = "gw1", **options: Any) -> AsyncIterator[JobService]:
+    """A job service with its gateway's lease, stopped as the server stops it."""
+    store = await open_store(database_url)
+    settings = Settings(data_dir=Path("/nonexistent"), gateway_id=gateway, **options)
+    lease = GatewayLease(store, store, gateway, lease=10.0, job_ttl=settings.async_result_ttl, produced=dict)
+    await lease.start()
+    service = JobService(settings, store, store, store)
     await service.start()
     try:
         yield service
     finally:
         await service.stop()
+        await lease.stop()
         await store.close()
 
 
@@ -56,9 +62,9 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(test())
 
 
-def test_a_result_is_encrypted_and_handed_out_once_to_its_owner(tmp_path: Path) -> None:
+def test_a_result_is_encrypted_and_handed_out_once_to_its_owner(database_url: str) -> None:
     async def scenario() -> None:
-        async with runner(tmp_path) as service:
+        async with runner(database_url) as service:
             key = crypto.new_key()
             release = asyncio.Event()
 
@@ -80,9 +86,9 @@ def test_a_result_is_encrypted_and_handed_out_once_to_its_owner(tmp_path: Path) 
     run(scenario)
 
 
-def test_a_failed_job_keeps_its_error(tmp_path: Path) -> None:
+def test_a_failed_job_keeps_its_error(database_url: str) -> None:
     async def scenario() -> None:
-        async with runner(tmp_path) as service:
+        async with runner(database_url) as service:
 
             async def work() -> dict[str, Any]:
                 raise InvalidRequest("no such thing", param="x")
@@ -97,7 +103,7 @@ def test_a_failed_job_keeps_its_error(tmp_path: Path) -> None:
     run(scenario)
 
 
-def test_a_restart_fails_only_this_gateways_running_jobs(tmp_path: Path) -> None:
+def test_a_stop_fails_only_this_gateways_running_jobs(database_url: str) -> None:
     async def scenario() -> None:
         never = asyncio.Event()
 
@@ -105,12 +111,12 @@ def test_a_restart_fails_only_this_gateways_running_jobs(tmp_path: Path) -> None
             await never.wait()
             return {}
 
-        async with runner(tmp_path, "gw1") as first, runner(tmp_path, "gw2") as other:
-            mine = await first.submit(ALICE, work, key=crypto.new_key(), webhook_url=None)
-            theirs = await other.submit(ALICE, work, key=crypto.new_key(), webhook_url=None)
-            # gw1 stops (its job's key is lost with it) and starts again, while gw2 runs on.
-            await first.stop()
-            async with runner(tmp_path, "gw1") as restarted:
+        async with runner(database_url, "gw2") as other:
+            async with runner(database_url, "gw1") as first:
+                mine = await first.submit(ALICE, work, key=crypto.new_key(), webhook_url=None)
+                theirs = await other.submit(ALICE, work, key=crypto.new_key(), webhook_url=None)
+            # gw1 stopped (its job's key is lost with it) and starts again, while gw2 runs on.
+            async with runner(database_url, "gw1") as restarted:
                 answer, claimed = await restarted.poll(ALICE, mine["tracking_id"])
                 assert answer["status"] == "failed" and "submit it again" in answer["error"]["message"]
                 assert claimed is not None
@@ -119,9 +125,9 @@ def test_a_restart_fails_only_this_gateways_running_jobs(tmp_path: Path) -> None
     run(scenario)
 
 
-def test_a_sync_request_past_sync_timeout_becomes_a_job(tmp_path: Path) -> None:
+def test_a_sync_request_past_sync_timeout_becomes_a_job(database_url: str) -> None:
     async def scenario() -> None:
-        async with runner(tmp_path, sync_timeout=0.05) as service:
+        async with runner(database_url, sync_timeout=0.05) as service:
 
             async def quick() -> dict[str, Any]:
                 return {"response": "fast"}

@@ -117,10 +117,6 @@ class QuotaService:
             reservation.key_id, reservation.window.start, self.gateway_id, reservation.amount, max(0, used)
         )
 
-    async def clear_own_reservations(self) -> int:
-        """At start-up: what this gateway had reserved when it last stopped belongs to no request now."""
-        return await self._store.quota_clear_reservations(self.gateway_id)
-
     async def exhausted(self, principal: Principal) -> None:
         """429 when the key's quota has nothing left in this window (a check that needs no request)."""
         limits = principal.limits

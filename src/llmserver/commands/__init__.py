@@ -16,8 +16,17 @@ from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_s
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def remember(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.meta[f"llmserver.{param.name}"] = value
+
+
 def settings_options(func: F) -> F:
-    """--config and --data-dir, which every command that touches state accepts."""
+    """--config, --data-dir and --database-url, which every command that touches state accepts."""
+    func = click.option(
+        "--database-url", default=None, expose_value=False, callback=remember,
+        help="sqlite:///PATH or postgresql://… (default: $LLMSERVER_DATABASE_URL, else the data folder's SQLite file).",
+    )(func)  # fmt: skip
     func = click.option(
         "--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
         help="Data folder (default: $LLMSERVER_DATA_DIR, else the per-user data folder).",
@@ -30,7 +39,14 @@ def settings_options(func: F) -> F:
 
 
 def load(config_file: Path | None, **overrides: Any) -> Settings:
-    """Settings, or a clean CLI error that says what is wrong with them."""
+    """Settings, or a clean CLI error that says what is wrong with them. Options that every command
+    takes without naming them (--database-url) are applied here."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        for name in ("database_url", "redis_url"):
+            value = ctx.meta.get(f"llmserver.{name}")  # shared by every context of the command line
+            if value is not None:
+                overrides.setdefault(name, value)
     try:
         return load_settings(config_file, **overrides)
     except FileNotFoundError as exc:
@@ -76,3 +92,26 @@ def server_url(config_file: Path | None, data_dir: Path | None, url: str | None)
     settings = load(config_file, data_dir=data_dir)
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     return f"http://{host}:{settings.port}"
+
+
+def open_checked_store(settings: Settings, *, migrate: bool = False) -> Any:
+    """Open the configured store (a CLI error that says what to do when it is wrong or unreachable)
+    and close it again: the schema version it has."""
+    import asyncio
+
+    from llmserver.errors import APIError
+    from llmserver.store import SchemaError, open_store
+
+    async def check() -> int:
+        store = await open_store(settings.store_url, migrate=migrate)
+        try:
+            return store.schema_version
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(check())
+    except (ValueError, SchemaError) as exc:
+        raise click.UsageError(str(exc)) from None
+    except APIError as exc:
+        raise click.ClickException(exc.message) from None

@@ -17,7 +17,7 @@ from llmserver.commands import F, load, settings_options
 from llmserver.errors import APIError
 from llmserver.metrics.usage import parse_time, summarise
 from llmserver.settings import Settings
-from llmserver.store import KeyLimits, Store, open_store
+from llmserver.store import KeyLimits, SchemaError, Store, open_store
 
 T = TypeVar("T")
 
@@ -27,9 +27,11 @@ def _with_store(settings: Settings, use: Callable[[Store], Awaitable[T]]) -> T:
 
     async def run() -> T:
         try:
-            store = open_store(settings.store_url)
-        except ValueError as exc:
+            store = await open_store(settings.store_url)
+        except (ValueError, SchemaError) as exc:
             raise click.UsageError(str(exc)) from None
+        except APIError as exc:  # the database cannot be reached
+            raise click.ClickException(exc.message) from None
         try:
             return await use(store)
         finally:

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from llmserver.catalog import mmproj_path, model_path
-from llmserver.commands import load, models_from_args, settings_options
+from llmserver.commands import load, models_from_args, open_checked_store, remember, settings_options
 
 
 @click.command()
@@ -21,6 +21,10 @@ from llmserver.commands import load, models_from_args, settings_options
     help="Model to serve: a configured name, SmolLM2-135M-Instruct-Q4_1, or a .gguf path. Repeatable.",
 )  # fmt: skip
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option(
+    "--redis-url", default=None, expose_value=False, callback=remember,
+    help="redis://… where rpm and max_concurrency are counted for all gateways (default: $LLMSERVER_REDIS_URL).",
+)  # fmt: skip
 def serve(
     config_file: Path | None,
     data_dir: Path | None,
@@ -40,6 +44,8 @@ def serve(
     if chosen is not None:
         settings = load(config_file, data_dir=data_dir, host=host, port=port, log_level=log_level, models=chosen)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The database first: a schema to migrate, or a server that cannot be reached, is one clean line.
+    open_checked_store(settings)
     for model in settings.models:
         # Every model file found (or downloaded) before the server starts: a missing one is one clean
         # line (ModelFileError, exit status 2), not a start-up traceback.

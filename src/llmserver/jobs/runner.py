@@ -3,7 +3,8 @@
 The client's key lives only in the running job's coroutine, until its result is encrypted; it is
 never stored, logged or put in an error. The plaintext is never stored either. Job state (owner,
 status, nonce, ciphertext, times, the gateway that runs it) is in the store, so ready results survive a
-restart; this gateway's jobs that were running when it stopped are marked failed when it starts again.
+restart and any gateway sharing the store answers a poll; a job whose gateway stopped or died while
+it ran is failed by the sweep of that gateway's lease (gateway.py). Webhooks go through the outbox.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from llmserver.auth.keys import Principal
-from llmserver.errors import APIError, InvalidRequest, NotFound, ServerError, error_body
+from llmserver.errors import APIError, InvalidRequest, NotFound, ServerError
 from llmserver.inputs.safe_fetch import check_url
-from llmserver.jobs import crypto, webhooks
+from llmserver.jobs import crypto
+from llmserver.jobs.webhooks import WebhookOutbox
 from llmserver.settings import Settings
-from llmserver.store import JobRecord, JobStore, UsageStore
+from llmserver.store import JobRecord, JobStore, OutboxStore, UsageStore
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,6 @@ JSON = dict[str, Any]
 Work = Callable[[], Awaitable[JSON]]
 
 GONE_MESSAGE = "Unknown tracking_id, expired, or its result was already consumed — stop polling."
-RESTARTED = error_body(500, "server_error", "The server restarted while this job was running; submit it again.")
 
 
 class JobGone(NotFound):
@@ -39,22 +40,25 @@ class JobGone(NotFound):
 
 
 class JobService:
-    def __init__(self, settings: Settings, store: JobStore, usage: UsageStore) -> None:
+    def __init__(self, settings: Settings, store: JobStore, usage: UsageStore, outbox: OutboxStore) -> None:
         self.settings = settings
         self.store = store
         self.usage = usage
         self.gateway_id = settings.gateway_name
+        self.outbox = WebhookOutbox(
+            outbox,
+            self.gateway_id,
+            attempts=settings.webhook_max_attempts,
+            timeout=settings.webhook_timeout,
+            allow_private=settings.webhook_allow_private,
+            max_url_length=settings.max_url_length,
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        now = time.time()
-        failed = await self.store.fail_interrupted_jobs(
-            self.gateway_id, json.dumps(RESTARTED), now, now + self.settings.async_result_ttl
-        )
-        if failed:
-            log.warning("%d async jobs were running when the server last stopped: marked failed", failed)
         self._sweeper = asyncio.create_task(self._sweep(), name="jobs-sweep")
+        self.outbox.start()
 
     async def stop(self, grace: float = 0.0) -> None:
         """Let running jobs finish for up to `grace` seconds (the server's drain_timeout), then cancel
@@ -67,6 +71,7 @@ class JobService:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.outbox.stop()
         if self._sweeper is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
@@ -155,27 +160,41 @@ class JobService:
             error = ServerError("The generation failed.").body()
         finally:
             del key
-        now = time.time()
-        await self.store.finish_job(
-            tracking_id,
-            result=result,
-            error=json.dumps(error) if error is not None else None,
-            now=now,
-            expires_at=now + self.settings.async_result_ttl,
-        )
-        log.info("async job %s %s", tracking_id, "ready" if result is not None else "failed")
+        webhook: tuple[str, str] | None = None
         if webhook_url is not None:
             payload: JSON = {"status": "ready", "tracking_id": tracking_id, "result": result}
             if result is None:
                 payload = {"status": "failed", "tracking_id": tracking_id, "error": (error or {}).get("error")}
-            await webhooks.deliver(
-                webhook_url,
-                payload,
-                attempts=self.settings.webhook_max_attempts,
-                timeout=self.settings.webhook_timeout,
-                allow_private=self.settings.webhook_allow_private,
-                max_url_length=self.settings.max_url_length,
-            )
+            webhook = (webhook_url, json.dumps(payload))
+        await self._store_outcome(tracking_id, result, json.dumps(error) if error is not None else None, webhook)
+        log.info("async job %s %s", tracking_id, "ready" if result is not None else "failed")
+        if webhook is not None:
+            self.outbox.wake()
+
+    async def _store_outcome(
+        self, tracking_id: str, result: str | None, error: str | None, webhook: tuple[str, str] | None
+    ) -> None:
+        """Write the outcome, retrying while the store is unreachable (for as long as a result is kept):
+        a finished job must not stay `pending`."""
+        delay, deadline = 1.0, time.monotonic() + self.settings.async_result_ttl
+        while True:
+            now = time.time()
+            try:
+                await self.store.finish_job(
+                    tracking_id,
+                    result=result,
+                    error=error,
+                    now=now,
+                    expires_at=now + self.settings.async_result_ttl,
+                    webhook=webhook,
+                )
+                return
+            except APIError:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("async job %s: its outcome cannot be stored yet; retrying in %.0f s", tracking_id, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 15.0)
 
     # Polling
 

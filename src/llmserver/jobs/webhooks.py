@@ -1,55 +1,137 @@
-"""Webhook delivery: POST the finished job's payload, retrying network errors and 5xx with backoff.
+"""Webhook delivery through an outbox: a finished job's payload is queued in the store in the same
+transaction as its result, and any gateway's deliverer sends it, so a delivery survives a restart.
 
-The URL is checked again at delivery (its name may resolve differently by now) and the connection is
-pinned to the addresses checked. Delivery never consumes the result: polling still works.
+A deliverer claims due items for a while (one gateway sends each at a time), POSTs each, and deletes
+it on a 2xx or on a refusal (a 4xx, or a URL that no longer passes the checks); network errors and
+5xx are retried with doubling delays, up to `webhook_max_attempts` in all. The URL is checked again
+at delivery (its name may resolve differently by now) and the connection is pinned to the addresses
+checked. Delivery never consumes the result: polling still works.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
-from typing import Any
+from enum import Enum
 
 import aiohttp
 
-from llmserver.errors import InvalidRequest
+from llmserver.errors import APIError, InvalidRequest
 from llmserver.inputs.safe_fetch import MAX_URL_LENGTH, check_url, post_json
+from llmserver.store import OutboxItem, OutboxStore
 
 log = logging.getLogger(__name__)
 
+BATCH = 16
 
-async def deliver(
-    url: str,
-    payload: dict[str, Any],
-    *,
-    attempts: int,
-    timeout: float,
-    allow_private: bool,
-    max_url_length: int = MAX_URL_LENGTH,
-    first_delay: float = 0.5,
-) -> bool:
-    """True once the receiver answered 2xx; False when it refused or every attempt failed."""
+
+class Attempt(Enum):
+    DELIVERED = "delivered"
+    REFUSED = "refused"
+    FAILED = "failed"  # worth another try
+
+
+async def attempt(
+    url: str, payload: dict[str, object], *, timeout: float, allow_private: bool, max_url_length: int = MAX_URL_LENGTH
+) -> Attempt:
+    """One POST of the payload; what came of it."""
     tracking_id = payload.get("tracking_id")
-    delay = first_delay
-    for attempt in range(1, attempts + 1):
-        try:
-            checked = await check_url(url, param="webhook_url", allow_private=allow_private, max_length=max_url_length)
-            status = await post_json(checked, payload, timeout=timeout)
-        except InvalidRequest as exc:
-            log.warning("webhook for job %s not sent: %s", tracking_id, exc.message)
-            return False
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            log.warning("webhook for job %s: attempt %d failed: %s", tracking_id, attempt, type(exc).__name__)
-        else:
-            if 200 <= status < 300:
-                log.info("webhook for job %s delivered (attempt %d)", tracking_id, attempt)
-                return True
-            if status < 500:
-                log.warning("webhook for job %s refused with %d; not retrying", tracking_id, status)
-                return False
-            log.warning("webhook for job %s: attempt %d answered %d", tracking_id, attempt, status)
-        if attempt < attempts:
-            await asyncio.sleep(delay)
-            delay *= 2
-    log.error("webhook for job %s failed after %d attempts", tracking_id, attempts)
-    return False
+    try:
+        checked = await check_url(url, param="webhook_url", allow_private=allow_private, max_length=max_url_length)
+        status = await post_json(checked, payload, timeout=timeout)
+    except InvalidRequest as exc:
+        log.warning("webhook for job %s not sent: %s", tracking_id, exc.message)
+        return Attempt.REFUSED
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        log.warning("webhook for job %s failed: %s", tracking_id, type(exc).__name__)
+        return Attempt.FAILED
+    if 200 <= status < 300:
+        return Attempt.DELIVERED
+    if status < 500:
+        log.warning("webhook for job %s refused with %d; not retrying", tracking_id, status)
+        return Attempt.REFUSED
+    log.warning("webhook for job %s answered %d", tracking_id, status)
+    return Attempt.FAILED
+
+
+class WebhookOutbox:
+    def __init__(
+        self,
+        store: OutboxStore,
+        gateway_id: str,
+        *,
+        attempts: int,
+        timeout: float,
+        allow_private: bool,
+        max_url_length: int = MAX_URL_LENGTH,
+        poll: float = 1.0,
+        first_delay: float = 0.5,
+    ) -> None:
+        self._store = store
+        self._gateway_id = gateway_id
+        self._attempts = attempts
+        self._timeout = timeout
+        self._allow_private = allow_private
+        self._max_url_length = max_url_length
+        self._poll = poll
+        self._first_delay = first_delay
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="webhook-outbox")
+
+    async def stop(self) -> None:
+        """Stop sending; what is still queued is sent by this or another gateway later."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def wake(self) -> None:
+        """An item was queued: look now rather than at the next poll."""
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._poll)
+            self._wake.clear()
+            try:
+                while items := await self._store.outbox_claim(self._gateway_id, self._claim_seconds, BATCH):
+                    await asyncio.gather(*(self._send(item) for item in items))
+            except APIError as exc:
+                if not self._failing:
+                    self._failing = True
+                    log.error("webhook outbox cannot be read: %s", exc.message)
+                continue
+            except Exception:
+                log.exception("webhook outbox")
+                continue
+            self._failing = False
+
+    @property
+    def _claim_seconds(self) -> float:
+        return 2 * self._timeout + 10
+
+    async def _send(self, item: OutboxItem) -> None:
+        payload = json.loads(item.payload)
+        outcome = await attempt(
+            item.url,
+            payload,
+            timeout=self._timeout,
+            allow_private=self._allow_private,
+            max_url_length=self._max_url_length,
+        )
+        tried = item.attempts + 1
+        if outcome is Attempt.DELIVERED:
+            log.info("webhook for job %s delivered (attempt %d)", item.tracking_id, tried)
+        elif outcome is Attempt.FAILED and tried < self._attempts:
+            await self._store.outbox_retry(item.id, tried, self._first_delay * 2 ** (tried - 1))
+            return
+        elif outcome is Attempt.FAILED:
+            log.error("webhook for job %s failed after %d attempts", item.tracking_id, tried)
+        await self._store.outbox_done(item.id)

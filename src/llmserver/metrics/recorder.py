@@ -23,7 +23,7 @@ from llmserver.store import UsageBatch, UsageStore
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class Tally:
     """One request's accounting, filled in as it goes."""
 
@@ -54,6 +54,7 @@ class UsageRecorder:
         self._writing = UsageBatch()
         self._writer: asyncio.Task[None] | None = None
         self._gaps: dict[str, Histogram] = {}
+        self._open: set[Tally] = set()  # requests holding a quota reservation, until they close
 
     def settling(self, key_id: str) -> bool:
         """Whether a settlement of this key's quota is queued or being written."""
@@ -85,6 +86,28 @@ class UsageRecorder:
                 log.exception(
                     "could not write %d usage rows and %d settlements", len(batch.rows), len(batch.settlements)
                 )
+            self._writing = UsageBatch()
+
+    def opened(self, tally: Tally) -> None:
+        """A request that holds a quota reservation started: counted in `produced()` until it closes."""
+        if tally.reservation is not None:
+            self._open.add(tally)
+
+    def produced(self) -> dict[tuple[str, str], int]:
+        """Tokens this gateway's requests have produced that its quota windows have not been charged yet,
+        per (key, window): those in flight (so far) and those settled but not yet written."""
+        produced: dict[tuple[str, str], int] = {}
+        for tally in self._open:
+            reservation = tally.reservation
+            if reservation is not None and not reservation.settled:
+                where = (reservation.key_id, reservation.window.start)
+                tokens = min(reservation.amount, tally.prompt_tokens + tally.completion_tokens)
+                produced[where] = produced.get(where, 0) + tokens
+        for settlement in (*self._writing.settlements, *self._batch.settlements):
+            if settlement.used:
+                where = (settlement.key_id, settlement.period_start)
+                produced[where] = produced.get(where, 0) + settlement.used
+        return {where: tokens for where, tokens in produced.items() if tokens}
 
     def token(self, tally: Tally) -> None:
         """A streamed token went out: time to first token, then the gaps."""
@@ -104,6 +127,7 @@ class UsageRecorder:
         if tally.closed:
             return
         tally.closed = True
+        self._open.discard(tally)
         latency = time.perf_counter() - tally.started
         charged = tally.prompt_tokens + tally.completion_tokens if tally.completion_tokens or outcome == "ok" else 0
         settlement = self._quota.settlement(tally.reservation, charged)

@@ -2,7 +2,9 @@
 
 Each bucket holds completion tokens and request seconds (whole latency, as the native API's
 tokens_per_second), so the average estimates how long a request will take. The buckets are persisted;
-the totals live in memory, so reading /v1/models never scans anything.
+the totals live in memory, so reading /v1/models never scans anything. Gateways sharing a store see
+each other's traffic through `refresh()` (on every lease heartbeat): the minutes since the last
+refresh are read again from the store, after this gateway's own increments were written.
 """
 
 from __future__ import annotations
@@ -24,10 +26,36 @@ class RollingSpeed:
             collections.OrderedDict
         )
         self._totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+        self._refreshed: int | None = None  # the minute of the last load or refresh
+        self._during: list[tuple[str, int, float, float]] | None = None
 
     async def load(self) -> None:
         """The last 30 days' buckets from the store (at start-up)."""
+        self._refreshed = self._minute()
         for model, minute, tokens, seconds in await self._store.speed_since(self._minute() - WINDOW_MINUTES):
+            self._add_memory(model, minute, tokens, seconds)
+
+    async def refresh(self) -> None:
+        """Read the buckets of the minutes since the last refresh again, other gateways' increments
+        included. The caller has flushed this gateway's own writes first, so nothing counts twice."""
+        if self._refreshed is None:
+            await self.load()
+            return
+        since, self._refreshed = self._refreshed - 1, self._minute()
+        self._during = []
+        try:
+            rows = await self._store.speed_since(since, prune=False)
+        finally:
+            during, self._during = self._during, None
+        for model, buckets in self._buckets.items():
+            total = self._totals[model]
+            for minute in [m for m in buckets if m >= since]:
+                tokens, seconds = buckets.pop(minute)
+                total[0] -= tokens
+                total[1] -= seconds
+        for model, minute, tokens, seconds in rows:
+            self._add_memory(model, minute, tokens, seconds)
+        for model, minute, tokens, seconds in during:  # added while the store was being read: not in rows
             self._add_memory(model, minute, tokens, seconds)
 
     def _minute(self) -> int:
@@ -47,6 +75,8 @@ class RollingSpeed:
             return None
         minute = self._minute()
         self._add_memory(model, minute, tokens, seconds)
+        if self._during is not None:
+            self._during.append((model, minute, float(tokens), seconds))
         return (model, minute, float(tokens), seconds)
 
     def average(self, model: str) -> float | None:

@@ -37,6 +37,7 @@ class Ticket:
     tally: Tally
     lease: Lease
     admission: Admission = field(repr=False)
+    places: ConcurrencyLimiter = field(repr=False)  # the limiter that counts its place in flight
 
     @property
     def model(self) -> str:
@@ -82,10 +83,14 @@ class Admission:
         metrics: Metrics,
         *,
         default_concurrency: int,
+        local_concurrency: ConcurrencyLimiter | None = None,
     ) -> None:
         self._router = router
         self._rate = rate
         self._concurrency = concurrency
+        # The default cap (default_concurrency) is a per-gateway guard, counted in this process even when
+        # explicit limits are shared: a key without max_concurrency never waits on Redis.
+        self._local = local_concurrency or concurrency
         self._quota = quota
         self._recorder = recorder
         self._metrics = metrics
@@ -98,7 +103,7 @@ class Admission:
         try:
             if principal.limits.rpm is not None:
                 _check_rate(principal, await self._rate.wait(key, principal.limits.rpm))
-            held = await self._concurrency.held(key)
+            held = await self._limiter(principal).held(key)
             if held >= self._places(principal):
                 raise _too_many_in_flight(held)
             await self._settled(principal)
@@ -109,6 +114,9 @@ class Admission:
 
     def _places(self, principal: Principal) -> int:
         return principal.limits.max_concurrency or self._default_concurrency
+
+    def _limiter(self, principal: Principal) -> ConcurrencyLimiter:
+        return self._concurrency if principal.limits.max_concurrency is not None else self._local
 
     async def _settled(self, principal: Principal) -> None:
         """Wait for the key's last settlement to be written, if one is pending: its quota is exact."""
@@ -133,19 +141,22 @@ class Admission:
         try:
             if principal.limits.rpm is not None:
                 _check_rate(principal, await self._rate.hit(key, principal.limits.rpm))
-            refused = await self._concurrency.acquire(key, self._places(principal))
+            places = self._limiter(principal)
+            refused = await places.acquire(key, self._places(principal))
             if refused is not None:
                 raise _too_many_in_flight(refused)
             try:
                 await self._settled(principal)
                 reservation = await self._quota.reserve(principal, tokens)
             except BaseException:
-                self._concurrency.release(key)
+                places.release(key)
                 raise
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
-        return Ticket(Tally(principal, endpoint, model, reservation), lease, self)
+        tally = Tally(principal, endpoint, model, reservation)
+        self._recorder.opened(tally)
+        return Ticket(tally, lease, self, places)
 
     async def take_slot(self, ticket: Ticket) -> None:
         """The model's queue lease: wait for a slot (503 when the queue is full, 504 past its timeout)."""
@@ -170,5 +181,5 @@ class Admission:
         if tally.closed:
             return
         ticket.lease.release()
-        self._concurrency.release(tally.principal.key_id)
+        ticket.places.release(tally.principal.key_id)
         self._recorder.close(tally, outcome)

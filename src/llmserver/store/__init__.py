@@ -1,50 +1,66 @@
 """Persistent state behind named interfaces (`interfaces.py`); the engine is chosen by `database_url`.
 
-`sqlite:///PATH` (the default: the file in the data dir) is the embedded engine. Engines are
-imported only when chosen.
+`sqlite:///PATH` (the default: the file in the data dir) is the embedded engine, migrated when it is
+opened; `postgresql://…` is the engine many gateways share, migrated only by `llmserver db migrate`
+(a gateway refuses to start on a schema it does not know). Engines are imported only when chosen.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from llmserver.store.interfaces import (
     NO_LIMITS,
+    GatewayHolder,
+    GatewayStore,
     JobRecord,
     JobStore,
     KeyLimits,
     KeyRecord,
     KeyStore,
+    OutboxItem,
+    OutboxStore,
     QuotaGrant,
     QuotaStore,
+    SchemaError,
     Settlement,
     Store,
+    Sweep,
     UsageBatch,
     UsageStore,
 )
 
 __all__ = [
     "NO_LIMITS",
+    "GatewayHolder",
+    "GatewayStore",
     "JobRecord",
     "JobStore",
     "KeyLimits",
     "KeyRecord",
     "KeyStore",
+    "OutboxItem",
+    "OutboxStore",
     "QuotaGrant",
     "QuotaStore",
+    "SchemaError",
     "Settlement",
     "Store",
+    "Sweep",
     "UsageBatch",
     "UsageStore",
     "open_store",
+    "redact",
 ]
 
 
-def open_store(database_url: str) -> Store:
-    """The store a database URL names; ValueError for a scheme this build has no engine for."""
+async def open_store(database_url: str, *, migrate: bool = False) -> Store:
+    """The store a database URL names; ValueError for a scheme this build has no engine for, SchemaError
+    for a schema it does not know (PostgreSQL's is migrated first with `migrate`)."""
     scheme, sep, rest = database_url.partition("://")
     if not sep:
-        raise ValueError(f"database_url must look like sqlite:///PATH, not {database_url!r}")
+        raise ValueError(f"database_url must look like sqlite:///PATH or postgresql://…, not {database_url!r}")
     if scheme == "sqlite":
         from llmserver.store.sqlite import SQLiteStore
 
@@ -53,4 +69,17 @@ def open_store(database_url: str) -> Store:
         if not path:
             raise ValueError("database_url sqlite:/// needs a file path")
         return SQLiteStore(Path(path))
-    raise ValueError(f"database_url scheme {scheme!r} is not supported; this build has: sqlite")
+    if scheme in ("postgresql", "postgres"):
+        from llmserver.store.postgres import PostgresStore
+
+        return await PostgresStore.connect(database_url, migrate=migrate)
+    raise ValueError(f"database_url scheme {scheme!r} is not supported; this build has: sqlite, postgresql")
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -2,8 +2,10 @@
 buckets, async jobs. Services depend on these protocols; the wiring (`open_store`) picks the engine.
 
 Every method is a coroutine: an implementation may wait on a disk or a network, never on the
-caller's event loop. Quota reservations and running jobs carry the id of the gateway process that
-owns them, so that a gateway clears only its own at start-up.
+caller's event loop. Quota reservations, running jobs and claimed webhooks carry the id of the
+gateway that owns them; each gateway holds a lease on its id (`GatewayStore`), and when a lease
+lapses (the gateway died) another gateway sweeps what it owned: its reservations charged at what its
+requests had produced, its running jobs failed. Never anyone else's.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
+
+
+class SchemaError(Exception):
+    """The database's schema is not the one this build uses; the message says what to run."""
 
 
 @dataclass(frozen=True)
@@ -122,8 +128,9 @@ class QuotaStore(Protocol):
         """(used, reserved by every gateway) in one window."""
         ...
 
-    async def quota_clear_reservations(self, gateway_id: str) -> int:
-        """At start-up: drop what this gateway had reserved when it stopped; the count of rows dropped."""
+    async def quota_progress(self, gateway_id: str, produced: dict[tuple[str, str], int]) -> None:
+        """What this gateway's requests in flight have produced so far, per (key, window): what a sweep
+        charges if the gateway dies. Windows not named have produced nothing."""
         ...
 
 
@@ -136,8 +143,9 @@ class UsageStore(Protocol):
 
     async def delete_usage_before(self, moment: float) -> int: ...
 
-    async def speed_since(self, minute: int) -> list[tuple[str, int, int, float]]:
-        """Speed buckets (model, minute, tokens, seconds) from `minute` on; older ones are deleted."""
+    async def speed_since(self, minute: int, prune: bool = True) -> list[tuple[str, int, int, float]]:
+        """Speed buckets (model, minute, tokens, seconds) from `minute` on; older ones are deleted
+        unless `prune` is False."""
         ...
 
 
@@ -145,8 +153,18 @@ class JobStore(Protocol):
     async def insert_job(self, tracking_id: str, key_id: str, nonce: str, now: float, gateway_id: str) -> None: ...
 
     async def finish_job(
-        self, tracking_id: str, *, result: str | None, error: str | None, now: float, expires_at: float
-    ) -> None: ...
+        self,
+        tracking_id: str,
+        *,
+        result: str | None,
+        error: str | None,
+        now: float,
+        expires_at: float,
+        webhook: tuple[str, str] | None = None,
+    ) -> None:
+        """Store the job's outcome and, in the same transaction, queue its webhook (url, JSON payload)
+        in the outbox."""
+        ...
 
     async def job(self, tracking_id: str, key_id: str, now: float) -> JobRecord | None:
         """The caller's own job, unless it expired; None for anyone else's."""
@@ -164,13 +182,76 @@ class JobStore(Protocol):
 
     async def delete_expired_jobs(self, now: float) -> int: ...
 
-    async def fail_interrupted_jobs(self, gateway_id: str, error: str, now: float, expires_at: float) -> int:
-        """At start-up: this gateway's jobs that were running when it stopped can never finish (their key
-        is gone): failed. Its claims that were not delivered become pollable again."""
+
+@dataclass(frozen=True)
+class OutboxItem:
+    id: int
+    tracking_id: str
+    url: str
+    payload: str
+    attempts: int
+
+
+class OutboxStore(Protocol):
+    """Webhooks waiting to be sent: claimed by one gateway at a time, for `lease` seconds."""
+
+    async def outbox_claim(self, gateway_id: str, lease: float, limit: int) -> list[OutboxItem]: ...
+
+    async def outbox_retry(self, item_id: int, attempts: int, delay: float) -> None: ...
+
+    async def outbox_done(self, item_id: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class GatewayHolder:
+    """Who holds a gateway id's lease, and for how much longer (seconds; ≤ 0: lapsed)."""
+
+    host: str
+    pid: int
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What a sweep of a gateway's state did."""
+
+    reservations: int
+    charged: int
+    jobs_failed: int
+
+
+class GatewayStore(Protocol):
+    """Leases on gateway ids, on the store's clock (gateways on several hosts may disagree on the time)."""
+
+    async def gateway_holder(self, gateway_id: str) -> GatewayHolder | None: ...
+
+    async def gateway_take(
+        self, gateway_id: str, host: str, pid: int, lease: float, previous: GatewayHolder | None
+    ) -> bool:
+        """Hold the id for `lease` seconds, if its holder is still `previous` (None: nobody)."""
+        ...
+
+    async def gateway_renew(self, gateway_id: str, pid: int, lease: float) -> bool:
+        """Extend this process's lease; False when it no longer holds it (it was swept)."""
+        ...
+
+    async def gateway_release(self, gateway_id: str, pid: int) -> None: ...
+
+    async def gateways_lapsed(self) -> list[str]: ...
+
+    async def sweep_gateway(
+        self, gateway_id: str, *, error: str, expires_at: float, only_if_lapsed: bool
+    ) -> Sweep | None:
+        """In one transaction: charge the gateway's quota reservations at what they had produced and
+        drop them, fail its running jobs, make its undelivered claims pollable again, drop its lease.
+        With `only_if_lapsed`, None (and nothing done) unless its lease has lapsed."""
         ...
 
 
-class Store(KeyStore, QuotaStore, UsageStore, JobStore, Protocol):
+class Store(KeyStore, QuotaStore, UsageStore, JobStore, OutboxStore, GatewayStore, Protocol):
     """Everything at once: what `open_store` returns."""
+
+    @property
+    def schema_version(self) -> int: ...
 
     async def close(self) -> None: ...

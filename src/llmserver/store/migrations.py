@@ -1,4 +1,8 @@
-"""Ordered schema migrations. Append new ones; never edit one that has shipped."""
+"""Ordered schema migrations for each engine. Append new ones; never edit one that has shipped.
+
+SQLite's list is the embedded store's history since the first release; PostgreSQL's starts at the
+schema SQLite had reached when PostgreSQL support arrived (its version numbers are its own).
+"""
 
 from __future__ import annotations
 
@@ -93,5 +97,119 @@ MIGRATIONS: list[str] = [
     # 5: which models a key may use (a JSON list of names or patterns; NULL: all).
     """
     ALTER TABLE api_keys ADD COLUMN models TEXT;
+    """,
+    # 6: gateway leases (a lapsed one is swept by another gateway), what each reservation's requests
+    # have produced so far (what a sweep charges), and the webhook outbox.
+    """
+    CREATE TABLE gateways (
+        id          TEXT PRIMARY KEY,
+        host        TEXT NOT NULL,
+        pid         INTEGER NOT NULL,
+        started_at  REAL NOT NULL,
+        lease_until REAL NOT NULL
+    );
+    ALTER TABLE quota_reservations ADD COLUMN produced INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE webhook_outbox (
+        id            INTEGER PRIMARY KEY,
+        tracking_id   TEXT NOT NULL,
+        url           TEXT NOT NULL,
+        payload       TEXT NOT NULL,
+        attempts      INTEGER NOT NULL DEFAULT 0,
+        next_at       REAL NOT NULL,
+        claimed_by    TEXT,
+        claimed_until REAL
+    );
+    CREATE INDEX webhook_outbox_due ON webhook_outbox (next_at);
+    """,
+]
+
+POSTGRES: list[str] = [
+    # 1: everything SQLite's migrations 1-6 built, in PostgreSQL's types.
+    """
+    CREATE TABLE api_keys (
+        id              TEXT PRIMARY KEY,
+        name            TEXT NOT NULL,
+        key_hash        TEXT NOT NULL UNIQUE,
+        fingerprint     TEXT NOT NULL,
+        is_admin        BOOLEAN NOT NULL DEFAULT FALSE,
+        created_at      TEXT NOT NULL,
+        revoked_at      TEXT,
+        quota_tokens    BIGINT,
+        quota_period    TEXT,
+        rpm             INTEGER,
+        max_concurrency INTEGER,
+        models          TEXT
+    );
+    CREATE TABLE jobs (
+        tracking_id TEXT PRIMARY KEY,
+        key_id      TEXT NOT NULL,
+        status      TEXT NOT NULL,
+        nonce       TEXT NOT NULL,
+        result      TEXT,
+        error       TEXT,
+        created_at  DOUBLE PRECISION NOT NULL,
+        finished_at DOUBLE PRECISION,
+        expires_at  DOUBLE PRECISION,
+        gateway_id  TEXT NOT NULL DEFAULT '',
+        claimed_by  TEXT
+    );
+    CREATE INDEX jobs_by_expiry ON jobs (expires_at);
+    CREATE INDEX jobs_by_gateway ON jobs (gateway_id, status);
+    CREATE TABLE quota_usage (
+        key_id       TEXT NOT NULL,
+        period_start TEXT NOT NULL,
+        used         BIGINT NOT NULL DEFAULT 0,
+        PRIMARY KEY (key_id, period_start)
+    );
+    CREATE TABLE quota_reservations (
+        key_id       TEXT NOT NULL,
+        period_start TEXT NOT NULL,
+        gateway_id   TEXT NOT NULL,
+        amount       BIGINT NOT NULL,
+        produced     BIGINT NOT NULL DEFAULT 0,
+        PRIMARY KEY (key_id, period_start, gateway_id)
+    );
+    CREATE INDEX quota_reservations_by_gateway ON quota_reservations (gateway_id);
+    CREATE TABLE usage_ledger (
+        id                BIGSERIAL PRIMARY KEY,
+        time              DOUBLE PRECISION NOT NULL,
+        key_id            TEXT NOT NULL,
+        model             TEXT NOT NULL,
+        instance_id       TEXT,
+        endpoint          TEXT NOT NULL,
+        prompt_tokens     BIGINT NOT NULL,
+        completion_tokens BIGINT NOT NULL,
+        latency_ms        DOUBLE PRECISION NOT NULL,
+        ttft_ms           DOUBLE PRECISION,
+        tokens_per_second DOUBLE PRECISION,
+        outcome           TEXT NOT NULL
+    );
+    CREATE INDEX usage_by_key_time ON usage_ledger (key_id, time);
+    CREATE INDEX usage_by_time ON usage_ledger (time);
+    CREATE TABLE speed_buckets (
+        model   TEXT NOT NULL,
+        minute  BIGINT NOT NULL,
+        tokens  BIGINT NOT NULL,
+        seconds DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (model, minute)
+    );
+    CREATE TABLE gateways (
+        id          TEXT PRIMARY KEY,
+        host        TEXT NOT NULL,
+        pid         INTEGER NOT NULL,
+        started_at  DOUBLE PRECISION NOT NULL,
+        lease_until DOUBLE PRECISION NOT NULL
+    );
+    CREATE TABLE webhook_outbox (
+        id            BIGSERIAL PRIMARY KEY,
+        tracking_id   TEXT NOT NULL,
+        url           TEXT NOT NULL,
+        payload       TEXT NOT NULL,
+        attempts      INTEGER NOT NULL DEFAULT 0,
+        next_at       DOUBLE PRECISION NOT NULL,
+        claimed_by    TEXT,
+        claimed_until DOUBLE PRECISION
+    );
+    CREATE INDEX webhook_outbox_due ON webhook_outbox (next_at);
     """,
 ]

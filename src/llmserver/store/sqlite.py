@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import sqlite3
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -19,14 +19,19 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from llmserver.store.interfaces import (
     NO_LIMITS,
+    GatewayHolder,
     JobRecord,
     KeyLimits,
     KeyRecord,
+    OutboxItem,
     QuotaGrant,
+    SchemaError,
+    Sweep,
     UsageBatch,
     utc_now,
 )
 from llmserver.store.migrations import MIGRATIONS
+from llmserver.store.rows import job_record, key_record, limit_values
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -75,6 +80,11 @@ class SQLiteStore:
         self._db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)")
         with self._transaction() as db:
             current = db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0] or 0
+            if current > len(MIGRATIONS):
+                raise SchemaError(
+                    f"the database {self.path} has schema version {current}, newer than this llmserver knows "
+                    f"({len(MIGRATIONS)}): run a newer llmserver on it"
+                )
             for version, script in enumerate(MIGRATIONS, start=1):
                 if version > current:
                     for statement in script.split(";"):
@@ -96,7 +106,7 @@ class SQLiteStore:
         self._db.execute(
             "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at,"
             " quota_tokens, quota_period, rpm, max_concurrency, models) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (key_id, name, key_hash, fingerprint, int(is_admin), created, *_limit_values(limits)),
+            (key_id, name, key_hash, fingerprint, int(is_admin), created, *limit_values(limits)),
         )
         return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits)
 
@@ -105,24 +115,24 @@ class SQLiteStore:
         cursor = self._db.execute(
             "UPDATE api_keys SET quota_tokens = ?, quota_period = ?, rpm = ?, max_concurrency = ?, models = ?"
             " WHERE id = ?",
-            (*_limit_values(limits), key_id),
+            (*limit_values(limits), key_id),
         )
         return cursor.rowcount == 1
 
     @_in_thread
     def key_by_hash(self, key_hash: str) -> KeyRecord | None:
         row = self._db.execute("SELECT * FROM api_keys WHERE key_hash = ?", (key_hash,)).fetchone()
-        return _key(row) if row is not None else None
+        return key_record(row) if row is not None else None
 
     @_in_thread
     def key_by_id(self, key_id: str) -> KeyRecord | None:
         row = self._db.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
-        return _key(row) if row is not None else None
+        return key_record(row) if row is not None else None
 
     @_in_thread
     def list_keys(self) -> list[KeyRecord]:
         rows = self._db.execute("SELECT * FROM api_keys ORDER BY created_at, id").fetchall()
-        return [_key(row) for row in rows]
+        return [key_record(row) for row in rows]
 
     @_in_thread
     def revoke_key(self, key_id: str) -> bool:
@@ -170,9 +180,15 @@ class SQLiteStore:
             return self._counts(key_id, period_start)
 
     @_in_thread
-    def quota_clear_reservations(self, gateway_id: str) -> int:
-        cursor = self._db.execute("DELETE FROM quota_reservations WHERE gateway_id = ?", (gateway_id,))
-        return cursor.rowcount
+    def quota_progress(self, gateway_id: str, produced: dict[tuple[str, str], int]) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE quota_reservations SET produced = 0 WHERE gateway_id = ? AND produced != 0", (gateway_id,)
+            )
+            db.executemany(
+                "UPDATE quota_reservations SET produced = ? WHERE key_id = ? AND period_start = ? AND gateway_id = ?",
+                [(tokens, key_id, period, gateway_id) for (key_id, period), tokens in produced.items()],
+            )
 
     # The usage ledger and the per-minute speed buckets
 
@@ -220,11 +236,12 @@ class SQLiteStore:
         return cursor.rowcount
 
     @_in_thread
-    def speed_since(self, minute: int) -> list[tuple[str, int, int, float]]:
+    def speed_since(self, minute: int, prune: bool = True) -> list[tuple[str, int, int, float]]:
         rows = self._db.execute(
             "SELECT model, minute, tokens, seconds FROM speed_buckets WHERE minute >= ?", (minute,)
         ).fetchall()
-        self._db.execute("DELETE FROM speed_buckets WHERE minute < ?", (minute,))
+        if prune:
+            self._db.execute("DELETE FROM speed_buckets WHERE minute < ?", (minute,))
         return [(r["model"], int(r["minute"]), int(r["tokens"]), float(r["seconds"])) for r in rows]
 
     # Async jobs
@@ -239,13 +256,26 @@ class SQLiteStore:
 
     @_in_thread
     def finish_job(
-        self, tracking_id: str, *, result: str | None, error: str | None, now: float, expires_at: float
+        self,
+        tracking_id: str,
+        *,
+        result: str | None,
+        error: str | None,
+        now: float,
+        expires_at: float,
+        webhook: tuple[str, str] | None = None,
     ) -> None:
-        self._db.execute(
-            "UPDATE jobs SET status = ?, result = ?, error = ?, finished_at = ?, expires_at = ?"
-            " WHERE tracking_id = ? AND status = 'pending'",
-            ("ready" if result is not None else "failed", result, error, now, expires_at, tracking_id),
-        )
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE jobs SET status = ?, result = ?, error = ?, finished_at = ?, expires_at = ?"
+                " WHERE tracking_id = ? AND status = 'pending'",
+                ("ready" if result is not None else "failed", result, error, now, expires_at, tracking_id),
+            )
+            if webhook is not None and cursor.rowcount == 1:
+                db.execute(
+                    "INSERT INTO webhook_outbox (tracking_id, url, payload, next_at) VALUES (?, ?, ?, ?)",
+                    (tracking_id, *webhook, now),
+                )
 
     @_in_thread
     def job(self, tracking_id: str, key_id: str, now: float) -> JobRecord | None:
@@ -253,7 +283,7 @@ class SQLiteStore:
             "SELECT * FROM jobs WHERE tracking_id = ? AND key_id = ? AND (expires_at IS NULL OR expires_at > ?)",
             (tracking_id, key_id, now),
         ).fetchone()
-        return _job(row) if row is not None else None
+        return job_record(row) if row is not None else None
 
     @_in_thread
     def claim_job(self, tracking_id: str, key_id: str, now: float, gateway_id: str) -> JobRecord | None:
@@ -262,7 +292,7 @@ class SQLiteStore:
             " AND status IN ('ready', 'failed') AND expires_at > ? RETURNING *",
             (gateway_id, tracking_id, key_id, now),
         ).fetchone()
-        return _job(row) if row is not None else None
+        return job_record(row) if row is not None else None
 
     @_in_thread
     def release_claim(self, tracking_id: str) -> None:
@@ -281,53 +311,99 @@ class SQLiteStore:
         cursor = self._db.execute("DELETE FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
         return cursor.rowcount
 
+    # The webhook outbox
+
     @_in_thread
-    def fail_interrupted_jobs(self, gateway_id: str, error: str, now: float, expires_at: float) -> int:
+    def outbox_claim(self, gateway_id: str, lease: float, limit: int) -> list[OutboxItem]:
+        now = time.time()
+        rows = self._db.execute(
+            "UPDATE webhook_outbox SET claimed_by = ?, claimed_until = ? WHERE id IN (SELECT id FROM webhook_outbox"
+            " WHERE next_at <= ? AND (claimed_until IS NULL OR claimed_until < ?) ORDER BY next_at LIMIT ?)"
+            " RETURNING id, tracking_id, url, payload, attempts",
+            (gateway_id, now + lease, now, now, limit),
+        ).fetchall()
+        return [OutboxItem(r["id"], r["tracking_id"], r["url"], r["payload"], r["attempts"]) for r in rows]
+
+    @_in_thread
+    def outbox_retry(self, item_id: int, attempts: int, delay: float) -> None:
+        self._db.execute(
+            "UPDATE webhook_outbox SET attempts = ?, next_at = ?, claimed_by = NULL, claimed_until = NULL WHERE id = ?",
+            (attempts, time.time() + delay, item_id),
+        )
+
+    @_in_thread
+    def outbox_done(self, item_id: int) -> None:
+        self._db.execute("DELETE FROM webhook_outbox WHERE id = ?", (item_id,))
+
+    # Gateway leases, and the sweep of a gateway's state
+
+    @_in_thread
+    def gateway_holder(self, gateway_id: str) -> GatewayHolder | None:
+        row = self._db.execute("SELECT host, pid, lease_until FROM gateways WHERE id = ?", (gateway_id,)).fetchone()
+        return GatewayHolder(row["host"], row["pid"], row["lease_until"] - time.time()) if row is not None else None
+
+    @_in_thread
+    def gateway_take(self, gateway_id: str, host: str, pid: int, lease: float, previous: GatewayHolder | None) -> bool:
+        now = time.time()
         with self._transaction() as db:
+            row = db.execute("SELECT host, pid FROM gateways WHERE id = ?", (gateway_id,)).fetchone()
+            if (row is None) != (previous is None) or (
+                row is not None and previous is not None and (row["host"], row["pid"]) != (previous.host, previous.pid)
+            ):
+                return False
+            db.execute(
+                "INSERT INTO gateways (id, host, pid, started_at, lease_until) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (id) DO UPDATE SET host = excluded.host, pid = excluded.pid,"
+                " started_at = excluded.started_at, lease_until = excluded.lease_until",
+                (gateway_id, host, pid, now, now + lease),
+            )
+        return True
+
+    @_in_thread
+    def gateway_renew(self, gateway_id: str, pid: int, lease: float) -> bool:
+        cursor = self._db.execute(
+            "UPDATE gateways SET lease_until = ? WHERE id = ? AND pid = ?", (time.time() + lease, gateway_id, pid)
+        )
+        return cursor.rowcount == 1
+
+    @_in_thread
+    def gateway_release(self, gateway_id: str, pid: int) -> None:
+        self._db.execute("DELETE FROM gateways WHERE id = ? AND pid = ?", (gateway_id, pid))
+
+    @_in_thread
+    def gateways_lapsed(self) -> list[str]:
+        rows = self._db.execute("SELECT id FROM gateways WHERE lease_until < ?", (time.time(),)).fetchall()
+        return [row["id"] for row in rows]
+
+    @_in_thread
+    def sweep_gateway(self, gateway_id: str, *, error: str, expires_at: float, only_if_lapsed: bool) -> Sweep | None:
+        now = time.time()
+        with self._transaction() as db:
+            if only_if_lapsed and (
+                db.execute("DELETE FROM gateways WHERE id = ? AND lease_until < ?", (gateway_id, now)).rowcount == 0
+            ):
+                return None
+            held = db.execute(
+                "DELETE FROM quota_reservations WHERE gateway_id = ? RETURNING key_id, period_start, amount, produced",
+                (gateway_id,),
+            ).fetchall()
+            charges = [(r["key_id"], r["period_start"], min(r["amount"], r["produced"])) for r in held]
+            db.executemany(
+                "INSERT INTO quota_usage (key_id, period_start, used) VALUES (?, ?, ?)"
+                " ON CONFLICT (key_id, period_start) DO UPDATE SET used = used + excluded.used",
+                [charge for charge in charges if charge[2] > 0],
+            )
             db.execute(
                 "UPDATE jobs SET status = CASE WHEN result IS NULL THEN 'failed' ELSE 'ready' END, claimed_by = NULL"
                 " WHERE status = 'claimed' AND claimed_by = ?",
                 (gateway_id,),
             )
-            cursor = db.execute(
+            failed = db.execute(
                 "UPDATE jobs SET status = 'failed', error = ?, finished_at = ?, expires_at = ?"
                 " WHERE status = 'pending' AND gateway_id = ?",
                 (error, now, expires_at, gateway_id),
+            ).rowcount
+            db.execute(
+                "UPDATE webhook_outbox SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = ?", (gateway_id,)
             )
-        return cursor.rowcount
-
-
-def _limit_values(limits: KeyLimits) -> tuple[int | None, str | None, int | None, int | None, str | None]:
-    models = json.dumps(list(limits.models)) if limits.models is not None else None
-    return (limits.quota_tokens, limits.quota_period, limits.rpm, limits.max_concurrency, models)
-
-
-def _key(row: sqlite3.Row) -> KeyRecord:
-    return KeyRecord(
-        id=row["id"],
-        name=row["name"],
-        fingerprint=row["fingerprint"],
-        is_admin=bool(row["is_admin"]),
-        created_at=row["created_at"],
-        revoked_at=row["revoked_at"],
-        limits=KeyLimits(
-            row["quota_tokens"],
-            row["quota_period"],
-            row["rpm"],
-            row["max_concurrency"],
-            tuple(json.loads(row["models"])) if row["models"] is not None else None,
-        ),
-    )
-
-
-def _job(row: sqlite3.Row) -> JobRecord:
-    return JobRecord(
-        tracking_id=row["tracking_id"],
-        key_id=row["key_id"],
-        status=row["status"],
-        nonce=row["nonce"],
-        result=row["result"],
-        error=row["error"],
-        created_at=row["created_at"],
-        expires_at=row["expires_at"],
-    )
+        return Sweep(len(held), sum(charge[2] for charge in charges), failed)

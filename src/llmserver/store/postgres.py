@@ -1,0 +1,476 @@
+"""The PostgreSQL store: the truth that many gateways share (asyncpg, one connection pool per process).
+
+Quota counters are exact across gateways: a reservation locks its key's counter row (`FOR UPDATE`)
+for the check and the write, one transaction each; a batch of settlements takes the counter locks in
+one order (sorted), so that two gateways' batches never deadlock. Leases use the database's clock.
+When the server cannot be reached, every call raises `StateUnavailable` (503 with Retry-After); the
+pool reconnects by itself once it is back. The outage is logged once, and so is its end.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from llmserver.errors import StateUnavailable
+from llmserver.store import redact
+from llmserver.store.interfaces import (
+    NO_LIMITS,
+    GatewayHolder,
+    JobRecord,
+    KeyLimits,
+    KeyRecord,
+    OutboxItem,
+    QuotaGrant,
+    SchemaError,
+    Sweep,
+    UsageBatch,
+    utc_now,
+)
+from llmserver.store.migrations import POSTGRES
+from llmserver.store.rows import job_record, key_record, limit_values
+
+log = logging.getLogger(__name__)
+
+NOW = "EXTRACT(EPOCH FROM clock_timestamp())::double precision"
+UNREACHABLE = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.InsufficientResourcesError,
+)
+MIGRATE_LOCK = 0x6C6C6D73  # pg_advisory_xact_lock's id for migrations: 'llms'
+
+
+class PostgresStore:
+    def __init__(self, url: str, pool: asyncpg.Pool, version: int) -> None:
+        self.url = url
+        self._pool = pool
+        self._version = version
+        self._down = False
+
+    @classmethod
+    async def connect(cls, url: str, *, migrate: bool = False, pool_size: int = 10) -> PostgresStore:
+        """A pool on the database; SchemaError unless its schema is this build's (after migrating, with
+        `migrate`), StateUnavailable when the server cannot be reached."""
+        try:
+            pool = await asyncpg.create_pool(url, min_size=1, max_size=pool_size, timeout=10, command_timeout=30)
+        except UNREACHABLE as exc:
+            raise StateUnavailable(f"PostgreSQL at {redact(url)} cannot be reached: {exc}") from exc
+        assert pool is not None
+        try:
+            async with pool.acquire() as conn:
+                version = await _migrate(conn) if migrate else await _version(conn)
+        except BaseException:
+            await pool.close()
+            raise
+        if version != len(POSTGRES):
+            await pool.close()
+            if version > len(POSTGRES):
+                raise SchemaError(
+                    f"the database {redact(url)} has schema version {version}, newer than this llmserver knows "
+                    f"({len(POSTGRES)}): run a newer llmserver on it"
+                )
+            raise SchemaError(
+                f"the database {redact(url)} has schema version {version} and this llmserver needs "
+                f"{len(POSTGRES)}: run `llmserver db migrate --database-url URL` first"
+            )
+        return cls(url, pool, version)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    @property
+    def schema_version(self) -> int:
+        return self._version
+
+    @asynccontextmanager
+    async def _conn(self) -> AsyncIterator[asyncpg.Connection]:
+        try:
+            async with self._pool.acquire(timeout=10) as conn:
+                yield conn
+        except UNREACHABLE as exc:
+            if not self._down:
+                self._down = True
+                log.error("PostgreSQL at %s cannot be reached (%s): answering 503", redact(self.url), exc)
+            raise StateUnavailable("The database cannot be reached; retry shortly.", retry_after=2) from exc
+        if self._down:
+            self._down = False
+            log.warning("PostgreSQL at %s answers again", redact(self.url))
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        async with self._conn() as conn, conn.transaction():
+            yield conn
+
+    async def _execute(self, query: str, *args: Any) -> str:
+        async with self._conn() as conn:
+            return str(await conn.execute(query, *args))
+
+    async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return list(await conn.fetch(query, *args))
+
+    async def _fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
+        async with self._conn() as conn:
+            return await conn.fetchrow(query, *args)
+
+    # API keys
+
+    async def insert_key(
+        self, key_id: str, name: str, key_hash: str, fingerprint: str, is_admin: bool, limits: KeyLimits = NO_LIMITS
+    ) -> KeyRecord:
+        created = utc_now()
+        await self._execute(
+            "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at,"
+            " quota_tokens, quota_period, rpm, max_concurrency, models)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+            key_id, name, key_hash, fingerprint, is_admin, created, *limit_values(limits),
+        )  # fmt: skip
+        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits)
+
+    async def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
+        status = await self._execute(
+            "UPDATE api_keys SET quota_tokens = $1, quota_period = $2, rpm = $3, max_concurrency = $4, models = $5"
+            " WHERE id = $6",
+            *limit_values(limits), key_id,
+        )  # fmt: skip
+        return status == "UPDATE 1"
+
+    async def key_by_hash(self, key_hash: str) -> KeyRecord | None:
+        row = await self._fetchrow("SELECT * FROM api_keys WHERE key_hash = $1", key_hash)
+        return key_record(row) if row is not None else None
+
+    async def key_by_id(self, key_id: str) -> KeyRecord | None:
+        row = await self._fetchrow("SELECT * FROM api_keys WHERE id = $1", key_id)
+        return key_record(row) if row is not None else None
+
+    async def list_keys(self) -> list[KeyRecord]:
+        return [key_record(row) for row in await self._fetch("SELECT * FROM api_keys ORDER BY created_at, id")]
+
+    async def revoke_key(self, key_id: str) -> bool:
+        status = await self._execute(
+            "UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL", utc_now(), key_id
+        )
+        return status == "UPDATE 1"
+
+    # Quota counters
+
+    @staticmethod
+    async def _lock_counter(conn: asyncpg.Connection, key_id: str, period_start: str) -> int:
+        """Lock the (key, window) counter row, made if missing; what it has used."""
+        await conn.execute(
+            "INSERT INTO quota_usage (key_id, period_start, used) VALUES ($1, $2, 0) ON CONFLICT DO NOTHING",
+            key_id,
+            period_start,
+        )
+        used = await conn.fetchval(
+            "SELECT used FROM quota_usage WHERE key_id = $1 AND period_start = $2 FOR UPDATE", key_id, period_start
+        )
+        return int(used)
+
+    @staticmethod
+    async def _reserved(conn: asyncpg.Connection, key_id: str, period_start: str) -> int:
+        reserved = await conn.fetchval(
+            "SELECT COALESCE(SUM(amount), 0) FROM quota_reservations WHERE key_id = $1 AND period_start = $2",
+            key_id,
+            period_start,
+        )
+        return int(reserved)
+
+    async def quota_reserve(
+        self, key_id: str, period_start: str, gateway_id: str, amount: int, limit: int
+    ) -> QuotaGrant:
+        async with self._transaction() as conn:
+            used = await self._lock_counter(conn, key_id, period_start)
+            reserved = await self._reserved(conn, key_id, period_start)
+            if used + reserved + amount > limit:
+                return QuotaGrant(False, used, reserved)
+            await conn.execute(
+                "INSERT INTO quota_reservations (key_id, period_start, gateway_id, amount) VALUES ($1, $2, $3, $4)"
+                " ON CONFLICT (key_id, period_start, gateway_id)"
+                " DO UPDATE SET amount = quota_reservations.amount + excluded.amount",
+                key_id, period_start, gateway_id, amount,
+            )  # fmt: skip
+        return QuotaGrant(True, used, reserved + amount)
+
+    async def quota_release(self, key_id: str, period_start: str, gateway_id: str, amount: int) -> None:
+        await self._execute(
+            "UPDATE quota_reservations SET amount = GREATEST(0, amount - $1)"
+            " WHERE key_id = $2 AND period_start = $3 AND gateway_id = $4",
+            amount, key_id, period_start, gateway_id,
+        )  # fmt: skip
+
+    async def quota_counts(self, key_id: str, period_start: str) -> tuple[int, int]:
+        row = await self._fetchrow(
+            "SELECT (SELECT used FROM quota_usage WHERE key_id = $1 AND period_start = $2),"
+            " (SELECT COALESCE(SUM(amount), 0) FROM quota_reservations WHERE key_id = $1 AND period_start = $2)",
+            key_id,
+            period_start,
+        )
+        assert row is not None
+        return int(row[0] or 0), int(row[1])
+
+    async def quota_progress(self, gateway_id: str, produced: dict[tuple[str, str], int]) -> None:
+        async with self._transaction() as conn:
+            await conn.execute(
+                "UPDATE quota_reservations SET produced = 0 WHERE gateway_id = $1 AND produced <> 0", gateway_id
+            )
+            await conn.executemany(
+                "UPDATE quota_reservations SET produced = $1"
+                " WHERE key_id = $2 AND period_start = $3 AND gateway_id = $4",
+                [(tokens, key_id, period, gateway_id) for (key_id, period), tokens in sorted(produced.items())],
+            )
+
+    # The usage ledger and the speed buckets
+
+    async def record(self, batch: UsageBatch) -> None:
+        async with self._transaction() as conn:
+            for s in sorted(batch.settlements, key=lambda s: (s.key_id, s.period_start, s.gateway_id)):
+                # The counter's lock first (as a reservation takes it), then the reservation.
+                await self._lock_counter(conn, s.key_id, s.period_start)
+                if s.used:
+                    await conn.execute(
+                        "UPDATE quota_usage SET used = used + $1 WHERE key_id = $2 AND period_start = $3",
+                        s.used, s.key_id, s.period_start,
+                    )  # fmt: skip
+                await conn.execute(
+                    "UPDATE quota_reservations SET amount = GREATEST(0, amount - $1)"
+                    " WHERE key_id = $2 AND period_start = $3 AND gateway_id = $4",
+                    s.reserved, s.key_id, s.period_start, s.gateway_id,
+                )  # fmt: skip
+            if batch.rows:
+                await conn.copy_records_to_table(
+                    "usage_ledger",
+                    columns=LEDGER_COLUMNS,
+                    records=[tuple(row[column] for column in LEDGER_COLUMNS) for row in batch.rows],
+                )
+            await conn.executemany(
+                "INSERT INTO speed_buckets (model, minute, tokens, seconds) VALUES ($1, $2, $3, $4)"
+                " ON CONFLICT (model, minute) DO UPDATE SET tokens = speed_buckets.tokens + excluded.tokens,"
+                " seconds = speed_buckets.seconds + excluded.seconds",
+                [(model, minute, int(tokens), seconds) for model, minute, tokens, seconds in sorted(batch.speeds)],
+            )
+
+    async def usage_rows(self, key_id: str | None, since: float, until: float) -> list[dict[str, object]]:
+        query = "SELECT * FROM usage_ledger WHERE time >= $1 AND time < $2"
+        params: list[object] = [since, until]
+        if key_id is not None:
+            query += " AND key_id = $3"
+            params.append(key_id)
+        return [dict(row) for row in await self._fetch(query + " ORDER BY time, id", *params)]
+
+    async def delete_usage_before(self, moment: float) -> int:
+        return _count(await self._execute("DELETE FROM usage_ledger WHERE time < $1", moment))
+
+    async def speed_since(self, minute: int, prune: bool = True) -> list[tuple[str, int, int, float]]:
+        rows = await self._fetch("SELECT model, minute, tokens, seconds FROM speed_buckets WHERE minute >= $1", minute)
+        if prune:
+            await self._execute("DELETE FROM speed_buckets WHERE minute < $1", minute)
+        return [(r["model"], int(r["minute"]), int(r["tokens"]), float(r["seconds"])) for r in rows]
+
+    # Async jobs
+
+    async def insert_job(self, tracking_id: str, key_id: str, nonce: str, now: float, gateway_id: str) -> None:
+        await self._execute(
+            "INSERT INTO jobs (tracking_id, key_id, status, nonce, created_at, gateway_id)"
+            " VALUES ($1, $2, 'pending', $3, $4, $5)",
+            tracking_id, key_id, nonce, now, gateway_id,
+        )  # fmt: skip
+
+    async def finish_job(
+        self,
+        tracking_id: str,
+        *,
+        result: str | None,
+        error: str | None,
+        now: float,
+        expires_at: float,
+        webhook: tuple[str, str] | None = None,
+    ) -> None:
+        async with self._transaction() as conn:
+            status = await conn.execute(
+                "UPDATE jobs SET status = $1, result = $2, error = $3, finished_at = $4, expires_at = $5"
+                " WHERE tracking_id = $6 AND status = 'pending'",
+                "ready" if result is not None else "failed", result, error, now, expires_at, tracking_id,
+            )  # fmt: skip
+            if webhook is not None and status == "UPDATE 1":
+                await conn.execute(
+                    "INSERT INTO webhook_outbox (tracking_id, url, payload, next_at) VALUES ($1, $2, $3, $4)",
+                    tracking_id, *webhook, now,
+                )  # fmt: skip
+
+    async def job(self, tracking_id: str, key_id: str, now: float) -> JobRecord | None:
+        row = await self._fetchrow(
+            "SELECT * FROM jobs WHERE tracking_id = $1 AND key_id = $2 AND (expires_at IS NULL OR expires_at > $3)",
+            tracking_id, key_id, now,
+        )  # fmt: skip
+        return job_record(row) if row is not None else None
+
+    async def claim_job(self, tracking_id: str, key_id: str, now: float, gateway_id: str) -> JobRecord | None:
+        # One UPDATE: a concurrent claim on another gateway waits for the row's lock, then finds it claimed.
+        row = await self._fetchrow(
+            "UPDATE jobs SET status = 'claimed', claimed_by = $1 WHERE tracking_id = $2 AND key_id = $3"
+            " AND status IN ('ready', 'failed') AND expires_at > $4 RETURNING *",
+            gateway_id, tracking_id, key_id, now,
+        )  # fmt: skip
+        return job_record(row) if row is not None else None
+
+    async def release_claim(self, tracking_id: str) -> None:
+        await self._execute(
+            "UPDATE jobs SET status = CASE WHEN result IS NULL THEN 'failed' ELSE 'ready' END, claimed_by = NULL"
+            " WHERE tracking_id = $1 AND status = 'claimed'",
+            tracking_id,
+        )
+
+    async def delete_job(self, tracking_id: str) -> None:
+        await self._execute("DELETE FROM jobs WHERE tracking_id = $1", tracking_id)
+
+    async def delete_expired_jobs(self, now: float) -> int:
+        return _count(await self._execute("DELETE FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= $1", now))
+
+    # The webhook outbox
+
+    async def outbox_claim(self, gateway_id: str, lease: float, limit: int) -> list[OutboxItem]:
+        rows = await self._fetch(
+            f"UPDATE webhook_outbox SET claimed_by = $1, claimed_until = {NOW} + $2 WHERE id IN"
+            f" (SELECT id FROM webhook_outbox WHERE next_at <= {NOW}"
+            f" AND (claimed_until IS NULL OR claimed_until < {NOW})"
+            " ORDER BY next_at LIMIT $3 FOR UPDATE SKIP LOCKED) RETURNING id, tracking_id, url, payload, attempts",
+            gateway_id, lease, limit,
+        )  # fmt: skip
+        return [OutboxItem(r["id"], r["tracking_id"], r["url"], r["payload"], r["attempts"]) for r in rows]
+
+    async def outbox_retry(self, item_id: int, attempts: int, delay: float) -> None:
+        await self._execute(
+            f"UPDATE webhook_outbox SET attempts = $1, next_at = {NOW} + $2, claimed_by = NULL, claimed_until = NULL"
+            " WHERE id = $3",
+            attempts, delay, item_id,
+        )  # fmt: skip
+
+    async def outbox_done(self, item_id: int) -> None:
+        await self._execute("DELETE FROM webhook_outbox WHERE id = $1", item_id)
+
+    # Gateway leases, and the sweep of a gateway's state
+
+    async def gateway_holder(self, gateway_id: str) -> GatewayHolder | None:
+        row = await self._fetchrow(
+            f"SELECT host, pid, lease_until - {NOW} AS left FROM gateways WHERE id = $1", gateway_id
+        )
+        return GatewayHolder(row["host"], row["pid"], float(row["left"])) if row is not None else None
+
+    async def gateway_take(
+        self, gateway_id: str, host: str, pid: int, lease: float, previous: GatewayHolder | None
+    ) -> bool:
+        async with self._transaction() as conn:
+            row = await conn.fetchrow("SELECT host, pid FROM gateways WHERE id = $1 FOR UPDATE", gateway_id)
+            if previous is None:
+                if row is not None:
+                    return False
+            elif row is None or (row["host"], row["pid"]) != (previous.host, previous.pid):
+                return False
+            await conn.execute(
+                f"INSERT INTO gateways (id, host, pid, started_at, lease_until) VALUES ($1, $2, $3, {NOW}, {NOW} + $4)"
+                " ON CONFLICT (id) DO UPDATE SET host = excluded.host, pid = excluded.pid,"
+                " started_at = excluded.started_at, lease_until = excluded.lease_until",
+                gateway_id, host, pid, lease,
+            )  # fmt: skip
+        return True
+
+    async def gateway_renew(self, gateway_id: str, pid: int, lease: float) -> bool:
+        status = await self._execute(
+            f"UPDATE gateways SET lease_until = {NOW} + $1 WHERE id = $2 AND pid = $3", lease, gateway_id, pid
+        )
+        return status == "UPDATE 1"
+
+    async def gateway_release(self, gateway_id: str, pid: int) -> None:
+        await self._execute("DELETE FROM gateways WHERE id = $1 AND pid = $2", gateway_id, pid)
+
+    async def gateways_lapsed(self) -> list[str]:
+        return [row["id"] for row in await self._fetch(f"SELECT id FROM gateways WHERE lease_until < {NOW}")]
+
+    async def sweep_gateway(
+        self, gateway_id: str, *, error: str, expires_at: float, only_if_lapsed: bool
+    ) -> Sweep | None:
+        async with self._transaction() as conn:
+            if only_if_lapsed:
+                swept = await conn.fetchval(
+                    f"DELETE FROM gateways WHERE id = $1 AND lease_until < {NOW} RETURNING id", gateway_id
+                )
+                if swept is None:
+                    return None
+            held = await conn.fetch(
+                "SELECT key_id, period_start, amount, produced FROM quota_reservations WHERE gateway_id = $1"
+                " ORDER BY key_id, period_start",
+                gateway_id,
+            )
+            charged = 0
+            for row in held:
+                await self._lock_counter(conn, row["key_id"], row["period_start"])
+                charge = min(int(row["amount"]), int(row["produced"]))
+                charged += charge
+                if charge:
+                    await conn.execute(
+                        "UPDATE quota_usage SET used = used + $1 WHERE key_id = $2 AND period_start = $3",
+                        charge, row["key_id"], row["period_start"],
+                    )  # fmt: skip
+            await conn.execute("DELETE FROM quota_reservations WHERE gateway_id = $1", gateway_id)
+            await conn.execute(
+                "UPDATE jobs SET status = CASE WHEN result IS NULL THEN 'failed' ELSE 'ready' END, claimed_by = NULL"
+                " WHERE status = 'claimed' AND claimed_by = $1",
+                gateway_id,
+            )
+            failed = _count(
+                await conn.execute(
+                    f"UPDATE jobs SET status = 'failed', error = $1, finished_at = {NOW}, expires_at = $2"
+                    " WHERE status = 'pending' AND gateway_id = $3",
+                    error,
+                    expires_at,
+                    gateway_id,
+                )
+            )
+            await conn.execute(
+                "UPDATE webhook_outbox SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = $1", gateway_id
+            )
+        return Sweep(len(held), charged, failed)
+
+
+LEDGER_COLUMNS = [
+    "time", "key_id", "model", "instance_id", "endpoint", "prompt_tokens", "completion_tokens",
+    "latency_ms", "ttft_ms", "tokens_per_second", "outcome",
+]  # fmt: skip
+
+
+async def _version(conn: asyncpg.Connection) -> int:
+    exists = await conn.fetchval("SELECT to_regclass('schema_migrations') IS NOT NULL")
+    if not exists:
+        return 0
+    return int(await conn.fetchval("SELECT COALESCE(MAX(version), 0) FROM schema_migrations"))
+
+
+async def _migrate(conn: asyncpg.Connection) -> int:
+    """Apply the migrations this database lacks, one transaction each, under an advisory lock (two
+    `db migrate` at once apply each migration once); the version reached."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATE_LOCK)
+        await conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY)")
+        current = await _version(conn)
+        if current > len(POSTGRES):
+            return current
+        for version, script in enumerate(POSTGRES, start=1):
+            if version > current:
+                await conn.execute(script)
+                await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+                log.info("applied PostgreSQL migration %d", version)
+    return await _version(conn)
+
+
+def _count(status: str) -> int:
+    """The row count of an asyncpg command status ("DELETE 3", "UPDATE 0")."""
+    return int(status.rsplit(" ", 1)[-1])

@@ -1,0 +1,49 @@
+"""Records from database rows, shared by the engines (a sqlite3.Row and an asyncpg.Record both map names)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+from llmserver.store.interfaces import JobRecord, KeyLimits, KeyRecord
+
+
+class Row(Protocol):
+    def __getitem__(self, name: str) -> Any: ...
+
+
+def limit_values(limits: KeyLimits) -> tuple[int | None, str | None, int | None, int | None, str | None]:
+    """The api_keys columns quota_tokens, quota_period, rpm, max_concurrency, models."""
+    models = json.dumps(list(limits.models)) if limits.models is not None else None
+    return (limits.quota_tokens, limits.quota_period, limits.rpm, limits.max_concurrency, models)
+
+
+def key_record(row: Row) -> KeyRecord:
+    return KeyRecord(
+        id=row["id"],
+        name=row["name"],
+        fingerprint=row["fingerprint"],
+        is_admin=bool(row["is_admin"]),
+        created_at=row["created_at"],
+        revoked_at=row["revoked_at"],
+        limits=KeyLimits(
+            row["quota_tokens"],
+            row["quota_period"],
+            row["rpm"],
+            row["max_concurrency"],
+            tuple(json.loads(row["models"])) if row["models"] is not None else None,
+        ),
+    )
+
+
+def job_record(row: Row) -> JobRecord:
+    return JobRecord(
+        tracking_id=row["tracking_id"],
+        key_id=row["key_id"],
+        status=row["status"],
+        nonce=row["nonce"],
+        result=row["result"],
+        error=row["error"],
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+    )

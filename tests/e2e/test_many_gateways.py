@@ -1,0 +1,287 @@
+"""Several real gateways on one PostgreSQL database and one Redis (private servers), each with its own
+embedded instance: exact quotas, shared rpm, single-read jobs, the sweep of a gateway killed with -9,
+speed and usage summed over gateways, and Redis and PostgreSQL restarted under load."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from llmserver.store import open_store
+from tests.services import Postgres, Redis
+from tests.support import COUNTING, MODEL, Server, cli, wait_for
+
+CONFIG = f"""
+gateway_lease_seconds = 3
+max_concurrency_per_key = 64
+key_cache_seconds = 0.2
+sync_timeout = 60
+[[models]]
+name = "{MODEL}"
+parallel = 2
+ctx_size = 1024
+threads = 1
+max_queue = 64
+"""
+TINY = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+
+
+@dataclass
+class Deployment:
+    postgres: Postgres
+    redis: Redis
+    database_url: str
+    root: Path
+    gateways: list[Server]
+
+    def env(self, gateway_id: str) -> dict[str, str]:
+        return {
+            "LLMSERVER_DATABASE_URL": self.database_url,
+            "LLMSERVER_REDIS_URL": self.redis.url,
+            "LLMSERVER_GATEWAY_ID": gateway_id,
+        }
+
+    def start_gateway(self, gateway_id: str) -> Server:
+        server = Server(data_dir=self.root / gateway_id, config=CONFIG, env=self.env(gateway_id)).start()
+        self.gateways.append(server)
+        return server
+
+    def key(self, name: str, *limits: str) -> tuple[str, str]:
+        """A key made with the CLI against the shared database: (its id, the key)."""
+        result = cli(self.root, "keys", "create", "--name", name, *limits, env=self.env("cli"))
+        assert result.returncode == 0, result.stderr
+        key = result.stdout.strip().splitlines()[-1]
+        key_id = result.stderr.split("created key ", 1)[1].split(" ", 1)[0]
+        return key_id, key
+
+    def counts(self, key_id: str, window: str = "total") -> tuple[int, int]:
+        async def read() -> tuple[int, int]:
+            store = await open_store(self.database_url)
+            try:
+                return await store.quota_counts(key_id, window)
+            finally:
+                await store.close()
+
+        return asyncio.run(read())
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    postgres: Postgres, redis_server: Redis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    url = postgres.new_database()
+    root = tmp_path_factory.mktemp("gateways")
+    migrated = cli(root, "db", "migrate", env={"LLMSERVER_DATABASE_URL": url})
+    assert migrated.returncode == 0, migrated.stderr
+    running = Deployment(postgres, redis_server, url, root, [])
+    running.start_gateway("gw-a")
+    running.start_gateway("gw-b")
+    yield running
+    for server in running.gateways:
+        server.stop()
+
+
+def both(deployment: Deployment) -> tuple[Server, Server]:
+    return deployment.gateways[0], deployment.gateways[1]
+
+
+def post(server: Server, key: str, body: dict[str, Any], path: str = "/api/generate") -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def test_forty_requests_through_two_gateways_never_overshoot_a_quota(deployment: Deployment) -> None:
+    a, b = both(deployment)
+    key_id, key = deployment.key("quota-400", "--quota-tokens", "400", "--quota-period", "total")
+    body = {"prompt": COUNTING, "raw": True, "max_tokens": 20, "temperature": 0}
+    with ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(lambda i: post(a if i % 2 else b, key, body), range(40)))
+    ok = [r for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code != 200]
+    assert ok and refused
+    assert {(r.status_code, r.json()["error"]["type"]) for r in refused} == {(429, "insufficient_quota")}
+    charged = sum(r.json()["prompt_tokens"] + r.json()["completion_tokens"] for r in ok)
+    assert wait_for(lambda: deployment.counts(key_id) == (charged, 0), 10), deployment.counts(key_id)
+    assert charged <= 400
+
+
+def test_rpm_counts_every_gateway(deployment: Deployment) -> None:
+    a, b = both(deployment)
+    _, key = deployment.key("rpm-10", "--rpm", "10")
+    with ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(lambda i: post(a if i % 2 else b, key, TINY), range(30)))
+    statuses = [r.status_code for r in answers]
+    assert statuses.count(200) == 10, statuses
+    limited = [r for r in answers if r.status_code == 429]
+    assert len(limited) == 20 and all(r.json()["error"]["type"] == "rate_limit_error" for r in limited)
+    assert all(1 <= int(r.headers["Retry-After"]) <= 60 for r in limited)
+
+
+def test_a_job_submitted_on_one_gateway_is_read_once_across_both(deployment: Deployment) -> None:
+    a, b = both(deployment)
+    key_id, key = deployment.key("jobs")
+    client_key = base64.b64encode(os.urandom(32)).decode()
+    submitted = post(a, key, {**TINY, "mode": "async", "key": client_key}).json()
+    tracking_id = submitted["tracking_id"]
+
+    def status() -> str:
+        async def read() -> str:
+            store = await open_store(deployment.database_url)
+            try:
+                job = await store.job(tracking_id, key_id, time.time())
+                return job.status if job else "gone"
+            finally:
+                await store.close()
+
+        return asyncio.run(read())
+
+    assert wait_for(lambda: status() == "ready", 60)
+    barrier = threading.Barrier(8)
+
+    def poll(i: int) -> httpx.Response:
+        barrier.wait()
+        server = a if i % 2 else b
+        return httpx.get(server.url + "/api/async_result", params={"tracking_id": tracking_id, "api_key": key})
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(poll, range(8)))
+    ready = [r for r in answers if r.status_code == 200]
+    assert len(ready) == 1 and ready[0].json()["status"] == "ready" and ready[0].json()["result"]
+    assert sorted(r.status_code for r in answers) == [200] + [404] * 7
+
+
+def test_speed_and_usage_add_up_over_gateways(deployment: Deployment) -> None:
+    a, b = both(deployment)
+    _, key = deployment.key("usage")
+    for server in (a, b, b):
+        assert post(server, key, TINY).status_code == 200
+    headers = {"Authorization": f"Bearer {key}"}
+    for server in (a, b):  # each gateway writes its ledger rows within 0.2 s
+        assert wait_for(lambda s=server: httpx.get(s.url + "/api/usage", headers=headers).json()["requests"] == 3, 3)
+
+    # Each gateway's in-memory average learns the other's traffic on its heartbeat (0.6 s here).
+    def average(server: Server) -> float | None:
+        models = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
+        return next(m.get("avg_tokens_per_second") for m in models if m["id"] == MODEL)
+
+    before = average(a)
+    for _ in range(3):
+        assert post(b, key, {**TINY, "max_tokens": 8}).status_code == 200
+    assert wait_for(lambda: average(a) == average(b) and average(a) != before, 5), (before, average(a), average(b))
+
+
+def test_a_gateway_killed_mid_stream_is_swept_and_only_its_jobs_fail(deployment: Deployment) -> None:
+    doomed = deployment.start_gateway("gw-doomed")
+    _, b = both(deployment)
+    key_id, key = deployment.key("swept", "--quota-tokens", "100000", "--quota-period", "total")
+    client_key = base64.b64encode(os.urandom(32)).decode()
+    long_job = {
+        "prompt": COUNTING,
+        "raw": True,
+        "max_tokens": 400,
+        "temperature": 0,
+        "mode": "async",
+        "key": client_key,
+    }
+    doomed_job = post(doomed, key, long_job).json()["tracking_id"]
+    b_job = post(b, key, {**TINY, "mode": "async", "key": client_key}).json()["tracking_id"]
+    events = 0
+    with httpx.stream(
+        "POST", doomed.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+        json={"model": MODEL, "prompt": COUNTING, "max_tokens": 400, "stream": True, "temperature": 0},
+    ) as stream:  # fmt: skip
+        for line in stream.iter_lines():
+            if line.startswith("data: {"):
+                events += 1
+            if events == 30:
+                time.sleep(2.5)  # a heartbeat or two writes what it has produced
+                assert doomed.process is not None
+                doomed.process.send_signal(signal.SIGKILL)
+                break
+    doomed.process.wait()  # type: ignore[union-attr]
+    killed_at = time.monotonic()
+    used, reserved = deployment.counts(key_id)
+    assert reserved > 0 and used < 100  # held by the dead gateway, not yet charged
+
+    # Swept by B within the lease (3 s) plus a heartbeat and B's wait on its own lease's health.
+    assert wait_for(lambda: deployment.counts(key_id)[1] == 0, 15)
+    sweep_seconds = time.monotonic() - killed_at
+    used, _ = deployment.counts(key_id)
+    assert 30 <= used <= 2 * 400 + 200, used  # what the stream and the job had produced, no more than held
+    poll = httpx.get(b.url + "/api/async_result", params={"tracking_id": doomed_job, "api_key": key}).json()
+    assert poll["status"] == "failed" and "submit it again" in poll["error"]["message"]
+    mine = httpx.get(b.url + "/api/async_result", params={"tracking_id": b_job, "api_key": key})
+    assert mine.status_code == 200 and mine.json()["status"] in ("pending", "ready")
+    assert "stopped renewing its lease: swept" in b.log() + deployment.gateways[0].log()
+    print(f"swept {sweep_seconds:.1f} s after kill -9; charged {used} tokens")
+
+
+def load(servers: list[Server], key: str, seconds: float) -> list[int]:
+    """Tiny requests from 4 threads for `seconds`: every status (0 for no answer at all)."""
+    statuses: list[int] = []
+    deadline = time.monotonic() + seconds
+
+    def loop(i: int) -> None:
+        while time.monotonic() < deadline:
+            try:
+                statuses.append(post(servers[i % len(servers)], key, TINY).status_code)
+            except httpx.HTTPError:
+                statuses.append(0)
+            time.sleep(0.05)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(loop, range(4)))
+    return statuses
+
+
+def test_redis_restarted_under_load_fails_limits_closed_then_recovers(deployment: Deployment) -> None:
+    a, b = both(deployment)
+    key_id, key = deployment.key(
+        "limited", "--max-concurrency", "8", "--rpm", "100000", "--quota-tokens", "100000", "--quota-period", "total"
+    )
+    _, plain = deployment.key("unlimited")
+    results: dict[str, list[int]] = {}
+    worker = threading.Thread(target=lambda: results.setdefault("limited", load([a, b], key, 8)))
+    worker.start()
+    time.sleep(2)
+    deployment.redis.stop()
+    during = post(a, key, TINY)
+    assert during.status_code == 503 and during.json()["error"]["type"] == "overloaded_error"
+    assert int(during.headers["Retry-After"]) >= 1
+    assert post(b, plain, TINY).status_code == 200  # keys without shared limits are served
+    time.sleep(2)
+    deployment.redis.start()
+    worker.join()
+    statuses = results["limited"]
+    assert 0 not in statuses and set(statuses) <= {200, 503}, set(statuses)
+    assert statuses.count(503) > 0 and statuses.count(200) > 0
+    assert wait_for(lambda: post(a, key, TINY).status_code == 200, 10)
+    assert wait_for(lambda: deployment.counts(key_id)[1] == 0, 5)
+    assert deployment.counts(key_id)[0] <= 100000
+    assert (a.log() + b.log()).count("Redis cannot be reached") <= 2  # once per gateway, not per request
+
+
+def test_postgres_restarted_gives_503_then_the_gateways_recover(deployment: Deployment) -> None:
+    a, b = both(deployment)
+    _, key = deployment.key("pg-outage")
+    assert post(a, key, TINY).status_code == 200
+    deployment.postgres.halt()
+    try:
+        time.sleep(0.5)  # past key_cache_seconds
+        down = [post(server, key, TINY) for server in (a, b)]
+        assert {(r.status_code, r.json()["error"]["type"]) for r in down} == {(503, "overloaded_error")}
+    finally:
+        deployment.postgres.resume()
+    assert wait_for(lambda: post(a, key, TINY).status_code == 200 and post(b, key, TINY).status_code == 200, 20)
+    assert all(server.process is not None and server.process.poll() is None for server in (a, b))

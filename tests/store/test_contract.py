@@ -1,0 +1,160 @@
+"""What every store engine must do, run on each (a real SQLite file, a real PostgreSQL database):
+keys, the ledger, single-read jobs, the webhook outbox, gateway leases and their sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llmserver.store import Store, UsageBatch
+from tests.auth.test_quota import with_store as run
+
+
+def test_keys_by_hash_and_revocation(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        record = await store.insert_key("key_a", "alice", "a" * 64, "aaaaaaaa", True)
+        assert record.active and record.is_admin
+        assert await store.key_by_hash("a" * 64) == record
+        assert await store.key_by_hash("b" * 64) is None
+        assert await store.revoke_key("key_a") is True
+        assert await store.revoke_key("key_a") is False  # already revoked
+        assert await store.revoke_key("key_missing") is False
+        revoked = await store.key_by_id("key_a")
+        assert revoked is not None and not revoked.active
+        assert [k.id for k in await store.list_keys()] == ["key_a"]
+
+    run(database_url, test)
+
+
+def test_usage_retention_and_speed_buckets(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        row = {
+            "key_id": "k", "model": "m", "instance_id": None, "endpoint": "/api/generate", "prompt_tokens": 1,
+            "completion_tokens": 1, "latency_ms": 1.0, "ttft_ms": None, "tokens_per_second": None, "outcome": "ok",
+        }  # fmt: skip
+        await store.record(UsageBatch(rows=[{**row, "time": 100.0}, {**row, "time": 200.0}]))
+        assert await store.delete_usage_before(150.0) == 1
+        assert [r["time"] for r in await store.usage_rows(None, 0, 1000)] == [200.0]
+        assert await store.usage_rows("other", 0, 1000) == []
+        await store.record(UsageBatch(speeds=[("m", 10, 5.0, 1.0), ("m", 11, 7.0, 2.0)]))
+        await store.record(UsageBatch(speeds=[("m", 11, 3.0, 1.0)]))  # another gateway, the same minute
+        assert sorted(await store.speed_since(11, prune=False)) == [("m", 11, 10, 3.0)]
+        assert len(await store.speed_since(0)) == 2
+
+    run(database_url, test)
+
+
+def test_a_finished_job_is_handed_out_once_however_many_poll_at_once(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        await store.insert_job("j", "k", "nonce", 1.0, "gw1")
+        assert (await store.job("j", "k", 2.0)).status == "pending"  # type: ignore[union-attr]
+        assert await store.job("j", "someone-else", 2.0) is None
+        await store.finish_job("j", result="ciphertext", error=None, now=2.0, expires_at=1e12)
+        claims = await asyncio.gather(*(store.claim_job("j", "k", 3.0, f"gw{i % 2}") for i in range(8)))
+        won = [claim for claim in claims if claim is not None]
+        assert len(won) == 1 and won[0].result == "ciphertext"
+        await store.release_claim("j")  # the answer did not reach its reader
+        assert (await store.claim_job("j", "k", 3.0, "gw2")) is not None
+        await store.delete_job("j")
+        assert await store.job("j", "k", 3.0) is None
+
+    run(database_url, test)
+
+
+def test_a_webhook_is_queued_with_the_result_and_claimed_by_one_gateway(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        await store.insert_job("j", "k", "nonce", 1.0, "gw1")
+        payload = json.dumps({"status": "ready", "tracking_id": "j", "result": "c"})
+        await store.finish_job("j", result="c", error=None, now=1.0, expires_at=1e12, webhook=("http://x/", payload))
+        first, second = await asyncio.gather(store.outbox_claim("gw1", 60, 16), store.outbox_claim("gw2", 60, 16))
+        assert len(first) + len(second) == 1
+        item = (first or second)[0]
+        assert (item.tracking_id, item.url, item.payload, item.attempts) == ("j", "http://x/", payload, 0)
+        assert await store.outbox_claim("gw3", 60, 16) == []  # claimed for a minute
+        await store.outbox_retry(item.id, 1, 0.0)  # failed once: due again at once, for anyone
+        again = await store.outbox_claim("gw3", 60, 16)
+        assert [i.attempts for i in again] == [1]
+        await store.outbox_done(item.id)
+        assert await store.outbox_claim("gw3", 0, 16) == []
+
+    run(database_url, test)
+
+
+def test_leases_and_the_sweep_of_a_lapsed_gateway(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        assert await store.gateway_holder("gw1") is None
+        assert await store.gateway_take("gw1", "host-a", 100, 30.0, None) is True
+        assert await store.gateway_take("gw1", "host-b", 200, 30.0, None) is False  # held: not by nobody
+        holder = await store.gateway_holder("gw1")
+        assert holder is not None and (holder.host, holder.pid) == ("host-a", 100) and 29 < holder.seconds_left <= 30
+        assert await store.gateway_take("gw2", "host-b", 200, 0.05, None) is True
+        assert await store.gateway_renew("gw1", 100, 30.0) is True
+        assert await store.gateway_renew("gw1", 999, 30.0) is False  # not the holder
+        await store.insert_job("running-on-gw2", "k", "n", 1.0, "gw2")
+        await store.insert_job("running-on-gw1", "k", "n", 1.0, "gw1")
+        await store.insert_job("ready", "k", "n", 1.0, "gw1")
+        await store.finish_job("ready", result="c", error=None, now=1.0, expires_at=1e12)
+        assert await store.claim_job("ready", "k", 2.0, "gw2") is not None  # gw2 was handing it out
+        await asyncio.sleep(0.1)
+        assert await store.gateways_lapsed() == ["gw2"]
+        assert await store.sweep_gateway("gw1", error="{}", expires_at=1e12, only_if_lapsed=True) is None  # alive
+        error = json.dumps({"error": {"message": "gone", "type": "server_error", "code": 500}})
+        swept = await store.sweep_gateway("gw2", error=error, expires_at=1e12, only_if_lapsed=True)
+        assert swept is not None and swept.jobs_failed == 1
+        assert await store.sweep_gateway("gw2", error=error, expires_at=1e12, only_if_lapsed=True) is None  # once
+        assert await store.gateways_lapsed() == []
+        states = {t: await store.job(t, "k", 3.0) for t in ("running-on-gw2", "running-on-gw1", "ready")}
+        assert {t: j.status for t, j in states.items() if j} == {
+            "running-on-gw2": "failed", "running-on-gw1": "pending", "ready": "ready",
+        }  # fmt: skip
+        assert states["running-on-gw2"].error == error  # type: ignore[union-attr]
+        await store.gateway_release("gw1", 100)
+        assert await store.gateway_holder("gw1") is None
+
+    run(database_url, test)
+
+
+def test_a_concurrent_quota_never_overshoots(database_url: str) -> None:
+    """Forty reservations at once from two gateways against 400 tokens: exactly the ten that fit."""
+
+    async def test(store: Store) -> None:
+        grants = await asyncio.gather(*(store.quota_reserve("k", "total", f"gw{i % 2}", 40, 400) for i in range(40)))
+        assert sum(grant.granted for grant in grants) == 10
+        assert await store.quota_counts("k", "total") == (0, 400)
+
+    run(database_url, test)
+
+
+def test_db_migrate_and_a_gateway_that_refuses_an_unmigrated_database(postgres: object) -> None:
+    from tests.services import Postgres
+
+    assert isinstance(postgres, Postgres)
+    url = postgres.new_database()
+    env = {**os.environ, "LLMSERVER_DATABASE_URL": url}
+
+    def llmserver(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "llmserver", *args], capture_output=True, text=True, timeout=60, env=env, check=False
+        )
+
+    refused = llmserver("keys", "list")
+    assert refused.returncode == 2 and "run `llmserver db migrate --database-url URL` first" in refused.stderr
+    migrated = llmserver("db", "migrate")
+    assert migrated.returncode == 0 and "schema version 1" in migrated.stdout, migrated.stderr
+    again = llmserver("db", "migrate")  # nothing left to apply
+    assert again.returncode == 0 and "schema version 1" in again.stdout
+    created = llmserver("keys", "create", "--name", "pg")
+    assert created.returncode == 0 and created.stdout.strip().splitlines()[-1].startswith("llms-")
+    assert "pg" in llmserver("keys", "list").stdout
+    unreachable = llmserver("keys", "list", "--database-url", "postgresql://postgres@127.0.0.1:1/none")
+    assert unreachable.returncode == 1 and "cannot be reached" in unreachable.stderr
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_sqlite_engine_is_the_default(database_url: str) -> None:
+    assert database_url.startswith("sqlite:///")
