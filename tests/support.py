@@ -1,8 +1,15 @@
-"""Running the real server for tests: a `llmserver serve` process on free ports in a temp data dir."""
+"""Running the real server for tests: a `llmserver serve` process on free ports in a temp data dir.
+
+`LLMSERVER_TEST_DATABASE=postgresql` runs every server of the suite on PostgreSQL and Redis instead of
+SQLite: private servers started on first use, a fresh migrated database per data dir (the CLI helpers
+and `make_key` use the same one), so that the whole suite runs on either engine.
+"""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import hashlib
 import os
 import signal
 import socket
@@ -12,8 +19,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from tests.services import Postgres, Redis
 
 MODEL = "SmolLM2-135M-Instruct-Q4_1"
 # An untemplated counting prompt that the embedded model continues to max_tokens. Greedy chat answers
@@ -50,13 +61,59 @@ def free_port_range(size: int) -> int:
     raise RuntimeError("no free port range")
 
 
+TEST_DATABASE = os.environ.get("LLMSERVER_TEST_DATABASE", "sqlite")
+_shared: dict[str, Any] = {}
+_databases: dict[Path, str] = {}
+
+
+def shared_servers() -> tuple[Postgres, Redis]:
+    """The session's PostgreSQL and Redis, started on first use and stopped when the tests end."""
+    from tests.services import Postgres, Redis
+
+    if "postgres" not in _shared:
+        _shared["postgres"] = Postgres().start()
+        atexit.register(_shared["postgres"].stop)
+        _shared["redis"] = Redis().start()
+        atexit.register(_shared["redis"].stop)
+    return _shared["postgres"], _shared["redis"]
+
+
+def database_url(data_dir: Path) -> str:
+    """The database of the server whose data dir this is."""
+    if TEST_DATABASE != "postgresql":
+        return f"sqlite:///{data_dir / 'llmserver.db'}"
+    data_dir = data_dir.resolve()
+    if data_dir not in _databases:
+        postgres, _ = shared_servers()
+        url = postgres.new_database()
+        migrated = subprocess.run(
+            [sys.executable, "-m", "llmserver", "db", "migrate", "--database-url", url],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert migrated.returncode == 0, migrated.stderr
+        _databases[data_dir] = url
+    return _databases[data_dir]
+
+
+def state_env(data_dir: Path) -> dict[str, str]:
+    """The environment that points a server or the CLI at the data dir's database (and Redis)."""
+    if TEST_DATABASE != "postgresql":
+        return {}
+    _, redis = shared_servers()
+    return {
+        "LLMSERVER_DATABASE_URL": database_url(data_dir),
+        "LLMSERVER_REDIS_URL": redis.url,
+        "LLMSERVER_GATEWAY_ID": "test-" + hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:10],
+    }
+
+
 def cli(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "llmserver", *args, "--data-dir", str(data_dir)],
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **state_env(data_dir), **(env or {})},
         check=False,
     )
 
@@ -94,7 +151,8 @@ class Server:
             config_path = self.data_dir / "config.toml"
             config_path.write_text(self.config)
             args += ["--config", str(config_path)]
-        env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port), **self.env}
+        ports = {"LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port)}
+        env = {**os.environ, **ports, **state_env(self.data_dir), **self.env}
         self.log_path = self.data_dir / "gateway.log"
         with self.log_path.open("ab") as log:
             # If pytest itself dies, its servers (and so their instances) die with it.
@@ -185,11 +243,10 @@ def make_key(data_dir: Path, name: str, admin: bool = False, **limits: object) -
     import asyncio
 
     from llmserver.auth.keys import KeyService
-    from llmserver.store import KeyLimits
-    from llmserver.store.sqlite import SQLiteStore
+    from llmserver.store import KeyLimits, open_store
 
     async def create() -> str:
-        store = SQLiteStore(data_dir / "llmserver.db")
+        store = await open_store(database_url(data_dir))
         try:
             return (await KeyService(store).create(name, admin=admin, limits=KeyLimits(**limits)))[1]  # type: ignore[arg-type]
         finally:
@@ -203,11 +260,10 @@ def make_key_record(data_dir: Path, name: str, **limits: object) -> tuple[str, s
     import asyncio
 
     from llmserver.auth.keys import KeyService
-    from llmserver.store import KeyLimits
-    from llmserver.store.sqlite import SQLiteStore
+    from llmserver.store import KeyLimits, open_store
 
     async def create() -> tuple[str, str]:
-        store = SQLiteStore(data_dir / "llmserver.db")
+        store = await open_store(database_url(data_dir))
         try:
             record, key = await KeyService(store).create(name, limits=KeyLimits(**limits))  # type: ignore[arg-type]
             return record.id, key
@@ -221,11 +277,10 @@ def use_total_quota(data_dir: Path, key_id: str, tokens: int) -> None:
     """Charge `tokens` to a key's total quota, as finished requests would have."""
     import asyncio
 
-    from llmserver.store import Settlement, UsageBatch
-    from llmserver.store.sqlite import SQLiteStore
+    from llmserver.store import Settlement, UsageBatch, open_store
 
     async def charge() -> None:
-        store = SQLiteStore(data_dir / "llmserver.db")
+        store = await open_store(database_url(data_dir))
         try:
             await store.record(UsageBatch(settlements=[Settlement(key_id, "total", "tests", 0, tokens)]))
         finally:
@@ -244,3 +299,29 @@ def metric(server: Server, admin_key: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     return 0.0
+
+
+def store_rows(data_dir: Path, query: str, *params: object) -> list[dict[str, Any]]:
+    """Rows of a query on the server's database, whichever the engine (`?` placeholders)."""
+    import asyncio
+    import sqlite3
+
+    url = database_url(data_dir)
+    if url.startswith("sqlite:"):
+        with sqlite3.connect(data_dir / "llmserver.db") as db:
+            db.row_factory = sqlite3.Row
+            return [dict(row) for row in db.execute(query, params).fetchall()]
+    import asyncpg
+
+    numbered = query
+    for number in range(1, len(params) + 1):
+        numbered = numbered.replace("?", f"${number}", 1)
+
+    async def fetch() -> list[dict[str, Any]]:
+        connection = await asyncpg.connect(url)
+        try:
+            return [dict(row) for row in await connection.fetch(numbered, *params)]
+        finally:
+            await connection.close()
+
+    return asyncio.run(fetch())

@@ -133,7 +133,10 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await job_service.stop(grace=settings.drain_timeout)
             await supervisor.stop()
-            await recorder.flush()
+            try:
+                await recorder.flush()
+            except APIError as exc:
+                log.error("usage rows and settlements could not be written before stopping: %s", exc.message)
             await lease.stop()
             if shared is not None:
                 await shared.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from llmserver.client import Client, JobGone
 from tests.jobs.test_crypto import independent_decrypt
 from tests.receiver import Receiver
-from tests.support import COUNTING, MODEL, Server, cli, make_key, wait_for
+from tests.support import COUNTING, MODEL, Server, cli, make_key, store_rows, wait_for
 
 GONE = {
     "error": {
@@ -207,8 +206,9 @@ def test_private_webhook_is_refused_by_default(server: Server, api_key: str, rec
 
 
 def job_rows(data_dir: Path, tracking_id: str) -> list[tuple[str]]:
-    with sqlite3.connect(data_dir / "llmserver.db") as db:
-        return db.execute("SELECT status FROM jobs WHERE tracking_id = ?", (tracking_id,)).fetchall()
+    return [
+        (row["status"],) for row in store_rows(data_dir, "SELECT status FROM jobs WHERE tracking_id = ?", tracking_id)
+    ]
 
 
 def test_expired_results_are_404(start_server: Callable[..., Server]) -> None:

@@ -274,14 +274,40 @@ def test_redis_restarted_under_load_fails_limits_closed_then_recovers(deployment
 
 def test_postgres_restarted_gives_503_then_the_gateways_recover(deployment: Deployment) -> None:
     a, b = both(deployment)
-    _, key = deployment.key("pg-outage")
+    key_id, key = deployment.key("pg-outage", "--quota-tokens", "100000", "--quota-period", "total")
     assert post(a, key, TINY).status_code == 200
+    # A request admitted before the outage and finished during it: its ledger row and its settlement
+    # wait in the gateway and are written once PostgreSQL is back.
+    finished: list[httpx.Response] = []
+    body = {"prompt": COUNTING, "raw": True, "max_tokens": 120, "temperature": 0}
+    streaming = threading.Thread(target=lambda: finished.append(post(a, key, body)))
+    streaming.start()
+    time.sleep(0.3)
     deployment.postgres.halt()
     try:
+        streaming.join()
         time.sleep(0.5)  # past key_cache_seconds
         down = [post(server, key, TINY) for server in (a, b)]
         assert {(r.status_code, r.json()["error"]["type"]) for r in down} == {(503, "overloaded_error")}
+        assert all(int(r.headers["Retry-After"]) >= 1 for r in down)
     finally:
         deployment.postgres.resume()
+    assert finished[0].status_code == 200
     assert wait_for(lambda: post(a, key, TINY).status_code == 200 and post(b, key, TINY).status_code == 200, 20)
     assert all(server.process is not None and server.process.poll() is None for server in (a, b))
+    answered = 1 + 1 + 2  # before, during (admitted earlier), after
+    rows = lambda: store_rows_pg(deployment.database_url, key_id)  # noqa: E731
+    assert wait_for(lambda: len(rows()) >= answered, 15), rows()
+    charged = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows())
+    assert wait_for(lambda: deployment.counts(key_id) == (charged, 0), 10), (deployment.counts(key_id), charged)
+
+
+def store_rows_pg(url: str, key_id: str) -> list[dict[str, Any]]:
+    async def fetch() -> list[dict[str, Any]]:
+        store = await open_store(url)
+        try:
+            return await store.usage_rows(key_id, 0, time.time() + 60)
+        finally:
+            await store.close()
+
+    return asyncio.run(fetch())

@@ -29,12 +29,14 @@ from llmserver.settings import Settings
 from tests import documents
 from tests.e2e.test_async import poll_until_done
 from tests.images import png
-from tests.support import MODEL, Server, make_key, make_key_record
+from tests.support import MODEL, Server, make_key, make_key_record, shared_servers, state_env
 from tests.vision_model import write_vision_model
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 BIN = Path(sys.executable).parent
 DOCUMENTED_INSTANCE = "3f9c0a1b2c4d"
+DOCUMENTED_DATABASE = "postgresql://llmserver:secret@db.internal/llmserver"
+DOCUMENTED_REDIS = "redis://cache.internal:6379/0"
 # Commands the README shows that CI runs in its own way (install, serve, test, benchmark).
 NOT_HERE = re.compile(r"scripts/setup\.sh|llmserver serve|-m pytest|-m bench|-m fuzz|ruff check|mypy")
 
@@ -126,7 +128,11 @@ def filled(readme_server: Server, tmp_path_factory: pytest.TempPathFactory) -> d
     extra = httpx.post(
         server.url + "/api/instances", json={"model": MODEL}, headers={"Authorization": f"Bearer {admin}"}, timeout=120
     ).json()
-    return {"work": work, "admin": admin, "key": key, "key_id": key_id, "job": job, "instance": extra["instance_id"]}
+    postgres, redis = shared_servers()  # for the Many gateways example: a fresh database, the tests' Redis
+    return {
+        "work": work, "admin": admin, "key": key, "key_id": key_id, "job": job, "instance": extra["instance_id"],
+        "database_url": postgres.new_database(), "redis_url": redis.url,
+    }  # fmt: skip
 
 
 def submit_job(server: Server, api_key: str) -> tuple[dict[str, Any], str]:
@@ -143,12 +149,15 @@ def fill(code: str, server: Server, values: dict[str, Any]) -> str:
         .replace(".venv/bin/", f"{BIN}/")
         .replace("KEY_ID", values["key_id"])
         .replace(DOCUMENTED_INSTANCE, values["instance"])
+        .replace(DOCUMENTED_DATABASE, values["database_url"])
+        .replace(DOCUMENTED_REDIS, values["redis_url"])
     )
 
 
 def shell_env(server: Server, values: dict[str, Any]) -> dict[str, str]:
     return {
         **os.environ,
+        **state_env(server.data_dir),
         "KEY": values["key"],
         "ADMIN_KEY": values["admin"],
         "ID": values["job"]["tracking_id"],

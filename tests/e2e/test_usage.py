@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import MODEL, Server, cli, make_key, wait_for
+from tests.support import MODEL, Server, cli, make_key, store_rows, wait_for
 
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -24,10 +23,8 @@ QUOTA = 900
 
 
 def ledger(data_dir: Path, key_id: str | None = None) -> list[dict[str, Any]]:
-    with sqlite3.connect(data_dir / "llmserver.db") as db:
-        db.row_factory = sqlite3.Row
-        rows = db.execute("SELECT * FROM usage_ledger").fetchall()
-    return [dict(r) for r in rows if key_id is None or r["key_id"] == key_id]
+    rows = store_rows(data_dir, "SELECT * FROM usage_ledger ORDER BY id")
+    return [r for r in rows if key_id is None or r["key_id"] == key_id]
 
 
 def key_id_of(data_dir: Path, name: str) -> str:

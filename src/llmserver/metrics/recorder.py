@@ -16,6 +16,7 @@ from prometheus_client import Histogram
 
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService, Reservation
+from llmserver.errors import StateUnavailable
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.store import UsageBatch, UsageStore
@@ -55,15 +56,19 @@ class UsageRecorder:
         self._writer: asyncio.Task[None] | None = None
         self._gaps: dict[str, Histogram] = {}
         self._open: set[Tally] = set()  # requests holding a quota reservation, until they close
+        self._unwritten = False  # the last write found the store unreachable
 
     def settling(self, key_id: str) -> bool:
         """Whether a settlement of this key's quota is queued or being written."""
         return any(s.key_id == key_id for s in (*self._batch.settlements, *self._writing.settlements))
 
     async def flush(self) -> None:
-        """Write everything queued so far (and wait for a write already under way)."""
+        """Write everything queued so far (and wait for a write already under way); StateUnavailable
+        while the store cannot be reached (what is queued stays queued)."""
         while self._writer is not None and not self._writer.done():
-            await asyncio.shield(self._writer)
+            if self._unwritten:
+                raise StateUnavailable("The database cannot be reached; retry shortly.", retry_after=2)
+            await asyncio.wait({self._writer}, timeout=0.5)
         if self._batch:
             self._schedule_write()
             await self.flush()
@@ -77,15 +82,33 @@ class UsageRecorder:
         # writes (a thread hop and a transaction) a few times a second, not once per request.
         # flush() waits for it; nothing reads the ledger without flushing first.
         await asyncio.sleep(WRITE_DELAY)
+        delay = 1.0
         while self._batch:
             self._writing, self._batch = self._batch, UsageBatch()
             batch = self._writing
             try:
                 await self._store.record(batch)
+            except StateUnavailable:
+                # Kept, in order, and written once the store answers again: nothing accepted is lost.
+                self._batch = UsageBatch(
+                    batch.rows + self._batch.rows,
+                    batch.speeds + self._batch.speeds,
+                    batch.settlements + self._batch.settlements,
+                )
+                self._writing = UsageBatch()
+                if not self._unwritten:
+                    log.warning("usage rows and quota settlements wait for the database to answer again")
+                self._unwritten = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
             except Exception:
                 log.exception(
                     "could not write %d usage rows and %d settlements", len(batch.rows), len(batch.settlements)
                 )
+            if self._unwritten:
+                log.warning("usage rows and quota settlements are written again")
+            self._unwritten = False
             self._writing = UsageBatch()
 
     def opened(self, tally: Tally) -> None:
