@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from llmserver.auth.keys import Principal, may_use
 from llmserver.auth.limiters import ConcurrencyLimiter, RateLimiter
-from llmserver.auth.quota import QuotaService
+from llmserver.auth.quota import InsufficientQuota, QuotaService
 from llmserver.errors import APIError, PermissionDenied, RateLimited
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.router import Lease, Router
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -106,8 +109,7 @@ class Admission:
             held = await self._limiter(principal).held(key)
             if held >= self._places(principal):
                 raise _too_many_in_flight(held)
-            await self._settled(principal)
-            await self._quota.exhausted(principal)
+            await self._settled(principal, lambda: self._quota.exhausted(principal))
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
@@ -118,10 +120,17 @@ class Admission:
     def _limiter(self, principal: Principal) -> ConcurrencyLimiter:
         return self._concurrency if principal.limits.max_concurrency is not None else self._local
 
-    async def _settled(self, principal: Principal) -> None:
-        """Wait for the key's last settlement to be written, if one is pending: its quota is exact."""
-        if principal.limits.quota_tokens is not None and self._recorder.settling(principal.key_id):
-            await self._recorder.flush()
+    async def _settled(self, principal: Principal, check: Callable[[], Awaitable[T]]) -> T:
+        """A quota check; refused while one of the key's settlements is still queued (so its request's
+        reservation still counts in full), it is asked again once that is written. Refusals are exact,
+        and a request that fits does not wait for the previous one's write."""
+        try:
+            return await check()
+        except InsufficientQuota:
+            if not self._recorder.settling(principal.key_id):
+                raise
+        await self._recorder.flush()
+        return await check()
 
     async def admit(
         self,
@@ -146,8 +155,7 @@ class Admission:
             if refused is not None:
                 raise _too_many_in_flight(refused)
             try:
-                await self._settled(principal)
-                reservation = await self._quota.reserve(principal, tokens)
+                reservation = await self._settled(principal, lambda: self._quota.reserve(principal, tokens))
             except BaseException:
                 places.release(key)
                 raise
@@ -171,7 +179,7 @@ class Admission:
         """Hold `tokens` instead, now that the inputs are known (429 insufficient_quota if it grew
         past what is left): before anything reaches an instance."""
         try:
-            await self._quota.adjust(ticket.tally.reservation, tokens)
+            await self._settled(ticket.tally.principal, lambda: self._quota.adjust(ticket.tally.reservation, tokens))
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
