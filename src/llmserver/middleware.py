@@ -14,7 +14,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserver.auth.quota import QuotaService
-from llmserver.errors import RequestTooLarge
+from llmserver.errors import APIError, RequestTooLarge
 
 access_log = logging.getLogger("llmserver.access")
 
@@ -114,7 +114,10 @@ class QuotaHeaders:
             if message["type"] == "http.response.start":
                 principal = scope.get("state", {}).get("principal")
                 if principal is not None and principal.limits.quota_tokens is not None:
-                    headers = await self._quota().headers(principal)
+                    try:
+                        headers = await self._quota().headers(principal)
+                    except APIError:
+                        headers = {}  # the database went away after the answer was made: send it without them
                     extra = [(k.encode(), v.encode()) for k, v in headers.items()]
                     message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)

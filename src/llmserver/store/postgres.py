@@ -60,7 +60,8 @@ class PostgresStore:
         """A pool on the database; SchemaError unless its schema is this build's (after migrating, with
         `migrate`), StateUnavailable when the server cannot be reached."""
         try:
-            pool = await asyncpg.create_pool(url, min_size=1, max_size=pool_size, timeout=10, command_timeout=30)
+            # min_size 0: asyncpg keeps no floor to restore (and log a traceback for) while the server is down.
+            pool = await asyncpg.create_pool(url, min_size=0, max_size=pool_size, timeout=10, command_timeout=30)
         except UNREACHABLE as exc:
             raise StateUnavailable(f"PostgreSQL at {redact(url)} cannot be reached: {exc}") from exc
         assert pool is not None
