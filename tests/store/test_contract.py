@@ -144,6 +144,9 @@ def test_db_migrate_and_a_gateway_that_refuses_an_unmigrated_database(postgres: 
 
     refused = llmserver("keys", "list")
     assert refused.returncode == 2 and "run `llmserver db migrate --database-url URL` first" in refused.stderr
+    not_served = llmserver("serve", "--port", "1")
+    assert not_served.returncode == 2 and "llmserver db migrate" in not_served.stderr
+    assert len(not_served.stderr.strip().splitlines()) == 1  # one line, no traceback
     migrated = llmserver("db", "migrate")
     assert migrated.returncode == 0 and "schema version 1" in migrated.stdout, migrated.stderr
     again = llmserver("db", "migrate")  # nothing left to apply

@@ -68,6 +68,9 @@ class PostgresStore:
         try:
             async with pool.acquire() as conn:
                 version = await _migrate(conn) if migrate else await _version(conn)
+        except UNREACHABLE as exc:
+            await pool.close()
+            raise StateUnavailable(f"PostgreSQL at {redact(url)} cannot be reached: {exc}") from exc
         except BaseException:
             await pool.close()
             raise
