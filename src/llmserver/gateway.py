@@ -198,4 +198,5 @@ class GatewayLease:
             gateway_id, swept.reservations, swept.charged, swept.jobs_failed,
         )  # fmt: skip
         if self._on_sweep is not None:
-            await self._on_sweep(gateway_id)
+            with contextlib.suppress(APIError):  # Redis away: its places lapse with their hash's expiry
+                await self._on_sweep(gateway_id)

@@ -26,6 +26,9 @@ class _Waiter:
     key_id: str
     affinity: str | None
     future: asyncio.Future[Instance]
+    # A retry waits for a slot elsewhere: the instance it failed on may be dead and not yet reaped
+    # (its sockets close a moment before its process can be waited for).
+    avoid: Instance | None = None
 
 
 class ModelPool:
@@ -103,7 +106,7 @@ class ModelPool:
                 "are already waiting. Retry shortly.",
                 retry_after=2,
             )
-        waiter = _Waiter(key_id, affinity, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(key_id, affinity, asyncio.get_running_loop().create_future(), avoid)
         self._waiters.append(waiter)
         self._on_pressure(self)
         try:
@@ -150,7 +153,7 @@ class ModelPool:
             if waiter.future.done():  # timed out or cancelled meanwhile
                 self._waiters.popleft()
                 continue
-            instance = self._free_instance(waiter.affinity)
+            instance = self._free_instance(waiter.affinity, waiter.avoid)
             if instance is None:
                 return
             self._waiters.popleft()
