@@ -78,21 +78,24 @@ class Postgres:
 
 
 class Redis:
-    def __init__(self) -> None:
+    def __init__(self, bind: str = "127.0.0.1") -> None:
+        self.bind = bind  # addresses, space-separated; the first is the one in `url`
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.root = Path(tempfile.mkdtemp(prefix="llmserver-redis-"))
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.bind.split()[0]}:{self.port}/0"
 
     def start(self) -> Redis:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         if not Path(binary).exists():
             raise RuntimeError("redis-server not found: install Debian's redis-server package (.ci/run does)")
         self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            # Protected mode would refuse the test hosts' addresses: this server is private to the tests.
+            [binary, "--port", str(self.port), "--bind", *self.bind.split(), "--protected-mode", "no",
+             "--save", "", "--appendonly", "no",
              "--dir", str(self.root)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent,
         )  # fmt: skip
@@ -101,12 +104,13 @@ class Redis:
             try:
                 import socket
 
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                with socket.create_connection((self.bind.split()[0], self.port), timeout=1) as sock:
                     sock.sendall(b"PING\r\n")
                     if sock.recv(16).startswith(b"+PONG"):
                         return self
             except OSError:
                 time.sleep(0.05)
+        self.stop()
         raise RuntimeError("redis-server did not start")
 
     def stop(self) -> None:

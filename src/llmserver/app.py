@@ -32,6 +32,7 @@ from llmserver.metrics.recorder import UsageRecorder
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.middleware import AccessLog, BodySizeLimit, QuotaHeaders
 from llmserver.pool.admission import Admission
+from llmserver.pool.registry import Registry
 from llmserver.pool.router import Router
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import Settings
@@ -122,16 +123,21 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.embeddings = EmbeddingService(settings, admission, calls)
         app.state.jobs = job_service
         app.state.started_at = time.time()
+        registry = _registry(settings, supervisor)
         try:
             await lease.start()
             await job_service.start()
             await supervisor.start()
+            if registry is not None:
+                registry.start()
             log.info(
                 "llmserver %s ready on http://%s:%s (gateway %s)", __version__, settings.host, settings.port, gateway
             )
             yield
         finally:
             await job_service.stop(grace=settings.drain_timeout)
+            if registry is not None:
+                await registry.stop()
             await supervisor.stop()
             try:
                 await recorder.flush()
@@ -151,6 +157,17 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(QuotaHeaders, quota=lambda: app.state.quota)
     app.add_middleware(AccessLog)
     return app
+
+
+def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:
+    """For a gateway of role `gateway`: the instances the nodes publish in Redis."""
+    if supervisor.local:
+        return None
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    api_key = settings.instance_api_key.get_secret_value() if settings.instance_api_key else None
+    return Registry(client, supervisor.pools, api_key)
 
 
 GENERATING = ("/api/generate", "/v1/chat/completions", "/v1/completions", "/v1/embeddings")

@@ -10,7 +10,7 @@ import click
 
 from llmserver import __version__
 from llmserver.catalog import ModelFileError
-from llmserver.commands import ask, config, db, extract, instances, keys, models, serve
+from llmserver.commands import ask, config, db, extract, instances, keys, models, node, serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,6 +27,7 @@ cli.add_command(instances.instances)
 cli.add_command(ask.ask)
 cli.add_command(extract.extract)
 cli.add_command(db.db)
+cli.add_command(node.node)
 
 
 def main() -> None:

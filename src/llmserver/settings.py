@@ -167,7 +167,24 @@ class Settings(BaseSettings):
         default=None, description="Hugging Face endpoint for hf_repo models; empty: $HF_ENDPOINT, else huggingface.co."
     )
     owned_by: str = Field(default="5cbot_llm_server", description="`owned_by` of every model in /v1/models.")
-    instance_host: str = Field(default="127.0.0.1", description="Address llama-server instances bind to.")
+    instance_host: str = Field(
+        default="127.0.0.1",
+        description="Address llama-server instances bind to (`llmserver node --advertise` sets it: the address "
+        "gateways reach them at).",
+    )
+    role: Literal["all", "gateway"] = Field(
+        default="all",
+        description="`all`: the gateway starts and supervises its own instances. `gateway`: it starts none and routes "
+        "to the instances that `llmserver node` processes publish in Redis (redis_url).",
+    )
+    node_id: str = Field(
+        default="", max_length=200, description="`llmserver node`'s name in the instance registry; empty: host name."
+    )
+    instance_api_key: SecretStr | None = Field(
+        default=None,
+        description="The key llama-server instances demand (--api-key), shared by nodes and gateways; required for "
+        "instances on a non-loopback address.",
+    )
     instance_base_port: int = Field(
         default=8001,
         ge=1024,

@@ -242,6 +242,8 @@ def test_instances_command_prints_the_table(pool: Server) -> None:
         "ID",
         "MODEL",
         "STATUS",
+        "NODE",
+        "HOST",
         "PORT",
         "PID",
         "USERS",
@@ -252,6 +254,7 @@ def test_instances_command_prints_the_table(pool: Server) -> None:
     ]
     listed = instances(pool)
     assert sorted(row.split()[0] for row in rows) == sorted(i["instance_id"] for i in listed)
+    assert {row.split()[3] for row in rows} == {"-"}  # instances of this gateway's own: no node
     as_json = cli(pool.data_dir, "instances", "--url", pool.url, "--json", env={"LLMSERVER_API_KEY": ADMIN})
     assert {r["instance_id"] for r in json.loads(as_json.stdout)} == {i["instance_id"] for i in listed}
     refused = cli(pool.data_dir, "instances", "--url", pool.url, "--key", "nope")

@@ -43,7 +43,7 @@ def load(config_file: Path | None, **overrides: Any) -> Settings:
     takes without naming them (--database-url) are applied here."""
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
-        for name in ("database_url", "redis_url"):
+        for name in ("database_url", "redis_url", "role"):
             value = ctx.meta.get(f"llmserver.{name}")  # shared by every context of the command line
             if value is not None:
                 overrides.setdefault(name, value)

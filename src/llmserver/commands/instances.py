@@ -18,6 +18,8 @@ COLUMNS = [
     ("instance_id", "ID", 14),
     ("model", "MODEL", 28),
     ("status", "STATUS", 9),
+    ("node", "NODE", 12),
+    ("host", "HOST", 15),
     ("port", "PORT", 6),
     ("pid", "PID", 8),
     ("active_users", "USERS", 6),
@@ -48,7 +50,8 @@ def fetch_instances(url: str, key: str) -> list[dict[str, Any]]:
 def table(records: list[dict[str, Any]]) -> str:
     lines = [" ".join(f"{title:<{width}}" for _, title, width in COLUMNS).rstrip()]
     for record in records:
-        lines.append(" ".join(f"{record[name]!s:<{width}}" for name, _, width in COLUMNS).rstrip())
+        # An instance this gateway runs itself has no node: "-".
+        lines.append(" ".join(f"{record.get(name, '-')!s:<{width}}" for name, _, width in COLUMNS).rstrip())
     return "\n".join(lines)
 
 

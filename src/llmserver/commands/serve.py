@@ -22,6 +22,14 @@ from llmserver.commands import load, models_from_args, open_checked_store, remem
 )  # fmt: skip
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option(
+    "--role",
+    type=click.Choice(["all", "gateway"]),
+    default=None,
+    expose_value=False,
+    callback=remember,
+    help="all (default): run its own instances; gateway: route to the instances `llmserver node`s publish.",
+)
+@click.option(
     "--redis-url", default=None, expose_value=False, callback=remember,
     help="redis://… where rpm and max_concurrency are counted for all gateways (default: $LLMSERVER_REDIS_URL).",
 )  # fmt: skip
@@ -46,7 +54,11 @@ def serve(
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The database first: a schema to migrate, or a server that cannot be reached, is one clean line.
     open_checked_store(settings)
-    for model in settings.models:
+    if settings.role == "gateway" and not settings.redis_url:
+        raise click.UsageError(
+            "a gateway finds the nodes' instances in Redis: set --redis-url (or LLMSERVER_REDIS_URL)"
+        )
+    for model in settings.models if settings.role == "all" else []:
         # Every model file found (or downloaded) before the server starts: a missing one is one clean
         # line (ModelFileError, exit status 2), not a start-up traceback.
         model_path(model, settings.model_cache_dir, settings.hf_endpoint)

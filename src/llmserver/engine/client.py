@@ -22,14 +22,17 @@ JSON = dict[str, Any]
 
 
 class LlamaServerClient:
-    def __init__(self, base_url: str, *, connections: int = 8) -> None:
+    def __init__(self, base_url: str, *, connections: int = 8, api_key: str | None = None) -> None:
         self.base_url = base_url
+        # An instance on a worker host answers only to the key that gateways and its node share.
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         connector = aiohttp.TCPConnector(limit=connections, force_close=False, enable_cleanup_closed=True)
         # No total timeout here: callers bound whole generations themselves.
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
             json_serialize=json.dumps,
+            headers=headers,
         )
         # Retries go out on a new connection: llama-server may have closed the kept-alive ones the
         # pool still holds (it does so right after a streamed answer), and a second stale one would
@@ -38,6 +41,7 @@ class LlamaServerClient:
             connector=aiohttp.TCPConnector(limit=connections, force_close=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
             json_serialize=json.dumps,
+            headers=headers,
         )
 
     async def close(self) -> None:

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import ctypes
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -120,6 +121,7 @@ class Instance:
     # if not, the gateway describes them in the prompt (engine/tools.py).
     native_tools: bool = False
     keep_until: float = 0.0  # a request's keep_alive: not stopped for idleness before this (time.time())
+    api_key: str | None = None  # llama-server's --api-key (instance_api_key): for instances other hosts reach
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     _ps: psutil.Process | None = None
 
@@ -217,6 +219,9 @@ class Instance:
         self.cpu_percent = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         args = llama_server_args(binary, model_file, self.model, self.host, self.port, mmproj)
+        # The key goes in llama-server's environment (its --api-key reads LLAMA_API_KEY), not on the
+        # command line, which any user of the host can read in /proc.
+        env = {**os.environ, "LLAMA_API_KEY": self.api_key} if self.api_key else None
         with self.log_path.open("ab") as log_file:
             log_file.write(f"\n=== {datetime.now(UTC).isoformat()} starting: {' '.join(args)}\n".encode())
             log_file.flush()
@@ -229,6 +234,7 @@ class Instance:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C at the terminal reaches the gateway, which stops us in order
                 preexec_fn=_die_with_parent,
+                env=env,
             )
         log.info(
             "instance %s (%s) starting: pid %s on %s, log %s",
@@ -244,7 +250,7 @@ class Instance:
             raise
         # llama-server serves HTTP with parallel + 4 threads (on up to 9 CPUs) and drops connections
         # beyond them; at most `parallel` requests are leased to an instance, plus health probes.
-        self.client = LlamaServerClient(self.base_url, connections=self.model.parallel + 2)
+        self.client = LlamaServerClient(self.base_url, connections=self.model.parallel + 2, api_key=self.api_key)
         self.native_tools = await self._template_has_tools()
         with contextlib.suppress(psutil.Error):
             self._ps = psutil.Process(self.process.pid)

@@ -67,8 +67,15 @@ class Supervisor:
 
     # Lifecycle
 
+    @property
+    def local(self) -> bool:
+        """Whether this process runs instances itself (role `all`; a `gateway` routes to nodes' instances)."""
+        return self.settings.role != "gateway"
+
     async def start(self) -> None:
         """Start every pool's min_instances and wait for them; raise if any cannot start."""
+        if not self.local:
+            return
         self._binary = llama_server_binary(self.settings.llama_server_path)
         # Downloads (hf_repo models, first use) run in a thread: they may take minutes.
         cache, endpoint = self.settings.model_cache_dir, self.settings.hf_endpoint
@@ -148,6 +155,7 @@ class Supervisor:
             host=self.settings.instance_host,
             port=port,
             log_path=self.settings.log_dir / f"{pool.name}-{port}.log",
+            api_key=self.settings.instance_api_key.get_secret_value() if self.settings.instance_api_key else None,
         )
         pool.instances.append(instance)
         return instance
@@ -187,6 +195,8 @@ class Supervisor:
     async def start_instance(self, name: str) -> Instance:
         """Start one more instance of a model now (the admin API); raise if it cannot be started."""
         pool = self.pool(name)
+        if not self.local:
+            raise InvalidRequest("This gateway runs no instances: start them with `llmserver node`.", param="model")
         if len(pool.live()) >= pool.config.max_instances:
             raise InvalidRequest(
                 f"The model {name!r} already runs its max_instances ({pool.config.max_instances}).", param="model"
@@ -199,7 +209,7 @@ class Supervisor:
     def scale_up(self, pool: ModelPool) -> None:
         """Requests are queueing: start one more instance if the limits allow and none is starting,
         stopping the least recently used idle instance of another model if the memory budget needs it."""
-        if not self._may_autostart(pool) or len(pool.live()) >= pool.config.max_instances:
+        if not self.local or not self._may_autostart(pool) or len(pool.live()) >= pool.config.max_instances:
             return
         estimate = self.estimate_mb(pool)
         if self.memory_used_mb() + estimate > self.memory_budget_mb:

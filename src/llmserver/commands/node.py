@@ -1,0 +1,82 @@
+"""`llmserver node`: a worker host's llama-server instances, supervised and published in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+import socket
+from pathlib import Path
+
+import click
+
+from llmserver.catalog import mmproj_path, model_path
+from llmserver.commands import load, remember, settings_options
+from llmserver.settings import Settings
+
+
+@click.command()
+@settings_options
+@click.option(
+    "--redis-url", default=None, expose_value=False, callback=remember,
+    help="redis://… where the node publishes its instances (default: $LLMSERVER_REDIS_URL).",
+)  # fmt: skip
+@click.option(
+    "--advertise", default=None, help="The address gateways reach this host's instances at (they bind to it)."
+)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+def node(config_file: Path | None, data_dir: Path | None, advertise: str | None, log_level: str | None) -> None:
+    """Run this host's instances of the configured models for the gateways (`serve --role gateway`)."""
+    overrides = {"instance_host": advertise} if advertise else {}
+    settings = load(config_file, data_dir=data_dir, log_level=log_level, **overrides)
+    if not settings.redis_url:
+        raise click.UsageError("a node publishes its instances in Redis: set --redis-url (or LLMSERVER_REDIS_URL)")
+    if not _loopback(settings.instance_host) and settings.instance_api_key is None:
+        raise click.UsageError(
+            f"instances would listen on {settings.instance_host} without a key: set instance_api_key "
+            "(LLMSERVER_INSTANCE_API_KEY), the key gateways use to reach them"
+        )
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for model in settings.models:
+        model_path(model, settings.model_cache_dir, settings.hf_endpoint)
+        mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)
+    asyncio.run(_run(settings))
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+async def _run(settings: Settings) -> None:
+    import redis.asyncio
+
+    from llmserver.pool.registry import Publisher
+    from llmserver.pool.supervisor import Supervisor
+
+    log = logging.getLogger("llmserver.node")
+    node_id = settings.node_id or socket.gethostname()
+    supervisor = Supervisor(settings)
+    client = redis.asyncio.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(stop_signal, stop.set)
+    await supervisor.start()
+    publisher = Publisher(client, supervisor, node_id)
+    publishing = asyncio.create_task(publisher.run(), name="publish")
+    log.info(
+        "node %s (incarnation %s) publishes %d instances on %s",
+        node_id, publisher.incarnation, len(supervisor.all_instances()), settings.instance_host,
+    )  # fmt: skip
+    try:
+        await stop.wait()
+    finally:
+        publishing.cancel()
+        await publisher.withdraw()
+        await supervisor.stop()
+        await client.aclose()
+        log.info("node %s stopped", node_id)

@@ -1,0 +1,239 @@
+"""The instance registry in Redis: nodes publish their instances, gateways route to them.
+
+A node (`llmserver node`) writes one key per instance every second, `llmserver:instance:ID` → the
+instance's record as JSON (the seed's fields plus slots, in-flight, node and incarnation), expiring
+after `LEASE_MS`: an instance whose node died or lost its link leaves the registry within 3 s. A
+gateway of role `gateway` reads the registry every half second and keeps its pools in step: an
+instance that appears joins its model's pool (a `RemoteInstance`, reached with `instance_api_key`),
+one that vanishes or comes back under a new node incarnation leaves it. While Redis cannot be read,
+a gateway keeps routing to the instances it knows (logged once); a node publishes again as soon as
+Redis answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmserver.engine.client import LlamaServerClient
+from llmserver.pool.instance import Instance, Status
+from llmserver.pool.pool import ModelPool
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+    from llmserver.pool.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+KEY = "llmserver:instance:"
+LEASE_MS = 3000
+PUBLISH_EVERY = 1.0
+READ_EVERY = 0.5
+PUBLISHED = (Status.READY, Status.BUSY, Status.DRAINING)
+
+
+def record(instance: Instance, node_id: str, incarnation: str) -> dict[str, Any]:
+    return {
+        **instance.describe(),
+        "slots": instance.model.parallel,
+        "in_flight": instance.in_flight,
+        "node": node_id,
+        "incarnation": incarnation,
+    }
+
+
+class Publisher:
+    """A node's side: its instances in the registry, every second."""
+
+    def __init__(self, client: redis.asyncio.Redis, supervisor: Supervisor, node_id: str) -> None:
+        self._redis = client
+        self._supervisor = supervisor
+        self.node_id = node_id
+        self.incarnation = secrets.token_hex(8)  # a node that comes back is a new incarnation
+        self._published: set[str] = set()
+        self._failing = False
+
+    async def run(self) -> None:
+        while True:
+            await self.publish()
+            await asyncio.sleep(PUBLISH_EVERY)
+
+    async def publish(self) -> None:
+        import redis.exceptions
+
+        live = [i for i in self._supervisor.all_instances() if i.status in PUBLISHED and i.client is not None]
+        pipe = self._redis.pipeline(transaction=False)
+        for instance in live:
+            pipe.set(KEY + instance.id, json.dumps(record(instance, self.node_id, self.incarnation)), px=LEASE_MS)
+        gone = self._published - {i.id for i in live}
+        for instance_id in gone:
+            pipe.delete(KEY + instance_id)
+        try:
+            await pipe.execute()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            if not self._failing:
+                self._failing = True
+                log.error("node %s cannot publish its instances (Redis: %s); retrying every second", self.node_id, exc)
+            return
+        if self._failing:
+            self._failing = False
+            log.warning("node %s publishes its instances again", self.node_id)
+        self._published = {i.id for i in live}
+
+    async def withdraw(self) -> None:
+        """At a clean stop: the node's instances leave the registry at once."""
+        with contextlib.suppress(Exception):
+            if self._published:
+                await self._redis.delete(*(KEY + i for i in self._published))
+        self._published = set()
+
+
+@dataclass(eq=False)
+class RemoteInstance(Instance):
+    """An instance a node runs on another host, as a gateway sees it."""
+
+    node: str = ""
+    incarnation: str = ""
+    remote: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        return int(self.remote.get("pid") or 0) or None
+
+    @property
+    def exited(self) -> bool:
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        described = {key: self.remote[key] for key in super().describe() if key in self.remote}
+        return {**described, "status": self.status.value, "active_users": len(self.users), "node": self.node}
+
+    async def start(self, binary: Path, model_file: Path, timeout: float, mmproj: Path | None = None) -> None:
+        raise RuntimeError("a remote instance is started by its node")
+
+    async def stop(self, grace: float = 10.0) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        self.status = Status.STOPPED
+
+
+class Registry:
+    """A gateway's side: its pools' remote instances, in step with the registry."""
+
+    def __init__(self, client: redis.asyncio.Redis, pools: Mapping[str, ModelPool], api_key: str | None) -> None:
+        self._redis = client
+        self._pools = pools
+        self._api_key = api_key
+        self._failing = False
+        self._unknown: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="instance-registry")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._redis.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except Exception:
+                log.exception("instance registry")
+            await asyncio.sleep(READ_EVERY)
+
+    async def read(self) -> dict[str, dict[str, Any]] | None:
+        """Every published record by instance id; None when Redis cannot be read."""
+        import redis.exceptions
+
+        try:
+            keys = [key async for key in self._redis.scan_iter(match=KEY + "*", count=500)]
+            values = await self._redis.mget(keys) if keys else []
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            if not self._failing:
+                self._failing = True
+                log.error("the instance registry cannot be read (Redis: %s): routing to the instances known", exc)
+            return None
+        if self._failing:
+            self._failing = False
+            log.warning("the instance registry can be read again")
+        records = [json.loads(value) for value in values if value]
+        return {r["instance_id"]: r for r in records}
+
+    async def sync(self) -> None:
+        records = await self.read()
+        if records is None:
+            return
+        for pool in self._pools.values():
+            for instance in list(pool.instances):
+                if not isinstance(instance, RemoteInstance):
+                    continue
+                current = records.get(instance.id)
+                if current is None or current["incarnation"] != instance.incarnation:
+                    pool.instances.remove(instance)
+                    log.warning(
+                        "instance %s (%s) on node %s left the registry: no longer routed to",
+                        instance.id, pool.name, instance.node,
+                    )  # fmt: skip
+                    await instance.stop()
+        for instance_id, published in records.items():
+            serving = self._pools.get(published["model"])
+            if serving is None:
+                if published["model"] not in self._unknown:
+                    self._unknown.add(published["model"])
+                    log.warning(
+                        "node %s publishes model %r, which this gateway does not serve",
+                        published["node"],
+                        published["model"],
+                    )
+                continue
+            known = next((i for i in serving.instances if i.id == instance_id), None)
+            if known is None:
+                known = await self._join(serving, published)
+            assert isinstance(known, RemoteInstance)
+            known.remote = published
+            if published["status"] == Status.DRAINING.value:
+                known.status = Status.DRAINING
+            elif known.status == Status.DRAINING:
+                known.status = Status.READY
+            known.refresh_status()
+            serving.dispatch()
+
+    async def _join(self, pool: ModelPool, published: dict[str, Any]) -> RemoteInstance:
+        instance = RemoteInstance(
+            model=pool.config,
+            host=published["host"],
+            port=int(published["port"]),
+            log_path=Path(os.devnull),
+            id=published["instance_id"],
+            status=Status.READY,
+            started_at=time.time() - float(published.get("uptime_seconds") or 0),
+            node=published["node"],
+            incarnation=published["incarnation"],
+            remote=published,
+        )
+        instance.client = LlamaServerClient(
+            instance.base_url, connections=pool.config.parallel + 2, api_key=self._api_key
+        )
+        instance.native_tools = await instance._template_has_tools()
+        pool.instances.append(instance)
+        log.info(
+            "instance %s (%s) on node %s at %s joined",
+            instance.id, pool.name, instance.node, instance.base_url,
+        )  # fmt: skip
+        return instance

@@ -1,0 +1,231 @@
+"""Worker hosts on one machine: network namespaces joined by a bridge, a real `llmserver node` in each
+(the embedded model, its instances bound to the namespace's address with an API key), Redis on the
+bridge, and a gateway of role `gateway` that routes to whatever the nodes publish. A node killed with
+-9 or cut off (`ip link set … down`) leaves the registry within its 3-second lease; back, it rejoins."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.services import Redis
+from tests.support import MODEL, Server, die_with_parent, make_key, wait_for
+
+BRIDGE = "llms-br0"
+NET = "10.79.0"
+SECRET = "instance-secret-0123456789abcdef"
+ADMIN = "worker-hosts-admin-key-0123456789"
+CONFIG = f"""
+[[models]]
+name = "{MODEL}"
+parallel = 2
+ctx_size = 1024
+threads = 1
+"""
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@dataclass
+class Node:
+    index: int
+    root: Path
+    redis_url: str
+    process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def namespace(self) -> str:
+        return f"llms-w{self.index}"
+
+    @property
+    def address(self) -> str:
+        return f"{NET}.{10 + self.index}"
+
+    @property
+    def log(self) -> Path:
+        return self.root / f"node{self.index}-{self.starts}.log"
+
+    def start(self) -> Node:
+        self.starts += 1
+        data = self.root / f"node{self.index}"
+        data.mkdir(exist_ok=True)
+        (data / "config.toml").write_text(CONFIG)
+        env = {**os.environ, "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_INSTANCE_BASE_PORT": "8101",
+               "LLMSERVER_NODE_ID": f"worker-{self.index}"}  # fmt: skip
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", "node",
+                 "--config", str(data / "config.toml"), "--data-dir", str(data), "--advertise", self.address,
+                 "--redis-url", self.redis_url],
+                stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
+            )  # fmt: skip
+        return self
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@dataclass
+class Hosts:
+    root: Path
+    redis: Redis
+    nodes: list[Node] = field(default_factory=list)
+    gateway: Server | None = None
+
+    def instances(self) -> list[dict[str, Any]]:
+        assert self.gateway is not None
+        answer = httpx.get(self.gateway.url + "/api/instances", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert answer.status_code == 200, answer.text
+        return list(answer.json()["data"] if isinstance(answer.json(), dict) else answer.json())
+
+    def hosts_seen(self) -> set[str]:
+        return {i["host"] for i in self.instances()}
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    if os.geteuid() != 0:
+        pytest.fail("the worker-host tests make network namespaces: they run as root (CI does)")
+    root = tmp_path_factory.mktemp("hosts")
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)  # left by a killed run
+    ip("link", "add", BRIDGE, "type", "bridge")
+    ip("addr", "add", f"{NET}.1/24", "dev", BRIDGE)
+    ip("link", "set", BRIDGE, "up")
+    redis = None
+    running = None
+    try:
+        for index in (1, 2):
+            namespace = f"llms-w{index}"
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+            ip("netns", "add", namespace)
+            ip("link", "add", f"llms-h{index}", "type", "veth", "peer", "name", f"llms-n{index}")
+            ip("link", "set", f"llms-n{index}", "netns", namespace)
+            ip("link", "set", f"llms-h{index}", "master", BRIDGE)
+            ip("link", "set", f"llms-h{index}", "up")
+            ip("netns", "exec", namespace, "ip", "addr", "add", f"{NET}.{10 + index}/24", "dev", f"llms-n{index}")
+            ip("netns", "exec", namespace, "ip", "link", "set", f"llms-n{index}", "up")
+            ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
+        redis = Redis(bind=f"{NET}.1 127.0.0.1").start()
+        running = Hosts(root, redis)
+        running.nodes = [Node(index, root, redis.url).start() for index in (1, 2)]
+        gateway_env = {
+            "LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": redis.url, "LLMSERVER_INSTANCE_API_KEY": SECRET,
+            "LLMSERVER_ADMIN_KEY": ADMIN,
+        }  # fmt: skip
+        running.gateway = Server(data_dir=root / "gateway", config=CONFIG, env=gateway_env).start()
+        assert wait_for(lambda: len(running.hosts_seen()) == 2, 120), running.instances()  # type: ignore[union-attr]
+        yield running
+    finally:
+        if running is not None:
+            if running.gateway is not None:
+                running.gateway.stop()
+            for node in running.nodes:
+                node.stop()
+        if redis is not None:
+            redis.stop()
+        for index in (1, 2):
+            subprocess.run(["ip", "netns", "del", f"llms-w{index}"], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+
+
+def generate(server: Server, key: str, prompt: str) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    return httpx.post(server.url + "/api/generate", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def load(hosts: Hosts, key: str, count: int) -> list[httpx.Response]:
+    assert hosts.gateway is not None
+    gateway = hosts.gateway
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda i: generate(gateway, key, f"Say the number {i}."), range(count)))
+
+
+def test_both_worker_hosts_serve_through_the_gateway(hosts: Hosts) -> None:
+    assert hosts.gateway is not None
+    key = make_key(hosts.gateway.data_dir, "spread")
+    answers = load(hosts, key, 16)
+    assert [r.status_code for r in answers] == [200] * 16, [r.text for r in answers if r.status_code != 200]
+    by_instance = {i["instance_id"]: i for i in hosts.instances()}
+    served_hosts = {by_instance[r.json()["instance_id"]]["host"] for r in answers}
+    assert served_hosts == {f"{NET}.11", f"{NET}.12"}
+    for record in by_instance.values():
+        assert record["pid"] > 0 and record["port"] == 8101 and record["ram_used_mb"] > 0
+        assert record["node"] in ("worker-1", "worker-2") and record["status"] in ("ready", "busy")
+
+
+def test_instances_on_a_worker_refuse_requests_without_the_key(hosts: Hosts) -> None:
+    body = {"prompt": "hi", "n_predict": 1}
+    refused = httpx.post(f"http://{NET}.11:8101/completion", json=body, timeout=10)
+    assert refused.status_code == 401
+    allowed = httpx.post(
+        f"http://{NET}.11:8101/completion", json=body, headers={"Authorization": f"Bearer {SECRET}"}, timeout=30
+    )
+    assert allowed.status_code == 200
+
+
+def test_a_killed_node_leaves_within_its_lease_and_rejoins_as_a_new_incarnation(hosts: Hosts) -> None:
+    assert hosts.gateway is not None
+    key = make_key(hosts.gateway.data_dir, "survivor")
+    first = hosts.nodes[0]
+    before = {i["instance_id"] for i in hosts.instances() if i["host"] == first.address}
+    with concurrent.futures.ThreadPoolExecutor(1) as background:
+        during = background.submit(load, hosts, key, 24)
+        time.sleep(0.5)
+        first.kill()
+        killed_at = time.monotonic()
+        assert wait_for(lambda: first.address not in hosts.hosts_seen(), 6)
+        left_after = time.monotonic() - killed_at
+        answers = during.result(timeout=120)
+    assert left_after <= 3.6, left_after
+    statuses = [r.status_code for r in answers]
+    assert set(statuses) <= {200, 502} and statuses.count(200) >= len(statuses) - 2, statuses  # nothing hangs
+    assert [r.status_code for r in load(hosts, key, 6)] == [200] * 6  # the other worker serves all
+    first.start()
+    assert wait_for(lambda: first.address in hosts.hosts_seen(), 120)
+    after = {i["instance_id"] for i in hosts.instances() if i["host"] == first.address}
+    assert after and not after & before  # a new incarnation, new instances
+    print(f"killed node left the registry {left_after:.1f} s after kill -9")
+
+
+def test_a_partitioned_node_is_evicted_and_rejoins_when_healed(hosts: Hosts) -> None:
+    assert hosts.gateway is not None
+    key = make_key(hosts.gateway.data_dir, "partition")
+    second = hosts.nodes[1]
+    ip("link", "set", "llms-h2", "down")
+    try:
+        cut_at = time.monotonic()
+        assert wait_for(lambda: second.address not in hosts.hosts_seen(), 6)
+        evicted_after = time.monotonic() - cut_at
+        assert [r.status_code for r in load(hosts, key, 6)] == [200] * 6
+    finally:
+        ip("link", "set", "llms-h2", "up")
+    healed_at = time.monotonic()
+    assert wait_for(lambda: second.address in hosts.hosts_seen(), 15)
+    print(
+        f"partitioned node evicted after {evicted_after:.1f} s; back {time.monotonic() - healed_at:.1f} s after healing"
+    )
+    assert evicted_after <= 3.6
