@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.services import Redis
-from tests.support import MODEL, Server, die_with_parent, make_key, wait_for
+from tests.services import Postgres, Redis
+from tests.support import MODEL, Server, cli, die_with_parent, wait_for
 
 BRIDGE = "llms-br0"
 NET = "10.79.0"
@@ -94,7 +94,15 @@ class Hosts:
     root: Path
     redis: Redis
     nodes: list[Node] = field(default_factory=list)
+    gateways: list[Server] = field(default_factory=list)
     gateway: Server | None = None
+    database_url: str = ""
+
+    def key(self, name: str) -> str:
+        """A key in the gateways' shared database."""
+        result = cli(self.root, "keys", "create", "--name", name, env={"LLMSERVER_DATABASE_URL": self.database_url})
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip().splitlines()[-1]
 
     def instances(self) -> list[dict[str, Any]]:
         assert self.gateway is not None
@@ -107,7 +115,7 @@ class Hosts:
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+def hosts(tmp_path_factory: pytest.TempPathFactory, postgres: Postgres) -> Iterator[Hosts]:
     if os.geteuid() != 0:
         pytest.fail("the worker-host tests make network namespaces: they run as root (CI does)")
     root = tmp_path_factory.mktemp("hosts")
@@ -132,17 +140,23 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
         redis = Redis(bind=f"{NET}.1 127.0.0.1").start()
         running = Hosts(root, redis)
         running.nodes = [Node(index, root, redis.url).start() for index in (1, 2)]
+        running.database_url = postgres.new_database()
+        migrated = cli(root, "db", "migrate", env={"LLMSERVER_DATABASE_URL": running.database_url})
+        assert migrated.returncode == 0, migrated.stderr
         gateway_env = {
             "LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": redis.url, "LLMSERVER_INSTANCE_API_KEY": SECRET,
-            "LLMSERVER_ADMIN_KEY": ADMIN,
+            "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_DATABASE_URL": running.database_url,
         }  # fmt: skip
-        running.gateway = Server(data_dir=root / "gateway", config=CONFIG, env=gateway_env).start()
+        for name in ("gw-1", "gw-2"):
+            env = {**gateway_env, "LLMSERVER_GATEWAY_ID": name}
+            running.gateways.append(Server(data_dir=root / name, config=CONFIG, env=env).start())
+        running.gateway = running.gateways[0]
         assert wait_for(lambda: len(running.hosts_seen()) == 2, 120), running.instances()  # type: ignore[union-attr]
         yield running
     finally:
         if running is not None:
-            if running.gateway is not None:
-                running.gateway.stop()
+            for gateway in running.gateways:
+                gateway.stop()
             for node in running.nodes:
                 node.stop()
         if redis is not None:
@@ -158,20 +172,23 @@ def generate(server: Server, key: str, prompt: str) -> httpx.Response:
 
 
 def load(hosts: Hosts, key: str, count: int) -> list[httpx.Response]:
-    assert hosts.gateway is not None
-    gateway = hosts.gateway
+    """`count` tiny requests, 4 at a time, alternating between the two gateways."""
+    gateways = hosts.gateways
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        return list(pool.map(lambda i: generate(gateway, key, f"Say the number {i}."), range(count)))
+        return list(pool.map(lambda i: generate(gateways[i % 2], key, f"Say the number {i}."), range(count)))
 
 
-def test_both_worker_hosts_serve_through_the_gateway(hosts: Hosts) -> None:
+def test_both_worker_hosts_serve_through_both_gateways(hosts: Hosts) -> None:
     assert hosts.gateway is not None
-    key = make_key(hosts.gateway.data_dir, "spread")
+    key = hosts.key("spread")
     answers = load(hosts, key, 16)
     assert [r.status_code for r in answers] == [200] * 16, [r.text for r in answers if r.status_code != 200]
     by_instance = {i["instance_id"]: i for i in hosts.instances()}
     served_hosts = {by_instance[r.json()["instance_id"]]["host"] for r in answers}
     assert served_hosts == {f"{NET}.11", f"{NET}.12"}
+    for gateway in hosts.gateways:  # each gateway lists every host's instances
+        listed = httpx.get(gateway.url + "/api/instances", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        assert {i["instance_id"] for i in listed["data"]} == set(by_instance)
     for record in by_instance.values():
         assert record["pid"] > 0 and record["port"] == 8101 and record["ram_used_mb"] > 0
         assert record["node"] in ("worker-1", "worker-2") and record["status"] in ("ready", "busy")
@@ -189,7 +206,7 @@ def test_instances_on_a_worker_refuse_requests_without_the_key(hosts: Hosts) -> 
 
 def test_a_killed_node_leaves_within_its_lease_and_rejoins_as_a_new_incarnation(hosts: Hosts) -> None:
     assert hosts.gateway is not None
-    key = make_key(hosts.gateway.data_dir, "survivor")
+    key = hosts.key("survivor")
     first = hosts.nodes[0]
     before = {i["instance_id"] for i in hosts.instances() if i["host"] == first.address}
     with concurrent.futures.ThreadPoolExecutor(1) as background:
@@ -213,7 +230,7 @@ def test_a_killed_node_leaves_within_its_lease_and_rejoins_as_a_new_incarnation(
 
 def test_a_partitioned_node_is_evicted_and_rejoins_when_healed(hosts: Hosts) -> None:
     assert hosts.gateway is not None
-    key = make_key(hosts.gateway.data_dir, "partition")
+    key = hosts.key("partition")
     second = hosts.nodes[1]
     ip("link", "set", "llms-h2", "down")
     try:
@@ -229,3 +246,24 @@ def test_a_partitioned_node_is_evicted_and_rejoins_when_healed(hosts: Hosts) -> 
         f"partitioned node evicted after {evicted_after:.1f} s; back {time.monotonic() - healed_at:.1f} s after healing"
     )
     assert evicted_after <= 3.6
+
+
+def test_after_a_redis_restart_the_nodes_publish_again_and_nothing_is_dropped(hosts: Hosts) -> None:
+    import redis
+
+    key = hosts.key("redis-restart")
+    hosts.redis.stop()
+    time.sleep(1.0)
+    during = load(hosts, key, 8)  # the gateways route to the instances they know
+    hosts.redis.start()  # empty
+    back_at = time.monotonic()
+    client = redis.Redis.from_url(hosts.redis.url)
+    try:
+        assert wait_for(lambda: len(client.keys("llmserver:instance:*")) == 2, 3)
+        republished = time.monotonic() - back_at
+    finally:
+        client.close()
+    assert [r.status_code for r in during] == [200] * 8
+    assert len(hosts.hosts_seen()) == 2 and [r.status_code for r in load(hosts, key, 8)] == [200] * 8
+    assert republished <= 2.0
+    print(f"nodes republished {republished:.1f} s after Redis came back empty")

@@ -137,6 +137,7 @@ class Registry:
         self._api_key = api_key
         self._failing = False
         self._unknown: set[str] = set()
+        self._recovered_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -171,6 +172,7 @@ class Registry:
             return None
         if self._failing:
             self._failing = False
+            self._recovered_at = time.monotonic()
             log.warning("the instance registry can be read again")
         records = [json.loads(value) for value in values if value]
         return {r["instance_id"]: r for r in records}
@@ -179,7 +181,10 @@ class Registry:
         records = await self.read()
         if records is None:
             return
-        for pool in self._pools.values():
+        # A Redis that restarted empty knows no instance until the nodes publish again (within a
+        # second): removals wait one lease after an outage, so that the pools are not emptied.
+        settled = time.monotonic() - self._recovered_at >= LEASE_MS / 1000
+        for pool in self._pools.values() if settled else ():
             for instance in list(pool.instances):
                 if not isinstance(instance, RemoteInstance):
                     continue
