@@ -123,7 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.embeddings = EmbeddingService(settings, admission, calls)
         app.state.jobs = job_service
         app.state.started_at = time.time()
-        registry = _registry(settings, supervisor)
+        registry = supervisor.remote = _registry(settings, supervisor)
         try:
             await lease.start()
             await job_service.start()
@@ -163,9 +163,9 @@ def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:
     """For a gateway of role `gateway`: the instances the nodes publish in Redis."""
     if supervisor.local:
         return None
-    import redis.asyncio
+    from llmserver.auth.limiters import connect_redis
 
-    client = redis.asyncio.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = connect_redis(settings.redis_url)
     api_key = settings.instance_api_key.get_secret_value() if settings.instance_api_key else None
     return Registry(client, supervisor.pools, api_key)
 

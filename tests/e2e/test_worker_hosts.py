@@ -32,6 +32,7 @@ name = "{MODEL}"
 parallel = 2
 ctx_size = 1024
 threads = 1
+max_instances = 2
 """
 
 
@@ -267,3 +268,28 @@ def test_after_a_redis_restart_the_nodes_publish_again_and_nothing_is_dropped(ho
     assert len(hosts.hosts_seen()) == 2 and [r.status_code for r in load(hosts, key, 8)] == [200] * 8
     assert republished <= 2.0
     print(f"nodes republished {republished:.1f} s after Redis came back empty")
+
+
+def test_an_admin_starts_and_drains_an_instance_on_a_chosen_node_through_a_gateway(hosts: Hosts) -> None:
+    first, second = hosts.gateways
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    started = httpx.post(
+        first.url + "/api/instances", json={"model": MODEL, "node": "worker-2"}, headers=headers, timeout=120
+    )
+    assert started.status_code == 201, started.text
+    record = started.json()
+    assert record["node"] == "worker-2" and record["host"] == f"{NET}.12" and record["status"] == "ready"
+
+    # The other gateway routes to it too, within a registry read.
+    def listed_by_second() -> set[str]:
+        answer = httpx.get(second.url + "/api/instances", headers=headers).json()
+        return {i["instance_id"] for i in answer["data"]}
+
+    assert wait_for(lambda: record["instance_id"] in listed_by_second(), 3)
+    unknown = httpx.post(first.url + "/api/instances", json={"model": MODEL, "node": "nowhere"}, headers=headers)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "node"
+    drained = httpx.delete(second.url + f"/api/instances/{record['instance_id']}", headers=headers, timeout=120)
+    assert drained.status_code == 200, drained.text
+    assert wait_for(lambda: record["instance_id"] not in {i["instance_id"] for i in hosts.instances()}, 5)
+    assert record["instance_id"] not in listed_by_second()
+    assert len(hosts.hosts_seen()) == 2  # the nodes' own instances still serve

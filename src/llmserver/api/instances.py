@@ -17,6 +17,7 @@ class StartInstance(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
+    node: str | None = None  # for a gateway of role `gateway`: the node to start it on (default: the least busy)
 
 
 @router.get("/api/instances")
@@ -36,7 +37,7 @@ async def start_instance(request: Request) -> JSONResponse:
     """Start one more instance of a model; answers once it is ready (201) or has failed (502)."""
     await require_admin(request)
     body = validate(StartInstance, await json_body(request))
-    instance = await supervisor(request).start_instance(body.model)
+    instance = await supervisor(request).start_instance(body.model, body.node)
     return JSONResponse(instance.describe(), status_code=201)
 
 

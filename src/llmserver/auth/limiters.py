@@ -260,23 +260,28 @@ class RedisLimits:
         await self._redis.aclose()
 
 
-def open_limiters(redis_url: str, gateway_id: str) -> tuple[RateLimiter, ConcurrencyLimiter, RedisLimits | None]:
-    """The in-process limiters, or with a Redis URL the shared ones (also returned third, for their
-    heartbeat work); ValueError for a URL Redis's client does not take."""
-    if not redis_url:
-        return MemoryRateLimiter(), MemoryConcurrencyLimiter(), None
+def connect_redis(url: str) -> redis.asyncio.Redis:
+    """A Redis client for soft state, shared by the limiters and the instance registry: 2-second
+    timeouts, and one retry on a fresh connection (after a Redis restart the pooled ones are stale)."""
     import redis.asyncio
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    # One retry on a fresh connection: after a Redis restart the pooled connections are stale.
-    client = redis.asyncio.Redis.from_url(
-        redis_url,
+    return redis.asyncio.Redis.from_url(
+        url,
         socket_timeout=2,
         socket_connect_timeout=2,
         retry=Retry(NoBackoff(), 1),
         retry_on_error=[RedisConnectionError],
     )
+
+
+def open_limiters(redis_url: str, gateway_id: str) -> tuple[RateLimiter, ConcurrencyLimiter, RedisLimits | None]:
+    """The in-process limiters, or with a Redis URL the shared ones (also returned third, for their
+    heartbeat work); ValueError for a URL Redis's client does not take."""
+    if not redis_url:
+        return MemoryRateLimiter(), MemoryConcurrencyLimiter(), None
+    client = connect_redis(redis_url)
     shared = RedisLimits(client, gateway_id)
     return shared, shared, shared

@@ -52,15 +52,14 @@ def _loopback(host: str) -> bool:
 
 
 async def _run(settings: Settings) -> None:
-    import redis.asyncio
-
+    from llmserver.auth.limiters import connect_redis
     from llmserver.pool.registry import Publisher
     from llmserver.pool.supervisor import Supervisor
 
     log = logging.getLogger("llmserver.node")
     node_id = settings.node_id or socket.gethostname()
     supervisor = Supervisor(settings)
-    client = redis.asyncio.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = connect_redis(settings.redis_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
@@ -68,6 +67,7 @@ async def _run(settings: Settings) -> None:
     await supervisor.start()
     publisher = Publisher(client, supervisor, node_id)
     publishing = asyncio.create_task(publisher.run(), name="publish")
+    commands = asyncio.create_task(publisher.serve_commands(), name="node-commands")
     log.info(
         "node %s (incarnation %s) publishes %d instances on %s",
         node_id, publisher.incarnation, len(supervisor.all_instances()), settings.instance_host,
@@ -76,6 +76,7 @@ async def _run(settings: Settings) -> None:
         await stop.wait()
     finally:
         publishing.cancel()
+        commands.cancel()
         await publisher.withdraw()
         await supervisor.stop()
         await client.aclose()

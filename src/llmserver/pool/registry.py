@@ -8,6 +8,11 @@ instance that appears joins its model's pool (a `RemoteInstance`, reached with `
 one that vanishes or comes back under a new node incarnation leaves it. While Redis cannot be read,
 a gateway keeps routing to the instances it knows (logged once); a node publishes again as soon as
 Redis answers.
+
+The admin API reaches nodes through a command channel: a gateway pushes `start` or `drain` onto
+the node's list (`llmserver:node:ID:commands`), the node runs it and pushes the outcome onto a reply
+list the gateway waits on. Each node also publishes its own record (`llmserver:node:ID`: models,
+instances), so that a gateway can pick the node with the fewest instances of the model.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmserver.engine.client import LlamaServerClient
+from llmserver.errors import APIError, GatewayTimeout, InvalidRequest, NotFound
 from llmserver.pool.instance import Instance, Status
 from llmserver.pool.pool import ModelPool
 
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KEY = "llmserver:instance:"
+NODE_KEY = "llmserver:node:"
 LEASE_MS = 3000
 PUBLISH_EVERY = 1.0
 READ_EVERY = 0.5
@@ -73,6 +80,15 @@ class Publisher:
 
         live = [i for i in self._supervisor.all_instances() if i.status in PUBLISHED and i.client is not None]
         pipe = self._redis.pipeline(transaction=False)
+        node = {
+            "node": self.node_id,
+            "incarnation": self.incarnation,
+            "models": sorted(self._supervisor.pools),
+            "instances": len(live),
+            "memory_used_mb": self._supervisor.memory_used_mb(),
+            "memory_budget_mb": self._supervisor.memory_budget_mb,
+        }
+        pipe.set(NODE_KEY + self.node_id, json.dumps(node), px=LEASE_MS)
         for instance in live:
             pipe.set(KEY + instance.id, json.dumps(record(instance, self.node_id, self.incarnation)), px=LEASE_MS)
         gone = self._published - {i.id for i in live}
@@ -93,9 +109,45 @@ class Publisher:
     async def withdraw(self) -> None:
         """At a clean stop: the node's instances leave the registry at once."""
         with contextlib.suppress(Exception):
-            if self._published:
-                await self._redis.delete(*(KEY + i for i in self._published))
+            await self._redis.delete(NODE_KEY + self.node_id, *(KEY + i for i in self._published))
         self._published = set()
+
+    async def serve_commands(self) -> None:
+        """Run the gateways' commands for this node, each in its own task (a start takes seconds)."""
+        import redis.exceptions
+
+        tasks: set[asyncio.Task[None]] = set()
+        while True:
+            try:
+                popped = await self._redis.blpop([NODE_KEY + self.node_id + ":commands"], timeout=1)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                await asyncio.sleep(1)  # publish() logs the outage
+                continue
+            if popped is None:
+                continue
+            task = asyncio.create_task(self._run_command(json.loads(popped[1])))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _run_command(self, command: dict[str, Any]) -> None:
+        try:
+            if command["op"] == "start":
+                instance = await self._supervisor.start_instance(command["model"])
+            elif command["op"] == "drain":
+                instance = self._supervisor.find(command["instance_id"])
+                await self._supervisor.drain(instance)
+            else:
+                raise InvalidRequest(f"unknown command {command['op']!r}")
+            await self.publish()  # a started instance is routable at once
+            reply: dict[str, Any] = {"ok": True, "record": record(instance, self.node_id, self.incarnation)}
+        except APIError as exc:
+            reply = {"ok": False, "status": exc.status, "type": exc.type, "message": exc.message}
+        log.info("node %s: %s %s: %s", self.node_id, command["op"], command.get("model") or command.get("instance_id"),
+                 "done" if reply["ok"] else reply["message"])  # fmt: skip
+        reply_key = f"llmserver:reply:{command['id']}"
+        with contextlib.suppress(Exception):
+            await self._redis.rpush(reply_key, json.dumps(reply))
+            await self._redis.expire(reply_key, 120)
 
 
 @dataclass(eq=False)
@@ -218,6 +270,48 @@ class Registry:
                 known.status = Status.READY
             known.refresh_status()
             serving.dispatch()
+
+    async def command(self, node: str, op: str, timeout: float, **args: str) -> dict[str, Any]:
+        """Send a node a command and wait for its outcome (504 when it does not answer in time)."""
+        command_id = secrets.token_hex(8)
+        await self._redis.rpush(NODE_KEY + node + ":commands", json.dumps({"id": command_id, "op": op, **args}))
+        popped = await self._redis.blpop([f"llmserver:reply:{command_id}"], timeout=max(1, int(timeout)))
+        if popped is None:
+            raise GatewayTimeout(f"Node {node!r} did not answer the {op} command within {timeout:.0f} s.")
+        reply: dict[str, Any] = json.loads(popped[1])
+        if not reply["ok"]:
+            error = type("NodeError", (APIError,), {"status": reply["status"], "type": reply["type"]})
+            raise error(f"Node {node!r}: {reply['message']}")
+        return reply
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        keys = [key async for key in self._redis.scan_iter(match=NODE_KEY + "*", count=500) if b":commands" not in key]
+        values = await self._redis.mget(keys) if keys else []
+        return [json.loads(value) for value in values if value]
+
+    async def start_instance(self, model: str, node: str | None, timeout: float) -> Instance:
+        """One more instance of `model` on `node`, or on the node with the fewest instances that serves it."""
+        nodes = [n for n in await self.nodes() if model in n["models"] and (node is None or n["node"] == node)]
+        if not nodes:
+            where = f"node {node!r}" if node else "no node"
+            raise InvalidRequest(f"{where.capitalize()} runs the model {model!r}.", param="node" if node else "model")
+        chosen = min(nodes, key=lambda n: (n["instances"], n["node"]))["node"]
+        reply = await self.command(chosen, "start", timeout, model=model)
+        await self.sync()
+        pool = self._pools[model]
+        joined = next((i for i in pool.instances if i.id == reply["record"]["instance_id"]), None)
+        if joined is None:
+            raise NotFound("The node started the instance but it is not in the registry yet; list instances again.")
+        return joined
+
+    async def drain(self, instance: RemoteInstance, timeout: float) -> None:
+        """Drain an instance on its node; it leaves this gateway's pool at once."""
+        instance.status = Status.DRAINING
+        await self.command(instance.node, "drain", timeout, instance_id=instance.id)
+        pool = self._pools[instance.model.name]
+        if instance in pool.instances:
+            pool.instances.remove(instance)
+        await instance.stop()
 
     async def _join(self, pool: ModelPool, published: dict[str, Any]) -> RemoteInstance:
         instance = RemoteInstance(

@@ -34,6 +34,7 @@ from llmserver.catalog import llama_server_binary, mmproj_path, model_path
 from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamError
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
 from llmserver.pool.pool import ModelPool
+from llmserver.pool.registry import Registry, RemoteInstance
 from llmserver.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Supervisor:
         self._probe_misses: dict[str, int] = {}
         self._last_probe = 0.0
         self._stopping = False
+        self.remote: Registry | None = None  # a gateway of role `gateway`: the nodes' instances
 
     # Lifecycle
 
@@ -192,11 +194,15 @@ class Supervisor:
             log.error("instance %s (%s) failed to start: %s", instance.id, instance.model.name, exc)
             raise
 
-    async def start_instance(self, name: str) -> Instance:
+    async def start_instance(self, name: str, node: str | None = None) -> Instance:
         """Start one more instance of a model now (the admin API); raise if it cannot be started."""
         pool = self.pool(name)
-        if not self.local:
-            raise InvalidRequest("This gateway runs no instances: start them with `llmserver node`.", param="model")
+        if self.remote is not None:
+            return await self.remote.start_instance(name, node, self.settings.instance_start_timeout + 10)
+        if node is not None:
+            raise InvalidRequest(
+                "This server runs its instances itself: `node` is for gateways of role gateway.", param="node"
+            )
         if len(pool.live()) >= pool.config.max_instances:
             raise InvalidRequest(
                 f"The model {name!r} already runs its max_instances ({pool.config.max_instances}).", param="model"
@@ -282,6 +288,9 @@ class Supervisor:
 
     async def drain(self, instance: Instance, timeout: float | None = None) -> None:
         """No new requests; wait for those in flight up to `timeout`; stop; leave the pool."""
+        if self.remote is not None and isinstance(instance, RemoteInstance):
+            await self.remote.drain(instance, (self.settings.drain_timeout if timeout is None else timeout) + 10)
+            return
         instance.status = Status.DRAINING
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(instance.idle.wait(), self.settings.drain_timeout if timeout is None else timeout)
