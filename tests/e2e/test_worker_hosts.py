@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.services import Postgres, Redis
-from tests.support import MODEL, Server, cli, die_with_parent, wait_for
+from tests.support import MODEL, Server, cli, die_with_parent, metric, wait_for
 
 BRIDGE = "llms-br0"
 NET = "10.79.0"
@@ -293,3 +293,25 @@ def test_an_admin_starts_and_drains_an_instance_on_a_chosen_node_through_a_gatew
     assert wait_for(lambda: record["instance_id"] not in {i["instance_id"] for i in hosts.instances()}, 5)
     assert record["instance_id"] not in listed_by_second()
     assert len(hosts.hosts_seen()) == 2  # the nodes' own instances still serve
+
+
+def test_a_conversation_stays_on_one_worker_whichever_gateway_takes_each_turn(hosts: Hosts) -> None:
+    key = hosts.key("conversation")
+    headers = {"Authorization": f"Bearer {key}"}
+
+    def cached() -> float:
+        return sum(metric(g, ADMIN, "llmserver_cached_prompt_tokens_total", model=MODEL) for g in hosts.gateways)
+
+    before = cached()
+    history = "You are a terse assistant. We are listing fruits, one per turn."
+    served: list[str] = []
+    for turn in range(6):
+        gateway = hosts.gateways[turn % 2]  # the turns alternate between the gateways
+        body = {"prompt": history + f"\nTurn {turn}: name a fruit.", "max_tokens": 4, "temperature": 0}
+        session = {**headers, "X-Session-Id": "fruit-talk"}
+        answer = httpx.post(gateway.url + "/api/generate", json=body, headers=session, timeout=60)
+        assert answer.status_code == 200, answer.text
+        served.append(answer.json()["instance_id"])
+        history += f"\nTurn {turn}: name a fruit.\n{answer.json()['response']}"
+    assert len(set(served)) == 1, served  # rendezvous hashing ranks the hosts alike on every gateway
+    assert cached() - before > 0  # later turns reused the prompt the worker had cached
