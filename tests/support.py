@@ -240,22 +240,10 @@ def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 
 
 def make_key(data_dir: Path, name: str, admin: bool = False, **limits: object) -> str:
     """A key written straight into the server's database (what `keys create` does, without a process)."""
-    import asyncio
-
-    from llmserver.auth.keys import KeyService
-    from llmserver.store import KeyLimits, open_store
-
-    async def create() -> str:
-        store = await open_store(database_url(data_dir))
-        try:
-            return (await KeyService(store).create(name, admin=admin, limits=KeyLimits(**limits)))[1]  # type: ignore[arg-type]
-        finally:
-            await store.close()
-
-    return asyncio.run(create())
+    return make_key_record(data_dir, name, admin, **limits)[1]
 
 
-def make_key_record(data_dir: Path, name: str, **limits: object) -> tuple[str, str]:
+def make_key_record(data_dir: Path, name: str, admin: bool = False, **limits: object) -> tuple[str, str]:
     """A key written into the server's database: (its id, the key)."""
     import asyncio
 
@@ -265,7 +253,7 @@ def make_key_record(data_dir: Path, name: str, **limits: object) -> tuple[str, s
     async def create() -> tuple[str, str]:
         store = await open_store(database_url(data_dir))
         try:
-            record, key = await KeyService(store).create(name, limits=KeyLimits(**limits))  # type: ignore[arg-type]
+            record, key = await KeyService(store).create(name, admin=admin, limits=KeyLimits(**limits))  # type: ignore[arg-type]
             return record.id, key
         finally:
             await store.close()

@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from llmserver.errors import APIError, error_body
+from llmserver.outage import Outage
 from llmserver.store import GatewayHolder, GatewayStore, QuotaStore, Sweep
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class GatewayLease:
         self.pid = os.getpid()
         self._written: dict[tuple[str, str], int] = {}
         self._healthy_since: float | None = None
-        self._failing = False
+        self._outage = Outage(log)
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -151,9 +152,7 @@ class GatewayLease:
                 await self.beat()
             except APIError as exc:  # the store is unreachable: it says so itself; try again next beat
                 self._healthy_since = None
-                if not self._failing:
-                    self._failing = True
-                    log.error("gateway %s cannot renew its lease: %s", self.gateway_id, exc.message)
+                self._outage.failed("gateway %s cannot renew its lease: %s", self.gateway_id, exc.message)
             except Exception:
                 self._healthy_since = None
                 log.exception("gateway %s: heartbeat failed", self.gateway_id)
@@ -167,9 +166,7 @@ class GatewayLease:
                 self.gateway_id, self.lease,
             )  # fmt: skip
             await self._take()
-        if self._failing:
-            self._failing = False
-            log.warning("gateway %s renews its lease again", self.gateway_id)
+        self._outage.recovered("gateway %s renews its lease again", self.gateway_id)
         now = time.monotonic()
         if self._healthy_since is None:
             self._healthy_since = now

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from llmserver.errors import StateUnavailable
+from llmserver.outage import Outage, redis_unreachable
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -157,7 +158,7 @@ class RedisLimits:
         self._mine: collections.Counter[str] = collections.Counter()  # places this gateway holds, per key
         self._dirty: set[str] = set()  # keys whose count changed since Redis last heard it
         self._members = itertools.count()
-        self._down = False
+        self._outage = Outage(log)
         self._releases: set[asyncio.Task[None]] = set()
 
     @staticmethod
@@ -168,20 +169,14 @@ class RedisLimits:
         return f"{PREFIX}:gateway:{gateway_id or self.gateway_id}:keys"
 
     async def _call(self, call: Awaitable[T]) -> T:
-        import redis.exceptions
-
         try:
             result = await call
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-            if not self._down:
-                self._down = True
-                log.error("Redis cannot be reached (%s): keys with rpm or max_concurrency get 503", exc)
+        except redis_unreachable() as exc:
+            self._outage.failed("Redis cannot be reached (%s): keys with rpm or max_concurrency get 503", exc)
             raise StateUnavailable(
                 "The shared rate limits cannot be checked (Redis is unreachable); retry shortly.", retry_after=2
             ) from exc
-        if self._down:
-            self._down = False
-            log.warning("Redis answers again: shared limits are counted again")
+        self._outage.recovered("Redis answers again: shared limits are counted again")
         return result
 
     async def hit(self, key_id: str, limit: int) -> float | None:

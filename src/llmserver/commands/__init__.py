@@ -5,13 +5,16 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from pydantic import ValidationError
 
 from llmserver.catalog import BUILTIN, known_model
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings
+
+if TYPE_CHECKING:
+    from llmserver.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,24 +97,29 @@ def server_url(config_file: Path | None, data_dir: Path | None, url: str | None)
     return f"http://{host}:{settings.port}"
 
 
-def open_checked_store(settings: Settings, *, migrate: bool = False) -> Any:
-    """Open the configured store (a CLI error that says what to do when it is wrong or unreachable)
-    and close it again: the schema version it has."""
-    import asyncio
-
+async def open_cli_store(settings: Settings, *, migrate: bool = False) -> Store:
+    """The configured store, or a CLI error that says what to do: a wrong URL or schema (usage, exit 2),
+    a database that cannot be reached (exit 1)."""
     from llmserver.errors import APIError
     from llmserver.store import SchemaError, open_store
 
+    try:
+        return await open_store(settings.store_url, migrate=migrate)
+    except (ValueError, SchemaError) as exc:
+        raise click.UsageError(str(exc)) from None
+    except APIError as exc:
+        raise click.ClickException(exc.message) from None
+
+
+def open_checked_store(settings: Settings, *, migrate: bool = False) -> int:
+    """Open the configured store and close it again: the schema version it has (CLI errors as above)."""
+    import asyncio
+
     async def check() -> int:
-        store = await open_store(settings.store_url, migrate=migrate)
+        store = await open_cli_store(settings, migrate=migrate)
         try:
             return store.schema_version
         finally:
             await store.close()
 
-    try:
-        return asyncio.run(check())
-    except (ValueError, SchemaError) as exc:
-        raise click.UsageError(str(exc)) from None
-    except APIError as exc:
-        raise click.ClickException(exc.message) from None
+    return asyncio.run(check())

@@ -13,11 +13,11 @@ from typing import Any, TypeVar
 import click
 
 from llmserver.auth.keys import KeyService, check_limits, describe
-from llmserver.commands import F, load, settings_options
+from llmserver.commands import F, load, open_cli_store, settings_options
 from llmserver.errors import APIError
 from llmserver.metrics.usage import parse_time, summarise
 from llmserver.settings import Settings
-from llmserver.store import KeyLimits, SchemaError, Store, open_store
+from llmserver.store import KeyLimits, Store
 
 T = TypeVar("T")
 
@@ -26,12 +26,7 @@ def _with_store(settings: Settings, use: Callable[[Store], Awaitable[T]]) -> T:
     """Run `use` on the configured store, closed afterwards (the CLI's one event loop per command)."""
 
     async def run() -> T:
-        try:
-            store = await open_store(settings.store_url)
-        except (ValueError, SchemaError) as exc:
-            raise click.UsageError(str(exc)) from None
-        except APIError as exc:  # the database cannot be reached
-            raise click.ClickException(exc.message) from None
+        store = await open_cli_store(settings)
         try:
             return await use(store)
         finally:

@@ -20,6 +20,7 @@ import aiohttp
 
 from llmserver.errors import APIError, InvalidRequest
 from llmserver.inputs.safe_fetch import MAX_URL_LENGTH, check_url, post_json
+from llmserver.outage import Outage
 from llmserver.store import OutboxItem, OutboxStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class WebhookOutbox:
         self._first_delay = first_delay
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._failing = False
+        self._outage = Outage(log)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="webhook-outbox")
@@ -104,14 +105,12 @@ class WebhookOutbox:
                 while items := await self._store.outbox_claim(self._gateway_id, self._claim_seconds, BATCH):
                     await asyncio.gather(*(self._send(item) for item in items))
             except APIError as exc:
-                if not self._failing:
-                    self._failing = True
-                    log.error("webhook outbox cannot be read: %s", exc.message)
+                self._outage.failed("webhook outbox cannot be read: %s", exc.message)
                 continue
             except Exception:
                 log.exception("webhook outbox")
                 continue
-            self._failing = False
+            self._outage.recovered("webhook outbox can be read again")
 
     @property
     def _claim_seconds(self) -> float:

@@ -19,6 +19,7 @@ from llmserver.auth.quota import QuotaService, Reservation
 from llmserver.errors import StateUnavailable
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.speed import RollingSpeed
+from llmserver.outage import Outage
 from llmserver.store import UsageBatch, UsageStore
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class UsageRecorder:
         self._writer: asyncio.Task[None] | None = None
         self._gaps: dict[str, Histogram] = {}
         self._open: set[Tally] = set()  # requests holding a quota reservation, until they close
-        self._unwritten = False  # the last write found the store unreachable
+        self._unwritten = Outage(log)  # down: the last write found the store unreachable
 
     def settling(self, key_id: str) -> bool:
         """Whether a settlement of this key's quota is queued or being written."""
@@ -66,7 +67,7 @@ class UsageRecorder:
         """Write everything queued so far (and wait for a write already under way); StateUnavailable
         while the store cannot be reached (what is queued stays queued)."""
         while self._writer is not None and not self._writer.done():
-            if self._unwritten:
+            if self._unwritten.down:
                 raise StateUnavailable("The database cannot be reached; retry shortly.", retry_after=2)
             await asyncio.wait({self._writer}, timeout=0.5)
         if self._batch:
@@ -96,9 +97,9 @@ class UsageRecorder:
                     batch.settlements + self._batch.settlements,
                 )
                 self._writing = UsageBatch()
-                if not self._unwritten:
-                    log.warning("usage rows and quota settlements wait for the database to answer again")
-                self._unwritten = True
+                self._unwritten.failed(
+                    "usage rows and quota settlements wait for the database to answer again", level=logging.WARNING
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
                 continue
@@ -106,9 +107,7 @@ class UsageRecorder:
                 log.exception(
                     "could not write %d usage rows and %d settlements", len(batch.rows), len(batch.settlements)
                 )
-            if self._unwritten:
-                log.warning("usage rows and quota settlements are written again")
-            self._unwritten = False
+            self._unwritten.recovered("usage rows and quota settlements are written again")
             self._writing = UsageBatch()
 
     def opened(self, tally: Tally) -> None:

@@ -251,7 +251,7 @@ class Instance:
         # llama-server serves HTTP with parallel + 4 threads (on up to 9 CPUs) and drops connections
         # beyond them; at most `parallel` requests are leased to an instance, plus health probes.
         self.client = LlamaServerClient(self.base_url, connections=self.model.parallel + 2, api_key=self.api_key)
-        self.native_tools = await self._template_has_tools()
+        self.native_tools = await self.template_has_tools()
         with contextlib.suppress(psutil.Error):
             self._ps = psutil.Process(self.process.pid)
             self._ps.cpu_percent(None)  # primes the interval measure; this first value means nothing
@@ -264,7 +264,7 @@ class Instance:
             "its chat template's" if self.native_tools else "described in the prompt (the template has no tools)",
         )  # fmt: skip
 
-    async def _template_has_tools(self) -> bool:
+    async def template_has_tools(self) -> bool:
         assert self.client is not None
         try:
             caps = (await self.client.get_json("/props")).get("chat_template_caps") or {}

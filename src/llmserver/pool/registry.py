@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import APIError, GatewayTimeout, InvalidRequest, NotFound
+from llmserver.outage import Outage, redis_unreachable
 from llmserver.pool.instance import Instance, Status
 from llmserver.pool.pool import ModelPool
 
@@ -68,7 +69,7 @@ class Publisher:
         self.node_id = node_id
         self.incarnation = secrets.token_hex(8)  # a node that comes back is a new incarnation
         self._published: set[str] = set()
-        self._failing = False
+        self._outage = Outage(log)
 
     async def run(self) -> None:
         while True:
@@ -76,8 +77,6 @@ class Publisher:
             await asyncio.sleep(PUBLISH_EVERY)
 
     async def publish(self) -> None:
-        import redis.exceptions
-
         live = [i for i in self._supervisor.all_instances() if i.status in PUBLISHED and i.client is not None]
         pipe = self._redis.pipeline(transaction=False)
         node = {
@@ -96,14 +95,12 @@ class Publisher:
             pipe.delete(KEY + instance_id)
         try:
             await pipe.execute()
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-            if not self._failing:
-                self._failing = True
-                log.error("node %s cannot publish its instances (Redis: %s); retrying every second", self.node_id, exc)
+        except redis_unreachable() as exc:
+            self._outage.failed(
+                "node %s cannot publish its instances (Redis: %s); retrying every second", self.node_id, exc
+            )
             return
-        if self._failing:
-            self._failing = False
-            log.warning("node %s publishes its instances again", self.node_id)
+        self._outage.recovered("node %s publishes its instances again", self.node_id)
         self._published = {i.id for i in live}
 
     async def withdraw(self) -> None:
@@ -114,13 +111,11 @@ class Publisher:
 
     async def serve_commands(self) -> None:
         """Run the gateways' commands for this node, each in its own task (a start takes seconds)."""
-        import redis.exceptions
-
         tasks: set[asyncio.Task[None]] = set()
         while True:
             try:
                 popped = await self._redis.blpop([NODE_KEY + self.node_id + ":commands"], timeout=1)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+            except redis_unreachable():
                 await asyncio.sleep(1)  # publish() logs the outage
                 continue
             if popped is None:
@@ -187,7 +182,7 @@ class Registry:
         self._redis = client
         self._pools = pools
         self._api_key = api_key
-        self._failing = False
+        self._outage = Outage(log)
         self._unknown: set[str] = set()
         self._recovered_at = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -212,20 +207,14 @@ class Registry:
 
     async def read(self) -> dict[str, dict[str, Any]] | None:
         """Every published record by instance id; None when Redis cannot be read."""
-        import redis.exceptions
-
         try:
             keys = [key async for key in self._redis.scan_iter(match=KEY + "*", count=500)]
             values = await self._redis.mget(keys) if keys else []
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-            if not self._failing:
-                self._failing = True
-                log.error("the instance registry cannot be read (Redis: %s): routing to the instances known", exc)
+        except redis_unreachable() as exc:
+            self._outage.failed("the instance registry cannot be read (Redis: %s): routing to the instances known", exc)
             return None
-        if self._failing:
-            self._failing = False
+        if self._outage.recovered("the instance registry can be read again"):
             self._recovered_at = time.monotonic()
-            log.warning("the instance registry can be read again")
         records = [json.loads(value) for value in values if value]
         return {r["instance_id"]: r for r in records}
 
@@ -329,7 +318,7 @@ class Registry:
         instance.client = LlamaServerClient(
             instance.base_url, connections=pool.config.parallel + 2, api_key=self._api_key
         )
-        instance.native_tools = await instance._template_has_tools()
+        instance.native_tools = await instance.template_has_tools()
         pool.instances.append(instance)
         log.info(
             "instance %s (%s) on node %s at %s joined",

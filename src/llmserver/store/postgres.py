@@ -17,6 +17,7 @@ from typing import Any
 import asyncpg
 
 from llmserver.errors import StateUnavailable
+from llmserver.outage import Outage
 from llmserver.store import redact
 from llmserver.store.interfaces import (
     NO_LIMITS,
@@ -53,7 +54,7 @@ class PostgresStore:
         self.url = url
         self._pool = pool
         self._version = version
-        self._down = False
+        self._outage = Outage(log)
 
     @classmethod
     async def connect(cls, url: str, *, migrate: bool = False, pool_size: int = 10) -> PostgresStore:
@@ -100,13 +101,9 @@ class PostgresStore:
             async with self._pool.acquire(timeout=10) as conn:
                 yield conn
         except UNREACHABLE as exc:
-            if not self._down:
-                self._down = True
-                log.error("PostgreSQL at %s cannot be reached (%s): answering 503", redact(self.url), exc)
+            self._outage.failed("PostgreSQL at %s cannot be reached (%s): answering 503", redact(self.url), exc)
             raise StateUnavailable("The database cannot be reached; retry shortly.", retry_after=2) from exc
-        if self._down:
-            self._down = False
-            log.warning("PostgreSQL at %s answers again", redact(self.url))
+        self._outage.recovered("PostgreSQL at %s answers again", redact(self.url))
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[asyncpg.Connection]:
