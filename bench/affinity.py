@@ -44,13 +44,14 @@ def system_prompt(seed: int) -> str:
     return "You answer questions about this log.\n" + " ".join(rng.choice(WORDS) for _ in range(500))
 
 
-def balanced_systems(model: str, addresses: Sequence[str], count: int) -> list[str]:
+def balanced_systems(model: str, addresses: Sequence[str], count: int, first_seed: int = 0) -> list[str]:
     """System prompts of `count` conversations whose homes (pool/affinity.py) split evenly over the
-    instances, as many conversations do on average; an uneven split is the load guard's business."""
+    instances, as many conversations do on average; an uneven split is the load guard's business.
+    Runs that must not find each other's prompts in the instances' caches start at other seeds."""
     candidates = [Candidate(address, 0, 1) for address in addresses]
     per_home = dict.fromkeys(addresses, 0)
     chosen: list[str] = []
-    for seed in range(10_000):
+    for seed in range(first_seed, first_seed + 10_000):
         system = system_prompt(seed)
         home = ranked(affinity_key(model, system, QUESTION.format(t=1)), candidates)[0].address
         if per_home[home] < count // len(addresses):
@@ -87,17 +88,20 @@ class Later:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-async def converse(url: str, headers: dict[str, str], systems: Sequence[str], turns: int) -> Later:
+async def converse(urls: str | Sequence[str], headers: dict[str, str], systems: Sequence[str], turns: int) -> Later:
+    """The workload through one server, or several (turn t through the t-th, round the list)."""
+    servers = [urls] if isinstance(urls, str) else list(urls)
     histories = [[{"role": "system", "content": s}] for s in systems]
     arrival = random.Random(7)
     later = Later()
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
+    async with httpx.AsyncClient(headers=headers, timeout=600) as client:
 
         async def turn(history: list[dict[str, str]], t: int) -> tuple[float, dict[str, object]]:
             history.append({"role": "user", "content": QUESTION.format(t=t)})
             started = time.perf_counter()
             answer = await client.post(
-                "/v1/chat/completions", json={"messages": history, "max_tokens": 1, "temperature": 0}
+                servers[t % len(servers)] + "/v1/chat/completions",
+                json={"messages": history, "max_tokens": 1, "temperature": 0},
             )
             took = time.perf_counter() - started
             answer.raise_for_status()

@@ -27,7 +27,9 @@ def _pg_bin(name: str) -> str:
 
 
 class Postgres:
-    def __init__(self) -> None:
+    def __init__(self, listen: str = "127.0.0.1", trust: str | None = None) -> None:
+        self.listen = listen  # addresses, comma-separated; the first is the one in `url`
+        self.trust = trust  # a network (CIDR) whose clients may connect too: the test hosts'
         self.root = Path(tempfile.mkdtemp(prefix="llmserver-pg-"))
         self.data = self.root / "data"
         self.port = free_port()
@@ -47,9 +49,12 @@ class Postgres:
         self._run(_pg_bin("initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
         with (self.data / "postgresql.conf").open("a") as conf:
             conf.write(
-                f"port = {self.port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{self.root}'\n"
+                f"port = {self.port}\nlisten_addresses = '{self.listen}'\nunix_socket_directories = '{self.root}'\n"
                 "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\nmax_connections = 300\n"
             )
+        if self.trust is not None:
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {self.trust} trust\n")
         return self.resume()
 
     def resume(self) -> Postgres:
@@ -66,14 +71,13 @@ class Postgres:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def url(self, database: str = "postgres") -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://postgres@{self.listen.split(',')[0]}:{self.port}/{database}"
 
     def new_database(self) -> str:
         """A fresh, empty database: its URL."""
         name = f"t_{uuid.uuid4().hex[:12]}"
-        self._run(
-            _pg_bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-c", f"CREATE DATABASE {name}"
-        )
+        host = self.listen.split(",")[0]
+        self._run(_pg_bin("psql"), "-h", host, "-p", str(self.port), "-U", "postgres", "-c", f"CREATE DATABASE {name}")
         return self.url(name)
 
 

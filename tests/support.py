@@ -133,10 +133,12 @@ class Server:
     instance_port: int = 0
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    host: str = "127.0.0.1"
+    namespace: str | None = None  # a network namespace (a test host) to run in, listening on `host`
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def instance_url(self) -> str:
@@ -147,6 +149,8 @@ class Server:
         self.instance_port = free_port_range(4)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "llmserver", "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)]
+        if self.namespace is not None:
+            args = ["ip", "netns", "exec", self.namespace, *args, "--host", self.host]
         if self.config:
             config_path = self.data_dir / "config.toml"
             config_path.write_text(self.config)

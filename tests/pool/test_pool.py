@@ -146,3 +146,63 @@ def test_a_retry_avoids_the_instance_it_failed_on_while_another_accepts() -> Non
             await instance.client.close()
 
     run(scenario)
+
+
+def test_other_gateways_requests_count_toward_load_queue_bound_and_fair_share() -> None:
+    async def scenario() -> None:
+        pool, _ = make_pool(max_queue=2, parallel=2)
+        a, b = await ready_instance(pool.config, 1), await ready_instance(pool.config, 2)
+        pool.instances += [a, b]
+        a.elsewhere = 2  # another gateway holds both of a's slots
+        a.refresh_status()
+        assert a.status == Status.BUSY
+        assert await pool.acquire("k") is b
+        assert await pool.acquire("k") is b  # a is full, though this gateway has nothing on it
+        pool.queued_elsewhere = 1  # another gateway has a request waiting: one place left here
+        waiter = asyncio.create_task(pool.acquire("k"))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):
+            await pool.acquire("k")
+        a.elsewhere = 1  # the other gateway freed a slot: the next read of the registry hands it over
+        pool.dispatch()
+        assert await waiter is a
+        # While others wait, this gateway (3 of 4 slots) keeps to its share (2): a freed slot stays free.
+        pool.share = 2
+        pool.release(b, "k")
+        assert b.in_flight == 1 and pool.queue_depth == 0
+        held = asyncio.create_task(pool.acquire("k"))
+        await asyncio.sleep(0)
+        assert not held.done() and pool.queue_depth == 1
+        pool.share = None  # nobody else waits any more
+        pool.dispatch()
+        assert await held is b
+        for instance in (a, b):
+            assert instance.client is not None
+            await instance.client.close()
+
+    run(scenario)
+
+
+def test_the_registry_keeps_each_gateways_latest_load_and_drops_gateways_that_stopped() -> None:
+    from llmserver.pool.registry import Registry
+
+    async def scenario() -> None:
+        pool, _ = make_pool(max_queue=8, parallel=2)
+        a, b = await ready_instance(pool.config, 1), await ready_instance(pool.config, 2)
+        pool.instances += [a, b]
+        registry = Registry(None, {"m": pool}, None, "gw-a")  # type: ignore[arg-type]  # no Redis call here
+        newer = {"gateway": "gw-b", "sequence": 5, "in_flight": {a.id: 2}, "queued": {"m": 3}}
+        older = {"gateway": "gw-b", "sequence": 4, "in_flight": {}, "queued": {}}
+        own = {"gateway": "gw-a", "sequence": 9, "in_flight": {b.id: 2}, "queued": {}}
+        registry._heard([newer, own])
+        assert (a.elsewhere, b.elsewhere, a.status, pool.queued_elsewhere) == (2, 0, Status.BUSY, 3)
+        assert pool.share == 2  # 4 slots, 2 gateways with requests: this one's share while gw-b waits
+        registry._heard([older], complete=True)  # a read that crossed a newer message keeps the newer
+        assert a.elsewhere == 2
+        registry._heard([], complete=True)  # gw-b's key expired: it stopped
+        assert (a.elsewhere, a.status, pool.queued_elsewhere, pool.share) == (0, Status.READY, 0, None)
+        for instance in (a, b):
+            assert instance.client is not None
+            await instance.client.close()
+
+    run(scenario)

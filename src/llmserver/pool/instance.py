@@ -112,6 +112,10 @@ class Instance:
     started_at: float = 0.0
     last_activity: float = field(default_factory=time.time)
     in_flight: int = 0
+    # Requests other gateways have in flight on it (a node's instance: from the registry, every
+    # half second); this gateway's own are `in_flight`.
+    elsewhere: int = 0
+    failures: int = 0  # requests in a row that could not reach it (a remote instance's circuit breaker)
     users: collections.Counter[str] = field(default_factory=collections.Counter)
     crashes: collections.deque[float] = field(default_factory=collections.deque)
     restarting: bool = False
@@ -142,6 +146,11 @@ class Instance:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def load(self) -> int:
+        """Requests in flight on it through every gateway, as far as this one knows."""
+        return self.in_flight + self.elsewhere
+
+    @property
     def accepting(self) -> bool:
         return self.status in (Status.READY, Status.BUSY) and self.client is not None
 
@@ -154,7 +163,7 @@ class Instance:
 
     def refresh_status(self) -> None:
         if self.status in (Status.READY, Status.BUSY):
-            self.status = Status.BUSY if self.in_flight >= self.model.parallel else Status.READY
+            self.status = Status.BUSY if self.load >= self.model.parallel else Status.READY
 
     def begin(self, key_id: str) -> None:
         self.idle.clear()

@@ -3,9 +3,13 @@
 A request takes a slot on the accepting instance with the fewest requests in flight. When every
 slot is taken it waits, first come first served, in a queue of at most `max_queue`; a full queue
 is 503 at once, and a wait longer than `queue_timeout` is 504. Each released slot, and each
-instance that becomes ready, hands a slot to the longest waiter. The pool's owner (the supervisor)
-hears of pressure (requests queueing) and of instances that requests could not reach through the
-callbacks it gives.
+instance that becomes ready, hands a slot to the longest waiter. Where several gateways route to the
+same instances (nodes' instances, pool/registry.py), an instance's load counts every gateway's
+requests, the queue's bound counts every gateway's waiters, and a gateway whose requests hold more
+than its share of the slots while others' wait lets the next free slot go to them.
+
+The pool's owner (the supervisor) hears of pressure (requests queueing) and of instances that
+requests could not reach through the callbacks it gives.
 """
 
 from __future__ import annotations
@@ -59,6 +63,14 @@ class ModelPool:
         self.cold_starts = 0
         self.cold_start_seconds = 0.0
         self.evictions = 0
+        # With other gateways routing to the same instances (role `gateway`, from the registry):
+        # the requests they have waiting for this model, and this gateway's fair share of its slots
+        # while they have (None: no cap).
+        self.queued_elsewhere = 0
+        self.share: int | None = None
+        # Set by the registry, which publishes this gateway's requests in flight and waiting when
+        # they change.
+        self.on_load: Callable[[], None] = lambda: None
 
     @property
     def name(self) -> str:
@@ -78,14 +90,16 @@ class ModelPool:
         return [i for i in self.instances if i.status != Status.STOPPED]
 
     def _free_instance(self, affinity: str | None = None, avoid: Instance | None = None) -> Instance | None:
+        if self.share is not None and sum(i.in_flight for i in self.instances) >= self.share:
+            return None  # other gateways' requests are waiting: leave them the slots this one frees
         accepting = [i for i in self.instances if i.accepting]
         if avoid is not None and len(accepting) > 1:
             accepting = [i for i in accepting if i is not avoid]  # a retry goes elsewhere when it can
         if len(accepting) == 1:  # the usual case: nothing to choose
             only = accepting[0]
-            return only if only.in_flight < only.model.parallel else None
+            return only if only.load < only.model.parallel else None
         by_address = {i.address: i for i in accepting}
-        candidates = [Candidate(a, i.in_flight, i.model.parallel) for a, i in by_address.items()]
+        candidates = [Candidate(a, i.load, i.model.parallel) for a, i in by_address.items()]
         chosen = choose(affinity, candidates, self.affinity_margin)
         return by_address[chosen.address] if chosen is not None else None
 
@@ -96,18 +110,21 @@ class ModelPool:
         instance = self._free_instance(affinity, avoid)
         if instance is not None and not self._waiters:
             instance.begin(key_id)
+            self.on_load()
             return instance
         if self.instances and not any(self._coming(i) for i in self.instances):
             # Every instance has failed and been given up: waiting would only end in a timeout.
             raise Overloaded(f"No instance of {self.name!r} is running; see the server's log.", retry_after=30)
-        if len(self._waiters) >= self.config.max_queue:
+        waiting = len(self._waiters) + self.queued_elsewhere
+        if waiting >= self.config.max_queue:
             raise Overloaded(
-                f"The model {self.name!r} is at capacity: all slots are busy and {len(self._waiters)} requests "
+                f"The model {self.name!r} is at capacity: all slots are busy and {waiting} requests "
                 "are already waiting. Retry shortly.",
                 retry_after=2,
             )
         waiter = _Waiter(key_id, affinity, asyncio.get_running_loop().create_future(), avoid)
         self._waiters.append(waiter)
+        self.on_load()
         self._on_pressure(self)
         try:
             async with asyncio.timeout(self.queue_timeout):
@@ -115,6 +132,7 @@ class ModelPool:
         except BaseException as exc:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+                self.on_load()
             elif waiter.future.done() and not waiter.future.cancelled():
                 # A slot was handed over just as this request gave up: give it back.
                 self.release(waiter.future.result(), key_id)
@@ -141,6 +159,7 @@ class ModelPool:
     def release(self, instance: Instance, key_id: str) -> None:
         instance.end(key_id)
         self.dispatch()
+        self.on_load()
 
     def report_failure(self, instance: Instance) -> None:
         """A request could not reach this instance: the pool's owner decides whether it died."""
@@ -159,3 +178,4 @@ class ModelPool:
             self._waiters.popleft()
             instance.begin(waiter.key_id)
             waiter.future.set_result(instance)
+            self.on_load()

@@ -13,11 +13,25 @@ The admin API reaches nodes through a command channel: a gateway pushes `start` 
 the node's list (`llmserver:node:ID:commands`), the node runs it and pushes the outcome onto a reply
 list the gateway waits on. Each node also publishes its own record (`llmserver:node:ID`: models,
 instances), so that a gateway can pick the node with the fewest instances of the model.
+
+Gateways share their load: each publishes its requests in flight per instance and waiting per model
+on the channel `llmserver:load` as soon as they change (coalesced) and keeps them in
+`llmserver:load:GATEWAY` (expiring after a lease, read with the registry: a gateway that stopped
+drops out), so that routing counts every gateway's requests on an instance, the queue's `max_queue`
+bounds every gateway's waiters together, and a gateway holding more than its share of a model's
+slots while others' requests wait lets them have the next ones (pool/pool.py). The counts are a
+Redis round trip old; llama-server queues a request that lands on a slot taken meanwhile.
+
+Each gateway keeps a circuit breaker per node instance: `CIRCUIT_FAILURES` requests in a row that
+cannot reach it (a link down between this gateway and that host while the node still publishes)
+take it out of this gateway's routing; a /health probe, after 1 s and then doubling up to 8 s,
+puts it back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -44,17 +58,21 @@ log = logging.getLogger(__name__)
 
 KEY = "llmserver:instance:"
 NODE_KEY = "llmserver:node:"
+LOAD_KEY = "llmserver:load:"
+LOAD_CHANNEL = "llmserver:load"
 LEASE_MS = 3000
 PUBLISH_EVERY = 1.0
 READ_EVERY = 0.5
 PUBLISHED = (Status.READY, Status.BUSY, Status.DRAINING)
+CIRCUIT_FAILURES = 2  # requests in a row that cannot reach an instance open its circuit
+PROBE_FIRST, PROBE_MAX = 1.0, 8.0  # seconds between probes of an open circuit, doubling
 
 
-def record(instance: Instance, node_id: str, incarnation: str) -> dict[str, Any]:
+def record(instance: Instance, node_id: str, incarnation: str, in_flight: int = 0) -> dict[str, Any]:
     return {
         **instance.describe(),
         "slots": instance.model.parallel,
-        "in_flight": instance.in_flight,
+        "in_flight": in_flight,  # through every gateway, from their loads
         "node": node_id,
         "incarnation": incarnation,
     }
@@ -78,6 +96,11 @@ class Publisher:
 
     async def publish(self) -> None:
         live = [i for i in self._supervisor.all_instances() if i.status in PUBLISHED and i.client is not None]
+        in_flight: collections.Counter[str] = collections.Counter()
+        with contextlib.suppress(*redis_unreachable()):  # then publish() below logs the outage
+            load_keys = [k async for k in self._redis.scan_iter(match=LOAD_KEY + "*", count=500)]
+            for load in await self._redis.mget(load_keys) if load_keys else []:
+                in_flight.update(json.loads(load)["in_flight"] if load else {})
         pipe = self._redis.pipeline(transaction=False)
         node = {
             "node": self.node_id,
@@ -89,7 +112,8 @@ class Publisher:
         }
         pipe.set(NODE_KEY + self.node_id, json.dumps(node), px=LEASE_MS)
         for instance in live:
-            pipe.set(KEY + instance.id, json.dumps(record(instance, self.node_id, self.incarnation)), px=LEASE_MS)
+            published = record(instance, self.node_id, self.incarnation, in_flight[instance.id])
+            pipe.set(KEY + instance.id, json.dumps(published), px=LEASE_MS)
         gone = self._published - {i.id for i in live}
         for instance_id in gone:
             pipe.delete(KEY + instance_id)
@@ -178,23 +202,39 @@ class RemoteInstance(Instance):
 class Registry:
     """A gateway's side: its pools' remote instances, in step with the registry."""
 
-    def __init__(self, client: redis.asyncio.Redis, pools: Mapping[str, ModelPool], api_key: str | None) -> None:
+    def __init__(
+        self, client: redis.asyncio.Redis, pools: Mapping[str, ModelPool], api_key: str | None, gateway: str
+    ) -> None:
         self._redis = client
         self._pools = pools
         self._api_key = api_key
+        self._load_key = LOAD_KEY + gateway
+        self._probes: set[asyncio.Task[None]] = set()
+        self._gateway = gateway
+        self._load_changed = asyncio.Event()
+        self._sequence = 0  # of this gateway's load messages: a late read never overwrites a newer one
+        self._loads: dict[str, dict[str, Any]] = {}  # the other gateways' latest, by gateway id
+        self._tasks: list[asyncio.Task[None]] = []
+        for pool in pools.values():
+            pool.on_load = self._load_changed.set
         self._outage = Outage(log)
         self._unknown: set[str] = set()
         self._recovered_at = 0.0
-        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="instance-registry")
+        self._tasks = [
+            asyncio.create_task(self._run(), name="instance-registry"),
+            asyncio.create_task(self._write_load(), name="gateway-load-writer"),
+            asyncio.create_task(self._listen_load(), name="gateway-load-listener"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in [*self._tasks, *self._probes]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+        with contextlib.suppress(Exception):
+            await self._redis.delete(self._load_key)
         await self._redis.aclose()
 
     async def _run(self) -> None:
@@ -205,23 +245,124 @@ class Registry:
                 log.exception("instance registry")
             await asyncio.sleep(READ_EVERY)
 
-    async def read(self) -> dict[str, dict[str, Any]] | None:
-        """Every published record by instance id; None when Redis cannot be read."""
+    async def _write_load(self) -> None:
+        """This gateway's load, in its key and to the other gateways, as soon as it changes
+        (coalesced: the changes made while one message is sent go in the next)."""
+        while True:
+            await self._load_changed.wait()
+            self._load_changed.clear()
+            load = json.dumps(self._own_load())
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.set(self._load_key, load, px=LEASE_MS)
+            pipe.publish(LOAD_CHANNEL, load)
+            try:
+                await pipe.execute()
+            except redis_unreachable():
+                await asyncio.sleep(READ_EVERY)  # sync() logs the outage
+                self._load_changed.set()
+
+    async def _listen_load(self) -> None:
+        """The other gateways' load as they publish it (the registry's reads fill gaps and expire
+        the gateways that stopped)."""
+        while True:
+            try:
+                async with self._redis.pubsub() as pubsub:
+                    await pubsub.subscribe(LOAD_CHANNEL)
+                    async for message in pubsub.listen():
+                        if message["type"] == "message":
+                            self._heard([json.loads(message["data"])])
+            except redis_unreachable():
+                await asyncio.sleep(1)  # sync() logs the outage
+
+    def _heard(self, loads: list[dict[str, Any]], complete: bool = False) -> None:
+        """Other gateways' loads into the pools; `complete`: every live gateway's (a read)."""
+        latest = {} if complete else dict(self._loads)
+        for load in loads:
+            gateway = load["gateway"]
+            if gateway == self._gateway:
+                continue
+            known = self._loads.get(gateway)
+            latest[gateway] = known if known and known["sequence"] > load["sequence"] else load
+        self._loads = latest
+        self._share_load(list(latest.values()))
+        for pool in self._pools.values():
+            pool.dispatch()  # slots other gateways freed
+
+    async def read(self) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]] | None:
+        """Every published record by instance id and the other gateways' loads, after writing this
+        gateway's load; None when Redis cannot be read."""
         try:
+            await self._redis.set(self._load_key, json.dumps(self._own_load()), px=LEASE_MS)
             keys = [key async for key in self._redis.scan_iter(match=KEY + "*", count=500)]
             values = await self._redis.mget(keys) if keys else []
+            load_keys = [k async for k in self._redis.scan_iter(match=LOAD_KEY + "*", count=500)]
+            loads = await self._redis.mget(load_keys) if load_keys else []
         except redis_unreachable() as exc:
             self._outage.failed("the instance registry cannot be read (Redis: %s): routing to the instances known", exc)
             return None
         if self._outage.recovered("the instance registry can be read again"):
             self._recovered_at = time.monotonic()
         records = [json.loads(value) for value in values if value]
-        return {r["instance_id"]: r for r in records}
+        return {r["instance_id"]: r for r in records}, [json.loads(load) for load in loads if load]
+
+    def _own_load(self) -> dict[str, Any]:
+        self._sequence += 1
+        return {
+            "gateway": self._gateway,
+            "sequence": self._sequence,
+            "in_flight": {i.id: i.in_flight for p in self._pools.values() for i in p.instances if i.in_flight},
+            "queued": {name: pool.queue_depth for name, pool in self._pools.items() if pool.queue_depth},
+        }
+
+    def _share_load(self, others: list[dict[str, Any]]) -> None:
+        """The other gateways' requests, in flight per instance and waiting per model, into the pools."""
+        for name, pool in self._pools.items():
+            waiting = [o for o in others if o["queued"].get(name)]
+            pool.queued_elsewhere = sum(o["queued"][name] for o in waiting)
+            ids = {i.id for i in pool.instances}
+            for instance in pool.instances:
+                instance.elsewhere = sum(o["in_flight"].get(instance.id, 0) for o in others)
+                instance.refresh_status()
+            busy = [o for o in others if o["queued"].get(name) or ids & o["in_flight"].keys()]
+            slots = sum(i.model.parallel for i in pool.instances if i.accepting)
+            pool.share = max(1, -(-slots // (1 + len(busy)))) if waiting else None
+
+    def unreachable(self, instance: RemoteInstance) -> None:
+        """A request could not reach a node's instance: after `CIRCUIT_FAILURES` in a row, stop
+        routing to it until a probe reaches it again."""
+        if instance.failures < CIRCUIT_FAILURES or instance.status in (Status.FAILED, Status.STOPPED):
+            return
+        instance.status = Status.FAILED
+        log.warning(
+            "instance %s on node %s at %s could not be reached %d times in a row: not routed to until it answers",
+            instance.id, instance.node, instance.base_url, instance.failures,
+        )  # fmt: skip
+        task = asyncio.create_task(self._probe(instance), name=f"probe-{instance.id}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, instance: RemoteInstance) -> None:
+        delay = PROBE_FIRST
+        opened = time.monotonic()
+        while instance.status == Status.FAILED and instance.client is not None:
+            await asyncio.sleep(delay)
+            if instance.client is not None and await instance.client.healthy():
+                instance.failures = 0
+                instance.status = Status.READY
+                instance.refresh_status()
+                log.info(
+                    "instance %s on node %s answers again after %.1f s: routed to again",
+                    instance.id, instance.node, time.monotonic() - opened,
+                )  # fmt: skip
+                self._pools[instance.model.name].dispatch()
+                return
+            delay = min(PROBE_MAX, delay * 2)
 
     async def sync(self) -> None:
-        records = await self.read()
-        if records is None:
+        read = await self.read()
+        if read is None:
             return
+        records, others = read
         # A Redis that restarted empty knows no instance until the nodes publish again (within a
         # second): removals wait one lease after an outage, so that the pools are not emptied.
         settled = time.monotonic() - self._recovered_at >= LEASE_MS / 1000
@@ -257,8 +398,7 @@ class Registry:
                 known.status = Status.DRAINING
             elif known.status == Status.DRAINING:
                 known.status = Status.READY
-            known.refresh_status()
-            serving.dispatch()
+        self._heard(others, complete=True)  # and slots to waiters: on instances that joined too
 
     async def command(self, node: str, op: str, timeout: float, **args: str) -> dict[str, Any]:
         """Send a node a command and wait for its outcome (504 when it does not answer in time)."""

@@ -38,14 +38,17 @@ class Lease:
     def release(self) -> None:
         if self.instance is not None:
             instance, self.instance = self.instance, None
+            instance.failures = 0  # it was reached
             self.pool.release(instance, self.key_id)
 
     def failed(self) -> None:
         """The instance could not be reached: report it to its pool, give the slot back."""
         if self.instance is not None:
-            self.failed_on = self.instance
-            self.pool.report_failure(self.instance)
-        self.release()
+            instance, self.instance = self.instance, None
+            self.failed_on = instance
+            instance.failures += 1
+            self.pool.report_failure(instance)
+            self.pool.release(instance, self.key_id)
 
 
 class Router:

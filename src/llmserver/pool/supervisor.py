@@ -340,8 +340,10 @@ class Supervisor:
 
     def unreachable(self, instance: Instance) -> None:
         """A request could not reach an instance: if its process is gone, take it out of service now
-        rather than at the next tick."""
-        if instance.exited and instance.process is not None:
+        rather than at the next tick; a node's instance counts toward its circuit breaker."""
+        if self.remote is not None and isinstance(instance, RemoteInstance):
+            self.remote.unreachable(instance)
+        elif instance.exited and instance.process is not None:
             self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
 
     def crashed(self, instance: Instance, why: str) -> None:
