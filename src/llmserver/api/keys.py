@@ -1,19 +1,20 @@
-"""The key admin API (/api/keys, admin only) and usage summaries (/api/usage)."""
+"""The key admin API (/api/keys, admin only), the caller's own key (/api/me) and usage summaries
+(/api/usage, /api/usage/series)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserver.api.deps import authenticate, json_body, keys, recorder, require_admin, store, validate
+from llmserver.api.deps import authenticate, json_body, keys, recorder, require_admin, settings, store, validate
 from llmserver.auth.keys import describe
 from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
-from llmserver.metrics.usage import parse_time, summarise
+from llmserver.metrics.usage import parse_time, series, summarise
 from llmserver.store import KeyLimits
 
 router = APIRouter()
@@ -100,3 +101,54 @@ async def usage(
     end = parse_time(until, time.time() + 1, "until")
     await recorder(request).flush()  # rows of requests that just finished
     return await summarise(store(request), wanted, start, end)
+
+
+@router.get("/api/me")
+async def me(request: Request) -> dict[str, Any]:
+    """The calling key: its id, name, whether it is an admin key, and its limits (what the console shows)."""
+    principal = await authenticate(request)
+    limits, config = principal.limits, settings(request)
+    return {
+        "id": principal.key_id,
+        "name": principal.name,
+        "fingerprint": principal.fingerprint,
+        "admin": principal.is_admin,
+        **asdict(limits),
+        "models": list(limits.models) if limits.models is not None else None,
+        # The server's request limits, for clients that check inputs before sending them.
+        "server": {
+            "max_tokens_limit": config.max_tokens_limit,
+            "max_images": config.max_images,
+            "max_image_bytes": config.max_image_bytes,
+            "max_files": config.max_files,
+            "max_file_bytes": config.max_file_bytes,
+        },
+    }
+
+
+BUCKETS = {"hour": 3600, "day": 86400}
+
+
+@router.get("/api/usage/series")
+async def usage_series(
+    request: Request,
+    key: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
+    bucket: str = "day",
+    offset_minutes: int = 0,
+) -> dict[str, Any]:
+    """Usage per bucket ("hour" or "day", starting at the caller's local midnight when given its
+    clock's `offset_minutes` ahead of UTC) and model; the same rules for `key` as /api/usage."""
+    principal = await authenticate(request)
+    wanted: str | None = key or principal.key_id
+    if wanted != principal.key_id and not principal.is_admin:
+        raise PermissionDenied("Only admin keys may read another key's usage.")
+    if bucket not in BUCKETS:
+        raise InvalidRequest("bucket must be 'hour' or 'day'.", param="bucket")
+    if not -14 * 60 <= offset_minutes <= 14 * 60:
+        raise InvalidRequest("offset_minutes must be between -840 and 840.", param="offset_minutes")
+    end = parse_time(until, time.time() + 1, "until")
+    start = parse_time(since, end - 30 * 86400, "since")
+    await recorder(request).flush()
+    return await series(store(request), None if wanted == "*" else wanted, start, end, BUCKETS[bucket], offset_minutes)

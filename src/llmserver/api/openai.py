@@ -57,5 +57,7 @@ async def _generate(
                 stream = await service.chat_stream(ticket, body)
             else:
                 stream = await service.completion_stream(ticket, body)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+            # The serving instance is known once the stream is open: the console shows it.
+            served = {"x-llmserver-instance": ticket.tally.instance_id or ""}
+            return StreamingResponse(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **served})
         return FastJSONResponse(await cancel_on_disconnect(request, work()))

@@ -79,6 +79,16 @@ class RollingSpeed:
             self._during.append((model, minute, float(tokens), seconds))
         return (model, minute, float(tokens), seconds)
 
+    def recent(self, model: str, minutes: int = 5) -> float | None:
+        """tokens/s of the successful requests that ended in the last `minutes` (the current one
+        included); None when there were none."""
+        oldest = self._minute() - minutes
+        tokens = seconds = 0.0
+        for minute, (t, s) in (self._buckets.get(model) or {}).items():
+            if minute > oldest:
+                tokens, seconds = tokens + t, seconds + s
+        return round(tokens / seconds, 2) if seconds > 0 else None
+
     def average(self, model: str) -> float | None:
         """tokens/s over the last 30 days; None while the model has no successful requests."""
         oldest = self._minute() - WINDOW_MINUTES

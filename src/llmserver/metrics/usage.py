@@ -57,3 +57,43 @@ async def summarise(store: UsageStore, key_id: str | None, since: float, until: 
         "by_model": {name: dict(counts) for name, counts in by_model.items()},
         "by_outcome": dict(by_outcome),
     }
+
+
+MAX_BUCKETS = 2000
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(share * len(ordered)) - 1)]
+
+
+async def series(
+    store: UsageStore, key_id: str | None, since: float, until: float, bucket: int, offset_minutes: int
+) -> dict[str, Any]:
+    """The ledger per time bucket and model: requests, errors, tokens, latency p50/p95. Buckets of
+    `bucket` seconds start at local midnight (or hour) for a clock `offset_minutes` ahead of UTC, so
+    that a browser's days are its own."""
+    if (until - since) / bucket > MAX_BUCKETS:
+        raise InvalidRequest(f"At most {MAX_BUCKETS} buckets: widen the bucket or narrow the range.", param="bucket")
+    shift = offset_minutes * 60
+    grouped: dict[tuple[float, str], list[dict[str, object]]] = collections.defaultdict(list)
+    for row in await store.usage_rows(key_id, since, until):
+        moment = float(row["time"])  # type: ignore[arg-type]
+        start = (moment + shift) // bucket * bucket - shift
+        grouped[(start, str(row["model"]))].append(row)
+    points = []
+    for (start, model), rows in sorted(grouped.items()):
+        latencies = [float(r["latency_ms"]) for r in rows]  # type: ignore[arg-type]
+        points.append(
+            {
+                "start": start,
+                "model": model,
+                "requests": len(rows),
+                "errors": sum(1 for r in rows if r["outcome"] != "ok"),
+                "prompt_tokens": sum(int(r["prompt_tokens"]) for r in rows),  # type: ignore[call-overload]
+                "completion_tokens": sum(int(r["completion_tokens"]) for r in rows),  # type: ignore[call-overload]
+                "latency_p50_ms": round(_percentile(latencies, 0.5), 1),
+                "latency_p95_ms": round(_percentile(latencies, 0.95), 1),
+            }
+        )
+    return {"key": key_id, "since": since, "until": until, "bucket": bucket, "points": points}

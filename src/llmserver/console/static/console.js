@@ -1,0 +1,625 @@
+// The llmserver console: one page over the server's own HTTP API. The API key lives in this tab's
+// sessionStorage only; every call goes to this origin; nothing is loaded from anywhere else.
+
+const KEY_SLOT = "llmserver.key";
+const $ = (selector, root = document) => root.querySelector(selector);
+const state = { me: null, tab: null, timer: null, rows: [], abort: null, sodium: null };
+
+// ---- HTTP -------------------------------------------------------------------------------------
+
+class ApiError extends Error {
+  constructor(status, body) {
+    const error = (body && body.error) || {};
+    super(error.message || `HTTP ${status}`);
+    this.status = status;
+    this.type = error.type;
+    this.param = error.param;
+  }
+}
+
+function authHeaders(extra = {}) {
+  return { Authorization: `Bearer ${sessionStorage.getItem(KEY_SLOT) || ""}`, ...extra };
+}
+
+async function api(path, { method = "GET", body, key } = {}) {
+  const headers = key ? { Authorization: `Bearer ${key}` } : authHeaders();
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const answer = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  const data = await answer.json().catch(() => null);
+  if (!answer.ok) throw new ApiError(answer.status, data);
+  return data;
+}
+
+// ---- Small helpers ----------------------------------------------------------------------------
+
+function el(tag, attributes = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes)) {
+    if (name === "onclick") node.addEventListener("click", value);
+    else if (value !== null && value !== undefined && value !== false) node.setAttribute(name, value === true ? "" : value);
+  }
+  for (const child of children) node.append(child instanceof Node ? child : document.createTextNode(String(child ?? "")));
+  return node;
+}
+
+const number = (value, digits = 0) =>
+  value === null || value === undefined ? "–" : Number(value).toLocaleString(undefined, { maximumFractionDigits: digits });
+
+function duration(seconds) {
+  if (!seconds) return "–";
+  const d = Math.floor(seconds / 86400), h = Math.floor((seconds % 86400) / 3600), m = Math.floor((seconds % 3600) / 60);
+  return d ? `${d}d ${h}h` : h ? `${h}h ${m}m` : `${m}m ${seconds % 60}s`;
+}
+
+const localTime = (value) => (value ? new Date(typeof value === "number" ? value * 1000 : value).toLocaleString() : "–");
+
+function say(id, text, isError = false) {
+  const node = document.getElementById(id);
+  node.textContent = text;
+  node.classList.toggle("error", isError);
+}
+
+async function copy(text, button) {
+  await navigator.clipboard.writeText(text).catch(() => {});
+  const label = button.textContent;
+  button.textContent = "Copied";
+  setTimeout(() => (button.textContent = label), 1200);
+}
+
+// ---- Sign-in and navigation -------------------------------------------------------------------
+
+async function signIn(key) {
+  const me = await api("/api/me", { key });
+  sessionStorage.setItem(KEY_SLOT, key);
+  state.me = me;
+  $("#sign-in").hidden = true;
+  $("#tabs").hidden = false;
+  $("#who").hidden = false;
+  $("#who-name").textContent = `${me.name}${me.admin ? " (admin)" : ""}`;
+  for (const button of document.querySelectorAll("#tabs button")) button.hidden = "admin" in button.dataset && !me.admin;
+  show(me.admin ? "overview" : "playground");
+}
+
+function signOut() {
+  sessionStorage.removeItem(KEY_SLOT);
+  state.me = null;
+  clearInterval(state.timer);
+  if (state.abort) state.abort.abort();
+  for (const section of document.querySelectorAll("main > section")) section.hidden = section.id !== "sign-in";
+  $("#tabs").hidden = true;
+  $("#who").hidden = true;
+  $("#api-key").value = "";
+  say("sign-in-error", "");
+  $("#api-key").focus();
+}
+
+function show(tab) {
+  state.tab = tab;
+  clearInterval(state.timer);
+  for (const section of document.querySelectorAll("main > section")) section.hidden = section.id !== tab;
+  for (const button of document.querySelectorAll("#tabs button")) button.setAttribute("aria-selected", String(button.dataset.tab === tab));
+  ({ overview: startOverview, keys: loadKeys, usage: loadUsage, playground: loadPlayground })[tab]();
+}
+
+// ---- Overview ---------------------------------------------------------------------------------
+
+function startOverview() {
+  refreshOverview();
+  state.timer = setInterval(refreshOverview, 2000);
+}
+
+async function refreshOverview() {
+  let listed;
+  try {
+    listed = await api("/api/instances");
+  } catch (error) {
+    say("overview-status", error.message, true);
+    return;
+  }
+  const models = $("#models-table tbody");
+  models.replaceChildren(
+    ...listed.models.map((m) =>
+      el("tr", {},
+        el("td", {}, m.model), el("td", { class: "num" }, m.instances), el("td", { class: "num" }, m.queue_depth),
+        el("td", { class: "num" }, number(m.tokens_per_second_5m, 1)), el("td", { class: "num" }, number(m.avg_tokens_per_second, 1)),
+        el("td", {}, el("button", { type: "button", onclick: () => startInstance(m.model), "aria-label": `Start an instance of ${m.model}` }, "Start instance")),
+      ),
+    ),
+  );
+  const instances = $("#instances-table tbody");
+  instances.replaceChildren(
+    ...listed.data.map((i) =>
+      el("tr", { "data-instance": i.instance_id },
+        el("td", {}, el("code", {}, i.instance_id)), el("td", {}, i.model),
+        el("td", {}, el("span", { class: `badge ${i.status}` }, i.status)),
+        el("td", {}, i.host), el("td", { class: "num" }, i.port), el("td", { class: "num pid" }, i.pid || "–"),
+        el("td", { class: "num" }, i.active_users), el("td", { class: "num" }, number(i.ram_used_mb)),
+        el("td", { class: "num" }, number(i.cpu_percent, 1)), el("td", {}, duration(i.uptime_seconds)),
+        el("td", {}, localTime(i.last_activity)),
+        el("td", {}, el("button", { type: "button", onclick: () => drainInstance(i.instance_id), "aria-label": `Drain instance ${i.instance_id}` }, "Drain")),
+      ),
+    ),
+  );
+  if (!$("#overview-status").dataset.sticky) say("overview-status", `Updated ${new Date().toLocaleTimeString()}`);
+}
+
+async function act(statusId, working, action) {
+  const status = document.getElementById(statusId);
+  status.dataset.sticky = "1";
+  say(statusId, working);
+  try {
+    say(statusId, await action());
+  } catch (error) {
+    say(statusId, error.message, true);
+  }
+  setTimeout(() => delete status.dataset.sticky, 6000);
+}
+
+function startInstance(model) {
+  act("overview-status", `Starting an instance of ${model}…`, async () => {
+    const started = await api("/api/instances", { method: "POST", body: { model } });
+    refreshOverview();
+    return `Started instance ${started.instance_id} of ${model} (pid ${started.pid}).`;
+  });
+}
+
+function drainInstance(id) {
+  act("overview-status", `Draining instance ${id}…`, async () => {
+    await api(`/api/instances/${encodeURIComponent(id)}`, { method: "DELETE" });
+    refreshOverview();
+    return `Instance ${id} drained and stopped.`;
+  });
+}
+
+// ---- Keys -------------------------------------------------------------------------------------
+
+async function loadKeys() {
+  try {
+    const listed = await api("/api/keys");
+    state.keys = listed.data;
+    $("#keys-table tbody").replaceChildren(
+      ...listed.data.map((k) =>
+        el("tr", { "data-key": k.id },
+          el("td", {}, k.name), el("td", {}, el("code", {}, k.id)), el("td", {}, k.admin ? "yes" : ""),
+          el("td", { class: "num" }, number(k.quota_tokens)), el("td", {}, k.quota_period || "–"),
+          el("td", { class: "num" }, number(k.rpm)), el("td", { class: "num" }, number(k.max_concurrency)),
+          el("td", {}, localTime(k.created_at)), el("td", {}, localTime(k.revoked_at)),
+          el("td", {}, k.revoked_at ? "" : el("span", {},
+            el("button", { type: "button", onclick: () => editKey(k), "aria-label": `Edit the limits of ${k.name}` }, "Edit"), " ",
+            el("button", { type: "button", onclick: () => revokeKey(k), "aria-label": `Revoke ${k.name}` }, "Revoke"))),
+        ),
+      ),
+    );
+  } catch (error) {
+    say("keys-status", error.message, true);
+  }
+}
+
+function keyForm(reset = false) {
+  const form = $("#key-form");
+  if (reset) {
+    form.reset();
+    form.elements.id.value = "";
+    form.elements.name.disabled = false;
+    form.elements.admin.disabled = false;
+    $("#key-form-title").textContent = "Create a key";
+    $("#key-submit").textContent = "Create";
+    $("#key-cancel").hidden = true;
+  }
+  for (const node of form.querySelectorAll(".field-error")) node.textContent = "";
+  say("key-error", "");
+  return form;
+}
+
+function editKey(k) {
+  const form = keyForm(true);
+  form.elements.id.value = k.id;
+  form.elements.name.value = k.name;
+  form.elements.name.disabled = true;
+  form.elements.admin.checked = k.admin;
+  form.elements.admin.disabled = true;
+  form.elements.quota_tokens.value = k.quota_tokens ?? "";
+  form.elements.quota_period.value = k.quota_period ?? "";
+  form.elements.rpm.value = k.rpm ?? "";
+  form.elements.max_concurrency.value = k.max_concurrency ?? "";
+  $("#key-form-title").textContent = `Edit the limits of ${k.name}`;
+  $("#key-submit").textContent = "Save";
+  $("#key-cancel").hidden = false;
+  form.elements.quota_tokens.focus();
+}
+
+async function submitKey(event) {
+  event.preventDefault();
+  const form = keyForm();
+  const value = (name) => {
+    const raw = form.elements[name].value.trim();
+    return raw === "" ? null : form.elements[name].type === "number" ? Number(raw) : raw;
+  };
+  const limits = { quota_tokens: value("quota_tokens"), quota_period: value("quota_period"), rpm: value("rpm"), max_concurrency: value("max_concurrency") };
+  const id = form.elements.id.value;
+  try {
+    if (id) {
+      await api(`/api/keys/${encodeURIComponent(id)}`, { method: "PATCH", body: limits });
+      say("keys-status", `Limits of ${form.elements.name.value} saved.`);
+    } else {
+      const created = await api("/api/keys", { method: "POST", body: { name: value("name") ?? "", admin: form.elements.admin.checked, ...limits } });
+      $("#new-key-value").textContent = created.key;
+      $("#new-key").hidden = false;
+      say("keys-status", `Key ${created.name} created.`);
+    }
+    keyForm(true);
+    loadKeys();
+  } catch (error) {
+    const field = error.param && form.querySelector(`.field-error[data-for="${CSS.escape(error.param)}"]`);
+    if (field) {
+      field.textContent = error.message;
+      form.elements[error.param]?.setAttribute("aria-invalid", "true");
+      form.elements[error.param]?.focus();
+    } else say("key-error", error.message, true);
+  }
+}
+
+async function revokeKey(k) {
+  if (!confirm(`Revoke the key ${k.name}? Requests with it are refused at once.`)) return;
+  try {
+    await api(`/api/keys/${encodeURIComponent(k.id)}`, { method: "DELETE" });
+    say("keys-status", `Key ${k.name} revoked.`);
+    loadKeys();
+  } catch (error) {
+    say("keys-status", error.message, true);
+  }
+}
+
+// ---- Usage ------------------------------------------------------------------------------------
+
+const COLOURS = ["#1f6feb", "#e8590c", "#2f9e44", "#ae3ec9", "#f08c00", "#0c8599", "#c2255c", "#5c7cfa"];
+
+async function loadUsage(event) {
+  event?.preventDefault();
+  if (state.me.admin && !$("#usage-key").options.length) {
+    $("#usage-key-field").hidden = false;
+    const listed = await api("/api/keys").catch(() => ({ data: [] }));
+    $("#usage-key").replaceChildren(el("option", { value: "*" }, "All keys"), ...listed.data.map((k) => el("option", { value: k.id }, `${k.name} (${k.id})`)));
+  }
+  const days = Number($("#usage-range").value);
+  const bucket = days <= 1 ? "hour" : "day";
+  const until = Date.now() / 1000;
+  const since = bucket === "day" ? startOfLocalDay(days - 1) : until - 86400;
+  const query = new URLSearchParams({ since: String(since), until: String(until + 1), bucket, offset_minutes: String(-new Date().getTimezoneOffset()) });
+  if (state.me.admin) query.set("key", $("#usage-key").value || "*");
+  try {
+    const series = await api(`/api/usage/series?${query}`);
+    state.rows = series.points;
+    drawUsage(series, since, until);
+    const requests = series.points.reduce((sum, p) => sum + p.requests, 0);
+    say("usage-status", `${requests} requests from ${localTime(since)} to ${localTime(until)}.`);
+  } catch (error) {
+    say("usage-status", error.message, true);
+  }
+}
+
+function startOfLocalDay(daysAgo) {
+  const day = new Date();
+  day.setHours(0, 0, 0, 0);
+  day.setDate(day.getDate() - daysAgo);
+  return day.getTime() / 1000;
+}
+
+function drawUsage(series, since, until) {
+  const starts = [];
+  for (let t = series.bucket === 86400 ? since : Math.floor(since / 3600) * 3600; t < until; ) {
+    starts.push(t);
+    if (series.bucket === 86400) {
+      const next = new Date(t * 1000);
+      next.setDate(next.getDate() + 1);
+      t = next.getTime() / 1000;
+    } else t += 3600;
+  }
+  const models = [...new Set(series.points.map((p) => p.model))].sort();
+  const at = (start) => starts.findIndex((s) => Math.abs(s - start) < 60);
+  const byModel = Object.fromEntries(models.map((m) => [m, starts.map(() => null)]));
+  for (const p of series.points) if (at(p.start) >= 0) byModel[p.model][at(p.start)] = p;
+  const label = (t) => series.bucket === 86400 ? new Date(t * 1000).toLocaleDateString(undefined, { month: "short", day: "numeric" }) : new Date(t * 1000).toLocaleTimeString(undefined, { hour: "2-digit" });
+  const labels = starts.map(label);
+  const colour = (i) => COLOURS[i % COLOURS.length];
+
+  bars($("#chart-tokens"), labels, models.map((m, i) => ({ name: m, colour: colour(i), values: byModel[m].map((p) => (p ? p.prompt_tokens + p.completion_tokens : 0)) })));
+  const requests = starts.map((_, i) => models.reduce((sum, m) => sum + (byModel[m][i]?.requests || 0), 0));
+  const errors = starts.map((_, i) => models.reduce((sum, m) => sum + (byModel[m][i]?.errors || 0), 0));
+  bars($("#chart-requests"), labels, [{ name: "requests", colour: colour(0), values: requests }],
+    [{ name: "error rate %", colour: "#d9480f", values: requests.map((r, i) => (r ? (100 * errors[i]) / r : null)), max: 100 }]);
+  lines($("#chart-latency"), labels, models.flatMap((m, i) => [
+    { name: `${m} p50`, colour: colour(i), values: byModel[m].map((p) => p?.latency_p50_ms ?? null) },
+    { name: `${m} p95`, colour: colour(i), dashed: true, values: byModel[m].map((p) => p?.latency_p95_ms ?? null) },
+  ]));
+  $("#usage-table tbody").replaceChildren(
+    ...series.points.map((p) =>
+      el("tr", {}, el("td", {}, localTime(p.start)), el("td", {}, p.model), el("td", { class: "num" }, p.requests), el("td", { class: "num" }, p.errors),
+        el("td", { class: "num" }, p.prompt_tokens), el("td", { class: "num" }, p.completion_tokens),
+        el("td", { class: "num" }, number(p.latency_p50_ms, 1)), el("td", { class: "num" }, number(p.latency_p95_ms, 1))),
+    ),
+  );
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+function svgEl(tag, attributes = {}, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, value);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function frame(container, labels, max) {
+  // Drawn at the container's own width: text and dots keep their shape.
+  const width = Math.max(300, container.clientWidth || 800), height = 220, left = 48, bottom = 22, top = 8, right = 8;
+  const svg = svgEl("svg", { viewBox: `0 0 ${width} ${height}`, role: "img" });
+  const plot = { left, top, width: width - left - right, height: height - top - bottom, max: max || 1 };
+  svg.append(svgEl("line", { class: "axis", x1: left, y1: top + plot.height, x2: width - right, y2: top + plot.height }));
+  for (const f of [0, 0.5, 1]) {
+    const y = top + plot.height * (1 - f);
+    svg.append(svgEl("text", { x: left - 4, y: y + 4, "text-anchor": "end" }, number(plot.max * f)));
+  }
+  const step = Math.max(1, Math.ceil(labels.length / 10));
+  labels.forEach((text, i) => {
+    if (i % step === 0) svg.append(svgEl("text", { x: left + (plot.width * (i + 0.5)) / labels.length, y: height - 6, "text-anchor": "middle" }, text));
+  });
+  return { svg, plot };
+}
+
+function legend(container, svg, entries) {
+  const swatch = (colour) => {
+    const node = el("i", { "aria-hidden": "true" });
+    node.style.background = colour; // CSSOM, not a style attribute: the page's CSP allows no inline styles
+    return node;
+  };
+  const key = el("div", { class: "legend" }, ...entries.map((e) => el("span", {}, swatch(e.colour), e.name)));
+  svg.setAttribute("aria-label", entries.map((e) => e.name).join(", "));
+  container.replaceChildren(svg, key);
+}
+
+function bars(container, labels, stacks, overlays = []) {
+  const totals = labels.map((_, i) => stacks.reduce((sum, s) => sum + (s.values[i] || 0), 0));
+  const { svg, plot } = frame(container, labels, Math.max(0, ...totals));
+  const slot = plot.width / labels.length, barWidth = Math.max(2, slot * 0.7);
+  labels.forEach((_, i) => {
+    let base = 0;
+    for (const s of stacks) {
+      const value = s.values[i] || 0;
+      if (!value) continue;
+      const h = (plot.height * value) / plot.max, y = plot.top + plot.height - ((base + value) * plot.height) / plot.max;
+      const bar = svgEl("rect", { x: plot.left + slot * i + (slot - barWidth) / 2, y, width: barWidth, height: h, fill: s.colour });
+      bar.append(svgEl("title", {}, `${labels[i]} ${s.name}: ${number(value)}`));
+      svg.append(bar);
+      base += value;
+    }
+  });
+  for (const o of overlays) drawLine(svg, plot, labels, o, o.max);
+  legend(container, svg, [...stacks, ...overlays]);
+}
+
+function drawLine(svg, plot, labels, series, max) {
+  const slot = plot.width / labels.length;
+  const points = series.values.map((v, i) => (v === null ? null : [plot.left + slot * (i + 0.5), plot.top + plot.height * (1 - v / (max || plot.max))]));
+  const path = points.reduce((d, p, i) => (p ? d + `${d && points[i - 1] ? "L" : "M"}${p[0].toFixed(1)},${p[1].toFixed(1)}` : d), "");
+  if (path) svg.append(svgEl("path", { d: path, fill: "none", stroke: series.colour, "stroke-width": 2, "stroke-dasharray": series.dashed ? "5 4" : "none" }));
+  for (const p of points) if (p) svg.append(svgEl("circle", { cx: p[0], cy: p[1], r: 2.5, fill: series.colour }));
+}
+
+function lines(container, labels, series) {
+  const max = Math.max(0, ...series.flatMap((s) => s.values.filter((v) => v !== null)));
+  const { svg, plot } = frame(container, labels, max);
+  for (const s of series) drawLine(svg, plot, labels, s);
+  legend(container, svg, series);
+}
+
+function downloadCsv() {
+  const header = ["start", "model", "requests", "errors", "prompt_tokens", "completion_tokens", "latency_p50_ms", "latency_p95_ms"];
+  const rows = state.rows.map((p) => [new Date(p.start * 1000).toISOString(), p.model, p.requests, p.errors, p.prompt_tokens, p.completion_tokens, p.latency_p50_ms, p.latency_p95_ms]);
+  const text = [header, ...rows].map((r) => r.map((v) => (/[",\n]/.test(String(v)) ? `"${String(v).replaceAll('"', '""')}"` : v)).join(",")).join("\n");
+  const link = el("a", { href: URL.createObjectURL(new Blob([text + "\n"], { type: "text/csv" })), download: "llmserver-usage.csv" });
+  link.click();
+  URL.revokeObjectURL(link.href);
+}
+
+// ---- Playground -------------------------------------------------------------------------------
+
+async function loadPlayground() {
+  const select = $("#play-model");
+  if (select.options.length) return;
+  try {
+    const listed = await api("/v1/models");
+    state.models = Object.fromEntries(listed.data.map((m) => [m.id, m]));
+    select.replaceChildren(...listed.data.filter((m) => !m.embedding).map((m) => el("option", { value: m.id }, m.vision_capable ? `${m.id} (vision)` : m.id)));
+    $("#play-max-tokens").max = state.me.server.max_tokens_limit;
+  } catch (error) {
+    say("play-error", error.message, true);
+  }
+}
+
+const readDataUri = (file) =>
+  new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(new Error(`${file.name} could not be read.`));
+    reader.readAsDataURL(file);
+  });
+
+// The API's own limits, checked before anything is sent; the server checks them again.
+function checkFiles(files, model) {
+  const limits = state.me.server, mb = (bytes) => `${Math.round(bytes / 1e6)} MB`;
+  const images = files.filter((f) => f.type.startsWith("image/")), documents = files.filter((f) => !f.type.startsWith("image/"));
+  if (images.length && !state.models[model]?.vision_capable) return `The model ${model} does not take images: choose a vision model.`;
+  if (images.length > limits.max_images) return `At most ${limits.max_images} images per request.`;
+  if (documents.length > limits.max_files) return `At most ${limits.max_files} files per request.`;
+  for (const f of images) if (f.size > limits.max_image_bytes) return `${f.name} is over ${mb(limits.max_image_bytes)}, the largest image accepted.`;
+  for (const f of documents) if (f.size > limits.max_file_bytes) return `${f.name} is over ${mb(limits.max_file_bytes)}, the largest file accepted.`;
+  return null;
+}
+
+async function playRequest() {
+  const model = $("#play-model").value;
+  const files = [...$("#play-files").files];
+  const problem = checkFiles(files, model);
+  if (problem) throw new ApiError(400, { error: { message: problem } });
+  const parts = [{ type: "text", text: $("#play-message").value }];
+  for (const file of files) {
+    const data = await readDataUri(file);
+    parts.push(file.type.startsWith("image/") ? { type: "image_url", image_url: { url: data } } : { type: "file", file: { filename: file.name, file_data: data } });
+  }
+  const messages = [];
+  if ($("#play-system").value.trim()) messages.push({ role: "system", content: $("#play-system").value });
+  messages.push({ role: "user", content: parts.length === 1 ? parts[0].text : parts });
+  return {
+    model, messages,
+    max_tokens: Number($("#play-max-tokens").value), temperature: Number($("#play-temperature").value), top_p: Number($("#play-top-p").value),
+  };
+}
+
+function stats({ speed, latency, prompt, completion, instance }) {
+  if (speed !== undefined) $("#stat-speed").textContent = number(speed, 1);
+  if (latency !== undefined) $("#stat-latency").textContent = `${number(latency)} ms`;
+  if (prompt !== undefined) $("#stat-prompt").textContent = number(prompt);
+  if (completion !== undefined) $("#stat-completion").textContent = number(completion);
+  if (instance !== undefined) $("#stat-instance").textContent = instance || "–";
+}
+
+async function play(event) {
+  event.preventDefault();
+  say("play-error", "");
+  const output = $("#play-output");
+  output.textContent = "";
+  stats({ speed: null, latency: null, prompt: null, completion: null, instance: null });
+  $("#play-send").disabled = true;
+  $("#play-stop").disabled = false;
+  state.abort = new AbortController();
+  try {
+    const body = await playRequest();
+    if ($("#play-async").checked) await playAsync(body, output);
+    else await playStream(body, output);
+  } catch (error) {
+    if (error.name !== "AbortError") say("play-error", error.message, true);
+  } finally {
+    $("#play-send").disabled = false;
+    $("#play-stop").disabled = true;
+  }
+}
+
+async function playStream(body, output) {
+  const started = performance.now();
+  const answer = await fetch("/v1/chat/completions", {
+    method: "POST", signal: state.abort.signal,
+    headers: authHeaders({ "Content-Type": "application/json" }),
+    body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
+  });
+  if (!answer.ok) throw new ApiError(answer.status, await answer.json().catch(() => null));
+  stats({ instance: answer.headers.get("x-llmserver-instance") });
+  const reader = answer.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "", first = null, tokens = 0;
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += value;
+    const events = buffer.split("\n\n");
+    buffer = events.pop();
+    for (const event of events) {
+      const data = event.replace(/^data: /, "");
+      if (data === "[DONE]") continue;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new ApiError(500, chunk);
+      const text = chunk.choices?.[0]?.delta?.content;
+      if (text) {
+        first ??= performance.now();
+        tokens += 1;
+        output.append(text);
+        const seconds = (performance.now() - first) / 1000;
+        if (seconds > 0) stats({ speed: tokens / seconds, completion: tokens });
+      }
+      if (chunk.usage) stats({ prompt: chunk.usage.prompt_tokens, completion: chunk.usage.completion_tokens });
+    }
+  }
+  stats({ latency: performance.now() - started });
+}
+
+async function libsodium() {
+  if (state.sodium) return state.sodium;
+  for (const file of ["libsodium.js", "libsodium-wrappers.js"]) {
+    await new Promise((resolve, reject) => {
+      const script = el("script", { src: `/console/assets/vendor/${file}` });
+      script.onload = resolve;
+      script.onerror = () => reject(new Error("libsodium.js is not installed with this server: run scripts/setup.sh."));
+      document.head.append(script);
+    });
+  }
+  await window.sodium.ready;
+  state.sodium = window.sodium;
+  return state.sodium;
+}
+
+const toBase64 = (bytes) => btoa(String.fromCharCode(...bytes));
+const fromBase64 = (text) => Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
+
+async function playAsync(body, output) {
+  const sodium = await libsodium();
+  const key = crypto.getRandomValues(new Uint8Array(32)); // made here; sent once; the result is decrypted here
+  const started = performance.now();
+  const job = await api("/v1/chat/completions", { method: "POST", body: { ...body, mode: "async", key: toBase64(key) } });
+  output.textContent = `Submitted (job ${job.tracking_id}); waiting for the encrypted result…`;
+  for (let delay = 250; ; delay = Math.min(2000, delay * 1.5)) {
+    await new Promise((resolve) => setTimeout(resolve, delay));
+    if (state.abort.signal.aborted) return;
+    const polled = await api(`/api/async_result?tracking_id=${encodeURIComponent(job.tracking_id)}`);
+    if (polled.status === "pending") continue;
+    if (polled.status === "failed") throw new ApiError(500, polled);
+    const plain = sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(null, fromBase64(polled.result), null, fromBase64(job.nonce), key);
+    const result = JSON.parse(new TextDecoder().decode(plain));
+    output.textContent = result.choices[0].message.content;
+    output.dataset.decrypted = "true";
+    stats({ latency: performance.now() - started, prompt: result.usage.prompt_tokens, completion: result.usage.completion_tokens, instance: result.instance_id });
+    return;
+  }
+}
+
+async function showCode(kind, button) {
+  let body;
+  try {
+    body = await playRequest();
+  } catch (error) {
+    say("play-error", error.message, true);
+    return;
+  }
+  const origin = window.location.origin;
+  const text = kind === "curl"
+    ? `curl -s ${origin}/v1/chat/completions \\\n  -H "Authorization: Bearer $LLMSERVER_API_KEY" -H "Content-Type: application/json" \\\n  -d '${JSON.stringify(body).replaceAll("'", "'\\''")}'`
+    : `from openai import OpenAI\n\nclient = OpenAI(base_url="${origin}/v1", api_key=os.environ["LLMSERVER_API_KEY"])\n` +
+      `answer = client.chat.completions.create(**${JSON.stringify(body, null, 2).replaceAll("null", "None").replaceAll("true", "True").replaceAll("false", "False")})\nprint(answer.choices[0].message.content)`;
+  const code = kind === "curl" ? text : `import os\n${text}`;
+  $("#play-code").hidden = false;
+  $("#play-code").textContent = code;
+  await copy(code, button);
+}
+
+// ---- Wiring -----------------------------------------------------------------------------------
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("#sign-in-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    try {
+      await signIn($("#api-key").value.trim());
+    } catch (error) {
+      say("sign-in-error", error.message, true);
+    }
+  });
+  $("#sign-out").addEventListener("click", signOut);
+  for (const button of document.querySelectorAll("#tabs button")) button.addEventListener("click", () => show(button.dataset.tab));
+  $("#key-form").addEventListener("submit", submitKey);
+  $("#key-cancel").addEventListener("click", () => keyForm(true));
+  $("#copy-key").addEventListener("click", (event) => copy($("#new-key-value").textContent, event.target));
+  $("#usage-form").addEventListener("submit", loadUsage);
+  $("#usage-csv").addEventListener("click", downloadCsv);
+  $("#play-form").addEventListener("submit", play);
+  $("#play-stop").addEventListener("click", () => state.abort?.abort());
+  $("#copy-curl").addEventListener("click", (event) => showCode("curl", event.target));
+  $("#copy-sdk").addEventListener("click", (event) => showCode("sdk", event.target));
+  const saved = sessionStorage.getItem(KEY_SLOT);
+  if (saved) signIn(saved).catch(signOut);
+});

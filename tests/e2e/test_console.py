@@ -1,0 +1,334 @@
+"""The web console in real headless Chromium (Debian's `chromium`, driven by Playwright) against a real
+server with the embedded model. Every test checks that no request from the page left the server's
+origin; screenshots of each page go to the test's temp folder (and to $LLMSERVER_CONSOLE_SHOTS when
+set: docs/console/ was made that way)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import MODEL, Server, create_key, store_rows, wait_for
+
+ADMIN = "console-admin-key-0123456789abcdef"
+CHROMIUM = "/usr/bin/chromium"
+
+
+@dataclass
+class Browser:
+    server: Server
+    shots: Path
+    page: Any = None
+    requests: list[str] = field(default_factory=list)
+
+    def open(self, key: str | None = None) -> Any:
+        self.page.goto(self.server.url + "/console")
+        if key is not None:
+            self.page.fill("#api-key", key)
+            self.page.click("#sign-in-form button[type=submit]")
+            self.page.wait_for_selector("#tabs:not([hidden])")
+        return self.page
+
+    def shoot(self, name: str) -> None:
+        path = self.shots / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        published = os.environ.get("LLMSERVER_CONSOLE_SHOTS")
+        if published:
+            shutil.copy(path, Path(published) / path.name)
+
+    def offsite(self) -> list[str]:
+        local = (self.server.url, "data:", "blob:")
+        return [url for url in self.requests if not url.startswith(local)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    running = Server(data_dir=tmp_path_factory.mktemp("console"), env={"LLMSERVER_ADMIN_KEY": ADMIN}).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail("the console tests need Debian's chromium package (scripts/setup.sh --test installs it)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def browser(chromium: Any, server: Server, tmp_path: Path) -> Iterator[Browser]:
+    context = chromium.new_context(viewport={"width": 1280, "height": 800})
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+    page = context.new_page()
+    session = Browser(server, tmp_path, page)
+    page.on("request", lambda request: session.requests.append(request.url))
+    page.on("dialog", lambda dialog: dialog.accept())
+    try:
+        yield session
+        assert session.offsite() == []  # nothing left the server's origin
+    finally:
+        context.close()
+
+
+def user_key(server: Server, name: str) -> str:
+    return create_key(server.data_dir, name)
+
+
+def test_the_page_and_its_assets_come_from_the_server_with_a_strict_policy(server: Server) -> None:
+    page = httpx.get(server.url + "/console")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy
+    assert httpx.get(server.url + "/console/assets/console.js").headers["content-security-policy"] == policy
+    assert httpx.get(server.url + "/console/assets/vendor/libsodium.js").status_code == 200
+    assert httpx.get(server.url + "/docs").status_code == 404  # Swagger UI needs a CDN: dropped
+    assert httpx.get(server.url + "/openapi.json").status_code == 200
+
+
+def test_sign_in_with_a_wrong_key_shows_the_servers_error_and_a_user_key_sees_its_own_pages(browser: Browser) -> None:
+    page = browser.open()
+    page.fill("#api-key", "sk-not-a-real-key")
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_function("() => document.querySelector('#sign-in-error').textContent.length > 0")
+    refused = httpx.get(browser.server.url + "/api/me", headers={"Authorization": "Bearer sk-not-a-real-key"})
+    assert page.text_content("#sign-in-error") == refused.json()["error"]["message"]
+    key = user_key(browser.server, "console-user")
+    page.fill("#api-key", key)
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#playground:not([hidden])")
+    assert page.is_hidden("#tabs button[data-tab=overview]") and page.is_hidden("#tabs button[data-tab=keys]")
+    assert page.evaluate("sessionStorage.getItem('llmserver.key')") == key
+    assert page.evaluate("document.cookie") == "" and key not in page.url
+    browser.shoot("sign-in-user")
+    page.click("#sign-out")
+    page.wait_for_selector("#sign-in:not([hidden])")
+    assert page.evaluate("sessionStorage.getItem('llmserver.key')") is None
+    assert key not in browser.server.log()  # never logged
+
+
+def instances(server: Server) -> list[dict[str, Any]]:
+    answer = httpx.get(server.url + "/api/instances", headers={"Authorization": f"Bearer {ADMIN}"})
+    return list(answer.json()["data"])
+
+
+def test_the_admin_overview_shows_the_real_instance_and_refreshes_live(browser: Browser) -> None:
+    page = browser.open(ADMIN)
+    page.wait_for_selector("#instances-table tbody tr")
+    real = instances(browser.server)[0]
+    row = f"#instances-table tr[data-instance='{real['instance_id']}']"
+    assert page.text_content(f"{row} .pid") == str(real["pid"])
+    assert page.text_content("#models-table tbody td") == MODEL
+    first = page.text_content("#overview-status")
+    page.wait_for_function(f"() => document.querySelector('#overview-status').textContent !== {first!r}", timeout=5000)
+    browser.shoot("overview")
+
+
+def test_an_admin_creates_a_key_that_works_at_once_edits_it_and_revokes_it(browser: Browser) -> None:
+    page = browser.open(ADMIN)
+    page.click("#tabs button[data-tab=keys]")
+    page.fill("#key-name", "made-in-the-console")
+    page.fill("#key-quota", "0")
+    page.click("#key-submit")
+    page.wait_for_function("() => document.querySelector('.field-error[data-for=quota_tokens]').textContent.length > 0")
+    assert "quota_tokens" in page.text_content(".field-error[data-for=quota_tokens]")
+    page.fill("#key-quota", "50000")
+    page.select_option("#key-period", "day")
+    page.click("#key-submit")
+    page.wait_for_selector("#new-key:not([hidden])")
+    secret = page.text_content("#new-key-value")
+    page.click("#copy-key")
+    assert page.evaluate("navigator.clipboard.readText()") == secret
+    used = httpx.post(
+        browser.server.url + "/api/generate",
+        json={"prompt": "hi", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {secret}"},
+        timeout=60,
+    )
+    assert used.status_code == 200, used.text
+    row = page.locator("#keys-table tbody tr", has_text="made-in-the-console")
+    row.get_by_role("button", name="Edit the limits of made-in-the-console").click()
+    page.fill("#key-rpm", "30")
+    page.click("#key-submit")
+    page.wait_for_function("() => document.querySelector('#keys-status').textContent.includes('saved')")
+    browser.shoot("keys")
+    row.get_by_role("button", name="Revoke made-in-the-console").click()
+    page.wait_for_function("() => document.querySelector('#keys-status').textContent.includes('revoked')")
+    refused = httpx.post(
+        browser.server.url + "/api/generate", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {secret}"}
+    )
+    assert refused.status_code == 401
+    listed = httpx.get(browser.server.url + "/api/keys", headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
+    made = next(k for k in listed if k["name"] == "made-in-the-console")
+    assert (made["quota_tokens"], made["quota_period"], made["rpm"]) == (50000, "day", 30) and made["revoked_at"]
+
+
+def playground(browser: Browser, name: str, message: str, max_tokens: int) -> Any:
+    """The playground, signed in with a new user key, the message and max_tokens filled in."""
+    page = browser.open(user_key(browser.server, name))
+    page.wait_for_selector("#play-model option", state="attached")
+    page.fill("#play-message", message)
+    page.fill("#play-max-tokens", str(max_tokens))
+    return page
+
+
+def test_a_streamed_playground_answer_appears_token_by_token(browser: Browser) -> None:
+    page = playground(browser, "streamer", "Write a long story about a cat.", 120)
+    page.click("#play-send")
+    lengths: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and page.is_disabled("#play-send"):
+        lengths.append(len(page.text_content("#play-output") or ""))
+        time.sleep(0.05)
+    assert page.text_content("#play-error") == ""
+    grown = sorted(set(lengths))
+    assert len(grown) >= 5, grown  # it grew while streaming, not in one piece at the end
+    assert page.text_content("#stat-instance") == instances(browser.server)[0]["instance_id"]
+    assert int(page.text_content("#stat-completion") or "0") > 0 and page.text_content("#stat-speed") != "\N{EN DASH}"
+    browser.shoot("playground")
+    page.click("#copy-curl")
+    code = page.text_content("#play-code") or ""
+    assert code.startswith("curl -s " + browser.server.url + "/v1/chat/completions") and "$LLMSERVER_API_KEY" in code
+
+
+def docx(text: str) -> bytes:
+    from docx import Document
+
+    document = Document()
+    document.add_paragraph(text)
+    buffer = io.BytesIO()
+    document.save(buffer)
+    return buffer.getvalue()
+
+
+def test_an_attached_docx_goes_into_the_prompt_and_an_oversized_file_is_refused_before_upload(
+    browser: Browser, tmp_path: Path
+) -> None:
+    page = playground(browser, "documents", "What is the code word in the document? Answer with the word.", 16)
+    page.fill("#play-temperature", "0")
+    page.click("#play-send")
+    page.wait_for_function("() => !document.querySelector('#play-send').disabled")
+    bare = int(page.text_content("#stat-prompt") or "0")
+    report = tmp_path / "report.docx"
+    report.write_bytes(docx("Quarterly report. " * 40 + "The code word is PINEAPPLE."))
+    page.set_input_files("#play-files", str(report))
+    page.click("#play-send")
+    page.wait_for_function("() => !document.querySelector('#play-send').disabled")
+    assert page.text_content("#play-error") == ""
+    with_document = int(page.text_content("#stat-prompt") or "0")
+    assert with_document > bare + 100, (bare, with_document)  # the document's text reached the model
+    print(f"answer from the DOCX: {page.text_content('#play-output')!r}")
+    huge = tmp_path / "huge.txt"
+    huge.write_bytes(b"a" * (15 * 1024 * 1024 + 1))
+    sent = len([u for u in browser.requests if u.endswith("/v1/chat/completions")])
+    page.set_input_files("#play-files", str(huge))
+    page.click("#play-send")
+    page.wait_for_function("() => document.querySelector('#play-error').textContent.length > 0")
+    assert "huge.txt is over" in (page.text_content("#play-error") or "")
+    assert len([u for u in browser.requests if u.endswith("/v1/chat/completions")]) == sent  # nothing uploaded
+
+
+def test_an_async_answer_is_decrypted_in_the_page_and_the_server_keeps_no_plaintext(browser: Browser) -> None:
+    page = playground(browser, "async", "Name three colours.", 40)
+    page.check("#play-async")
+    page.click("#play-send")
+    page.wait_for_selector("#play-output[data-decrypted=true]", timeout=60000)
+    answer = page.text_content("#play-output") or ""
+    assert page.text_content("#play-error") == "" and len(answer) >= 10, answer
+    browser.shoot("playground-async")
+    jobs = repr(store_rows(browser.server.data_dir, "SELECT * FROM jobs"))  # SQLite or PostgreSQL
+    files = b"".join(p.read_bytes() for p in browser.server.data_dir.glob("llmserver.db*"))  # SQLite's pages too
+    assert answer[:10] not in jobs and answer[:10].encode() not in files
+    assert answer[:10] not in browser.server.log()
+    assert any("/console/assets/vendor/libsodium.js" in u for u in browser.requests)
+
+
+def test_the_usage_page_charts_the_requests_just_made(browser: Browser) -> None:
+    key = user_key(browser.server, "charted")
+    for prompt in ("one", "two", "three"):
+        answer = httpx.post(
+            browser.server.url + "/api/generate",
+            json={"prompt": prompt, "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        assert answer.status_code == 200
+    key_id = httpx.get(browser.server.url + "/api/me", headers={"Authorization": f"Bearer {key}"}).json()["id"]
+    page = browser.open(ADMIN)
+    page.click("#tabs button[data-tab=usage]")
+    page.wait_for_selector(f"#usage-key option[value='{key_id}']", state="attached")
+    page.select_option("#usage-key", key_id)
+    page.click("#usage-form button[type=submit]")
+    page.wait_for_function("() => document.querySelector('#usage-status').textContent.startsWith('3 requests')")
+    assert page.locator("#chart-tokens svg rect").count() >= 1
+    assert page.locator("#usage-table tbody tr").count() == 1
+    assert page.text_content("#usage-table tbody td:nth-child(3)") == "3"
+    browser.shoot("usage")
+    with page.expect_download() as download:
+        page.click("#usage-csv")
+    lines = Path(download.value.path()).read_text().splitlines()
+    assert lines[0].startswith("start,model,requests") and lines[1].split(",")[2] == "3"
+    # The user's own view: its usage only, no key picker.
+    page.click("#sign-out")
+    browser.open(key)
+    page.click("#tabs button[data-tab=usage]")
+    page.wait_for_function("() => document.querySelector('#usage-status').textContent.startsWith('3 requests')")
+    assert page.is_hidden("#usage-key-field")
+
+
+def test_page_weight_and_first_render(browser: Browser) -> None:
+    sizes: list[int] = []
+    browser.page.on("response", lambda response: sizes.append(len(response.body())))
+    started = time.perf_counter()
+    page = browser.open()
+    page.wait_for_selector("#api-key")
+    painted = page.evaluate(
+        "performance.getEntriesByType('paint').find(e => e.name === 'first-contentful-paint')?.startTime ?? null"
+    )
+    loaded = time.perf_counter() - started
+    assert painted is not None
+    print(f"console: {sum(sizes) / 1024:.0f} KB before sign-in, first contentful paint {painted:.0f} ms, "
+          f"load {loaded * 1000:.0f} ms")  # fmt: skip
+    page.set_viewport_size({"width": 390, "height": 844})  # a phone
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    assert wait_for(lambda: page.is_visible("#sign-in-form"), 2)
+
+
+def test_me_and_usage_series_answer_with_their_limits(server: Server) -> None:
+    key = user_key(server, "series")
+    headers = {"Authorization": f"Bearer {key}"}
+    me = httpx.get(server.url + "/api/me", headers=headers).json()
+    assert me["name"] == "series" and me["admin"] is False and me["server"]["max_files"] == 5
+    assert me["server"]["max_file_bytes"] == 15 * 1024 * 1024 and me["server"]["max_images"] == 4
+    for _ in range(2):
+        generated = httpx.post(server.url + "/api/generate", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
+        assert generated.status_code == 200
+    series = httpx.get(server.url + "/api/usage/series", params={"offset_minutes": 330}, headers=headers).json()
+    assert sum(p["requests"] for p in series["points"]) == 2 and series["bucket"] == 86400
+    assert all((p["start"] + 330 * 60) % 86400 == 0 for p in series["points"])  # local midnight at +05:30
+
+    def refused(params: dict[str, str], status: int, kind: str, param: str | None) -> None:
+        answer = httpx.get(server.url + "/api/usage/series", params=params, headers=headers)
+        assert answer.status_code == status, answer.text
+        assert answer.json()["error"]["type"] == kind and answer.json()["error"].get("param") == param
+
+    refused({"bucket": "week"}, 400, "invalid_request_error", "bucket")
+    refused({"offset_minutes": "841"}, 400, "invalid_request_error", "offset_minutes")
+    refused({"bucket": "hour", "since": "0"}, 400, "invalid_request_error", "bucket")  # over 2,000 buckets
+    refused({"since": "yesterday"}, 400, "invalid_request_error", "since")
+    refused({"key": "*"}, 403, "permission_error", None)
