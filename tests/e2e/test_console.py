@@ -21,6 +21,7 @@ from tests.support import MODEL, Server, create_key, store_rows, wait_for
 
 ADMIN = "console-admin-key-0123456789abcdef"
 CHROMIUM = "/usr/bin/chromium"
+CONFIG = f'[[models]]\nname = "{MODEL}"\nctx_size = 1024\nparallel = 2\nmax_instances = 2\n'
 
 
 @dataclass
@@ -52,7 +53,8 @@ class Browser:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = Server(data_dir=tmp_path_factory.mktemp("console"), env={"LLMSERVER_ADMIN_KEY": ADMIN}).start()
+    data_dir = tmp_path_factory.mktemp("console")
+    running = Server(data_dir=data_dir, config=CONFIG, env={"LLMSERVER_ADMIN_KEY": ADMIN}).start()
     try:
         yield running
     finally:
@@ -136,7 +138,19 @@ def test_the_admin_overview_shows_the_real_instance_and_refreshes_live(browser: 
     assert page.text_content("#models-table tbody td") == MODEL
     first = page.text_content("#overview-status")
     page.wait_for_function(f"() => document.querySelector('#overview-status').textContent !== {first!r}", timeout=5000)
+    page.get_by_role("button", name=f"Start an instance of {MODEL}").click()
+    status = "document.querySelector('#overview-status').textContent"
+    page.wait_for_function(f"() => {status}.startsWith('Started')", timeout=60000)
+    assert len(instances(browser.server)) == 2
+    page.wait_for_function("() => document.querySelectorAll('#instances-table tbody tr').length === 2")
     browser.shoot("overview")
+    page.emulate_media(color_scheme="dark")
+    browser.shoot("overview-dark")
+    page.emulate_media(color_scheme="light")
+    added = next(i["instance_id"] for i in instances(browser.server) if i["instance_id"] != real["instance_id"])
+    page.get_by_role("button", name=f"Drain instance {added}").click()
+    page.wait_for_function(f"() => {status}.endsWith('drained and stopped.')")
+    assert [i["instance_id"] for i in instances(browser.server)] == [real["instance_id"]]
 
 
 def test_an_admin_creates_a_key_that_works_at_once_edits_it_and_revokes_it(browser: Browser) -> None:
