@@ -212,7 +212,9 @@ class Registry:
         self._probes: set[asyncio.Task[None]] = set()
         self._gateway = gateway
         self._load_changed = asyncio.Event()
-        self._sequence = 0  # of this gateway's load messages: a late read never overwrites a newer one
+        # Orders this gateway's load messages, across its restarts too (nanoseconds, strictly
+        # increasing): a read that crossed a newer message never overwrites it.
+        self._sequence = 0
         self._loads: dict[str, dict[str, Any]] = {}  # the other gateways' latest, by gateway id
         self._tasks: list[asyncio.Task[None]] = []
         for pool in pools.values():
@@ -306,7 +308,7 @@ class Registry:
         return {r["instance_id"]: r for r in records}, [json.loads(load) for load in loads if load]
 
     def _own_load(self) -> dict[str, Any]:
-        self._sequence += 1
+        self._sequence = max(self._sequence + 1, time.time_ns())
         return {
             "gateway": self._gateway,
             "sequence": self._sequence,
