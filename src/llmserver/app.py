@@ -131,7 +131,11 @@ def create_app(settings: Settings) -> FastAPI:
             if registry is not None:
                 registry.start()
             log.info(
-                "llmserver %s ready on http://%s:%s (gateway %s)", __version__, settings.host, settings.port, gateway
+                "llmserver %s ready on http://%s:%s (gateway %s); web console at /console",
+                __version__,
+                settings.host,
+                settings.port,
+                gateway,
             )
             yield
         finally:
