@@ -5,6 +5,7 @@ set: docs/console/ was made that way)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import os
 import shutil
@@ -265,7 +266,9 @@ def test_an_async_answer_is_decrypted_in_the_page_and_the_server_keeps_no_plaint
     answer = page.text_content("#play-output") or ""
     assert page.text_content("#play-error") == "" and len(answer) >= 10, answer
     browser.shoot("playground-async")
-    jobs = repr(store_rows(browser.server.data_dir, "SELECT * FROM jobs"))  # SQLite or PostgreSQL
+    # SQLite or PostgreSQL; in a thread of its own: Playwright's sync API keeps an event loop running here.
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        jobs = repr(thread.submit(store_rows, browser.server.data_dir, "SELECT * FROM jobs").result())
     files = b"".join(p.read_bytes() for p in browser.server.data_dir.glob("llmserver.db*"))  # SQLite's pages too
     assert answer[:10] not in jobs and answer[:10].encode() not in files
     assert answer[:10] not in browser.server.log()
