@@ -25,6 +25,9 @@ import pytest
 from tests.services import Postgres, Redis
 from tests.support import COUNTING, MODEL, Server, cli, die_with_parent, metric, wait_for
 
+# Four hosts, nodes killed and restarted, about 90 s: selected out by -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 BRIDGE = "llms-br0"
 NET = "10.79.0"
 SECRET = "instance-secret-0123456789abcdef"
