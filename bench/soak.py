@@ -55,7 +55,7 @@ from llmserver.store import open_store
 from llmserver.store.interfaces import KeyLimits
 from tests import documents, images
 from tests.receiver import Receiver
-from tests.support import die_with_parent, free_port, free_port_range
+from tests.support import free_port, free_port_range, spawn
 from tests.vision_model import write_vision_model
 
 VISION = "soak-vision"
@@ -100,12 +100,11 @@ class Gateway:
         started = time.monotonic()
         self.tmp.mkdir(exist_ok=True)
         env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port), "TMPDIR": str(self.tmp)}
-        with (self.data_dir / "gateway.log").open("ab") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "llmserver", "serve", "--config", str(self.data_dir / "config.toml"),
-                 "--data-dir", str(self.data_dir), "--port", str(self.port), "--log-level", "info"],
-                stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
-            )  # fmt: skip
+        self.process = spawn(
+            [sys.executable, "-m", "llmserver", "serve", "--config", str(self.data_dir / "config.toml"),
+             "--data-dir", str(self.data_dir), "--port", str(self.port), "--log-level", "info"],
+            self.data_dir / "gateway.log", env,
+        )  # fmt: skip
         self.incarnation += 1
         deadline = started + timeout
         while time.monotonic() < deadline:

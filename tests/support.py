@@ -124,6 +124,12 @@ def create_key(data_dir: Path, name: str, admin: bool = False) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+def spawn(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A process writing to `log_path` (appended) that dies with pytest, and so do its instances."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+
+
 @dataclass
 class Server:
     data_dir: Path
@@ -158,11 +164,7 @@ class Server:
         ports = {"LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port)}
         env = {**os.environ, **ports, **state_env(self.data_dir), **self.env}
         self.log_path = self.data_dir / "gateway.log"
-        with self.log_path.open("ab") as log:
-            # If pytest itself dies, its servers (and so their instances) die with it.
-            self.process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
-            )
+        self.process = spawn(args, self.log_path, env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -172,8 +172,7 @@ def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:
     from llmserver.auth.limiters import connect_redis
 
     client = connect_redis(settings.redis_url)
-    api_key = settings.instance_api_key.get_secret_value() if settings.instance_api_key else None
-    return Registry(client, supervisor.pools, api_key, settings.gateway_name)
+    return Registry(client, supervisor.pools, settings.instance_key, settings.gateway_name)
 
 
 GENERATING = ("/api/generate", "/v1/chat/completions", "/v1/completions", "/v1/embeddings")

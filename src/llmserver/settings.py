@@ -394,6 +394,11 @@ class Settings(BaseSettings):
         return self.database_url or f"sqlite:///{self.db_path}"
 
     @property
+    def instance_key(self) -> str | None:
+        """instance_api_key's value, if set."""
+        return self.instance_api_key.get_secret_value() if self.instance_api_key else None
+
+    @property
     def gateway_name(self) -> str:
         return self.gateway_id or socket.gethostname()
 

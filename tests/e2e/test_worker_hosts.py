@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.services import Postgres, Redis
-from tests.support import COUNTING, MODEL, Server, cli, die_with_parent, metric, wait_for
+from tests.support import COUNTING, MODEL, Server, cli, metric, spawn, wait_for
 
 # Four hosts, nodes killed and restarted, about 90 s: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -74,13 +74,12 @@ class Node:
         (data / "config.toml").write_text(CONFIG)
         env = {**os.environ, "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_INSTANCE_BASE_PORT": "8101",
                "LLMSERVER_NODE_ID": f"worker-{self.index}"}  # fmt: skip
-        with self.log.open("wb") as log:
-            self.process = subprocess.Popen(
-                ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", "node",
-                 "--config", str(data / "config.toml"), "--data-dir", str(data), "--advertise", self.address,
-                 "--redis-url", self.redis_url],
-                stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent,
-            )  # fmt: skip
+        self.process = spawn(
+            ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", "node",
+             "--config", str(data / "config.toml"), "--data-dir", str(data), "--advertise", self.address,
+             "--redis-url", self.redis_url],
+            self.log, env,
+        )  # fmt: skip
         return self
 
     def kill(self) -> None:

@@ -23,8 +23,7 @@ class StartInstance(BaseModel):
 @router.get("/api/instances")
 async def list_instances(request: Request) -> dict[str, Any]:
     await require_admin(request)
-    pools = supervisor(request).pools
-    rate = speed(request)
+    running, rate = supervisor(request), speed(request)
     summary = [
         {
             "model": name,
@@ -33,9 +32,9 @@ async def list_instances(request: Request) -> dict[str, Any]:
             "tokens_per_second_5m": rate.recent(name),
             "avg_tokens_per_second": rate.average(name),
         }
-        for name, pool in pools.items()
+        for name, pool in running.pools.items()
     ]
-    return {"object": "list", "data": [i.describe() for i in supervisor(request).all_instances()], "models": summary}
+    return {"object": "list", "data": [i.describe() for i in running.all_instances()], "models": summary}
 
 
 @router.get("/api/instances/{instance_id}")

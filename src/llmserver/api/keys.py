@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmserver.api.deps import authenticate, json_body, keys, recorder, require_admin, settings, store, validate
-from llmserver.auth.keys import describe
+from llmserver.auth.keys import Principal, describe, limit_fields
 from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, summarise
 from llmserver.store import KeyLimits
@@ -91,30 +91,32 @@ async def usage(
     request: Request, key: str | None = None, since: str | None = None, until: str | None = None
 ) -> dict[str, Any]:
     """Usage of one key (default: the caller's own); admins may ask for any key, or all with key=*."""
-    principal = await authenticate(request)
-    wanted: str | None = key or principal.key_id
-    if wanted != principal.key_id and not principal.is_admin:
-        raise PermissionDenied("Only admin keys may read another key's usage.")
-    if wanted == "*":
-        wanted = None
+    wanted = _usage_of(await authenticate(request), key)
     start = parse_time(since, 0.0, "since")
     end = parse_time(until, time.time() + 1, "until")
     await recorder(request).flush()  # rows of requests that just finished
     return await summarise(store(request), wanted, start, end)
 
 
+def _usage_of(principal: Principal, key: str | None) -> str | None:
+    """The key whose usage is asked for (None: all keys), if the caller may read it."""
+    wanted = key or principal.key_id
+    if wanted != principal.key_id and not principal.is_admin:
+        raise PermissionDenied("Only admin keys may read another key's usage.")
+    return None if wanted == "*" else wanted
+
+
 @router.get("/api/me")
 async def me(request: Request) -> dict[str, Any]:
     """The calling key: its id, name, whether it is an admin key, and its limits (what the console shows)."""
     principal = await authenticate(request)
-    limits, config = principal.limits, settings(request)
+    config = settings(request)
     return {
         "id": principal.key_id,
         "name": principal.name,
         "fingerprint": principal.fingerprint,
         "admin": principal.is_admin,
-        **asdict(limits),
-        "models": list(limits.models) if limits.models is not None else None,
+        **limit_fields(principal.limits),
         # The server's request limits, for clients that check inputs before sending them.
         "server": {
             "max_tokens_limit": config.max_tokens_limit,
@@ -140,10 +142,7 @@ async def usage_series(
 ) -> dict[str, Any]:
     """Usage per bucket ("hour" or "day", starting at the caller's local midnight when given its
     clock's `offset_minutes` ahead of UTC) and model; the same rules for `key` as /api/usage."""
-    principal = await authenticate(request)
-    wanted: str | None = key or principal.key_id
-    if wanted != principal.key_id and not principal.is_admin:
-        raise PermissionDenied("Only admin keys may read another key's usage.")
+    wanted = _usage_of(await authenticate(request), key)
     if bucket not in BUCKETS:
         raise InvalidRequest("bucket must be 'hour' or 'day'.", param="bucket")
     if not -14 * 60 <= offset_minutes <= 14 * 60:
@@ -151,4 +150,4 @@ async def usage_series(
     end = parse_time(until, time.time() + 1, "until")
     start = parse_time(since, end - 30 * 86400, "since")
     await recorder(request).flush()
-    return await series(store(request), None if wanted == "*" else wanted, start, end, BUCKETS[bucket], offset_minutes)
+    return await series(store(request), wanted, start, end, BUCKETS[bucket], offset_minutes)

@@ -65,9 +65,13 @@ def describe(record: KeyRecord) -> dict[str, Any]:
         "admin": record.is_admin,
         "created_at": record.created_at,
         "revoked_at": record.revoked_at,
-        **asdict(record.limits),
-        "models": list(record.limits.models) if record.limits.models is not None else None,
+        **limit_fields(record.limits),
     }
+
+
+def limit_fields(limits: KeyLimits) -> dict[str, Any]:
+    """A key's limits as the API shows them (the model list as a JSON list)."""
+    return {**asdict(limits), "models": list(limits.models) if limits.models is not None else None}
 
 
 def may_use(limits: KeyLimits, model: str) -> bool:

@@ -123,3 +123,13 @@ def open_checked_store(settings: Settings, *, migrate: bool = False) -> int:
             await store.close()
 
     return asyncio.run(check())
+
+
+def check_model_files(settings: Settings) -> None:
+    """Every model file found (or downloaded) before a server or node starts: a missing one is one
+    clean line (ModelFileError, exit status 2), not a start-up traceback."""
+    from llmserver.catalog import mmproj_path, model_path
+
+    for model in settings.models:
+        model_path(model, settings.model_cache_dir, settings.hf_endpoint)
+        mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)

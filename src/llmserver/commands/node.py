@@ -11,8 +11,7 @@ from pathlib import Path
 
 import click
 
-from llmserver.catalog import mmproj_path, model_path
-from llmserver.commands import load, remember, settings_options
+from llmserver.commands import check_model_files, load, remember, settings_options
 from llmserver.settings import Settings
 
 
@@ -38,9 +37,7 @@ def node(config_file: Path | None, data_dir: Path | None, advertise: str | None,
             "(LLMSERVER_INSTANCE_API_KEY), the key gateways use to reach them"
         )
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for model in settings.models:
-        model_path(model, settings.model_cache_dir, settings.hf_endpoint)
-        mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)
+    check_model_files(settings)
     asyncio.run(_run(settings))
 
 

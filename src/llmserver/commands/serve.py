@@ -8,8 +8,7 @@ from pathlib import Path
 
 import click
 
-from llmserver.catalog import mmproj_path, model_path
-from llmserver.commands import load, models_from_args, open_checked_store, remember, settings_options
+from llmserver.commands import check_model_files, load, models_from_args, open_checked_store, remember, settings_options
 
 
 @click.command()
@@ -58,11 +57,8 @@ def serve(
         raise click.UsageError(
             "a gateway finds the nodes' instances in Redis: set --redis-url (or LLMSERVER_REDIS_URL)"
         )
-    for model in settings.models if settings.role == "all" else []:
-        # Every model file found (or downloaded) before the server starts: a missing one is one clean
-        # line (ModelFileError, exit status 2), not a start-up traceback.
-        model_path(model, settings.model_cache_dir, settings.hf_endpoint)
-        mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)
+    if settings.role == "all":  # a gateway of role `gateway` runs no model itself
+        check_model_files(settings)
     # uvicorn re-raises the signal it stopped on once its shutdown is over; by default that ends the
     # process by the signal, which skips Python's exit handlers (the forkserver's socket folder would
     # stay in TMPDIR) and reports "killed by SIGTERM" to the init system. A finished stop is exit 0.

@@ -83,10 +83,12 @@ class RollingSpeed:
         """tokens/s of the successful requests that ended in the last `minutes` (the current one
         included); None when there were none."""
         oldest = self._minute() - minutes
+        buckets = self._buckets.get(model) or collections.OrderedDict()
         tokens = seconds = 0.0
-        for minute, (t, s) in (self._buckets.get(model) or {}).items():
-            if minute > oldest:
-                tokens, seconds = tokens + t, seconds + s
+        for minute in reversed(buckets):  # in minute order: only the newest few are read
+            if minute <= oldest:
+                break
+            tokens, seconds = tokens + buckets[minute][0], seconds + buckets[minute][1]
         return round(tokens / seconds, 2) if seconds > 0 else None
 
     def average(self, model: str) -> float | None:

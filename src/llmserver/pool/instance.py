@@ -112,8 +112,8 @@ class Instance:
     started_at: float = 0.0
     last_activity: float = field(default_factory=time.time)
     in_flight: int = 0
-    # Requests other gateways have in flight on it (a node's instance: from the registry, every
-    # half second); this gateway's own are `in_flight`.
+    # Requests other gateways have in flight on it (a node's instance: as they publish their load,
+    # pool/registry.py); this gateway's own are `in_flight`.
     elsewhere: int = 0
     failures: int = 0  # requests in a row that could not reach it (a remote instance's circuit breaker)
     users: collections.Counter[str] = field(default_factory=collections.Counter)

@@ -68,6 +68,13 @@ CIRCUIT_FAILURES = 2  # requests in a row that cannot reach an instance open its
 PROBE_FIRST, PROBE_MAX = 1.0, 8.0  # seconds between probes of an open circuit, doubling
 
 
+async def scan_json(client: redis.asyncio.Redis, prefix: str) -> list[dict[str, Any]]:
+    """Every JSON value stored under keys starting with `prefix` (keys of other types, such as a
+    node's command list, read as nothing)."""
+    keys = [key async for key in client.scan_iter(match=prefix + "*", count=500)]
+    return [json.loads(value) for value in await client.mget(keys) if value] if keys else []
+
+
 def record(instance: Instance, node_id: str, incarnation: str, in_flight: int = 0) -> dict[str, Any]:
     return {
         **instance.describe(),
@@ -98,9 +105,8 @@ class Publisher:
         live = [i for i in self._supervisor.all_instances() if i.status in PUBLISHED and i.client is not None]
         in_flight: collections.Counter[str] = collections.Counter()
         with contextlib.suppress(*redis_unreachable()):  # then publish() below logs the outage
-            load_keys = [k async for k in self._redis.scan_iter(match=LOAD_KEY + "*", count=500)]
-            for load in await self._redis.mget(load_keys) if load_keys else []:
-                in_flight.update(json.loads(load)["in_flight"] if load else {})
+            for load in await scan_json(self._redis, LOAD_KEY):
+                in_flight.update(load["in_flight"])
         pipe = self._redis.pipeline(transaction=False)
         node = {
             "node": self.node_id,
@@ -295,17 +301,14 @@ class Registry:
         gateway's load; None when Redis cannot be read."""
         try:
             await self._redis.set(self._load_key, json.dumps(self._own_load()), px=LEASE_MS)
-            keys = [key async for key in self._redis.scan_iter(match=KEY + "*", count=500)]
-            values = await self._redis.mget(keys) if keys else []
-            load_keys = [k async for k in self._redis.scan_iter(match=LOAD_KEY + "*", count=500)]
-            loads = await self._redis.mget(load_keys) if load_keys else []
+            records = await scan_json(self._redis, KEY)
+            loads = await scan_json(self._redis, LOAD_KEY)
         except redis_unreachable() as exc:
             self._outage.failed("the instance registry cannot be read (Redis: %s): routing to the instances known", exc)
             return None
         if self._outage.recovered("the instance registry can be read again"):
             self._recovered_at = time.monotonic()
-        records = [json.loads(value) for value in values if value]
-        return {r["instance_id"]: r for r in records}, [json.loads(load) for load in loads if load]
+        return {r["instance_id"]: r for r in records}, loads
 
     def _own_load(self) -> dict[str, Any]:
         self._sequence = max(self._sequence + 1, time.time_ns())
@@ -416,9 +419,7 @@ class Registry:
         return reply
 
     async def nodes(self) -> list[dict[str, Any]]:
-        keys = [key async for key in self._redis.scan_iter(match=NODE_KEY + "*", count=500) if b":commands" not in key]
-        values = await self._redis.mget(keys) if keys else []
-        return [json.loads(value) for value in values if value]
+        return await scan_json(self._redis, NODE_KEY)
 
     async def start_instance(self, model: str, node: str | None, timeout: float) -> Instance:
         """One more instance of `model` on `node`, or on the node with the fewest instances that serves it."""

@@ -157,7 +157,7 @@ class Supervisor:
             host=self.settings.instance_host,
             port=port,
             log_path=self.settings.log_dir / f"{pool.name}-{port}.log",
-            api_key=self.settings.instance_api_key.get_secret_value() if self.settings.instance_api_key else None,
+            api_key=self.settings.instance_key,
         )
         pool.instances.append(instance)
         return instance
