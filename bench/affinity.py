@@ -74,6 +74,8 @@ class Later:
     seconds: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Turns that found less than half their prompt cached: (turn, conversation, instance, cached, prompt).
+    misses: list[tuple[int, int, str, int, int]] = field(default_factory=list)
 
     @property
     def median_ms(self) -> float:
@@ -96,7 +98,7 @@ async def converse(urls: str | Sequence[str], headers: dict[str, str], systems: 
     later = Later()
     async with httpx.AsyncClient(headers=headers, timeout=600) as client:
 
-        async def turn(history: list[dict[str, str]], t: int) -> tuple[float, dict[str, object]]:
+        async def turn(history: list[dict[str, str]], t: int) -> tuple[float, dict[str, object], str]:
             history.append({"role": "user", "content": QUESTION.format(t=t)})
             started = time.perf_counter()
             answer = await client.post(
@@ -107,14 +109,19 @@ async def converse(urls: str | Sequence[str], headers: dict[str, str], systems: 
             answer.raise_for_status()
             reply = answer.json()
             history.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
-            return took, reply["usage"]
+            return took, reply["usage"], answer.headers.get("x-llmserver-instance", "")
 
         for t in range(1, turns + 1):
             order = arrival.sample(histories, len(histories))
-            for took, usage in await asyncio.gather(*(turn(history, t) for history in order)):
+            answers = await asyncio.gather(*(turn(history, t) for history in order))
+            for history, (took, usage, instance) in zip(order, answers, strict=True):
                 if t > 1:
-                    later.seconds.append(took)
-                    later.prompt_tokens += int(usage["prompt_tokens"])  # type: ignore[call-overload]
+                    prompt = int(usage["prompt_tokens"])  # type: ignore[call-overload]
                     details = usage.get("prompt_tokens_details") or {}
-                    later.cached_tokens += int(details.get("cached_tokens", 0))  # type: ignore[union-attr]
+                    cached = int(details.get("cached_tokens", 0))  # type: ignore[union-attr]
+                    later.seconds.append(took)
+                    later.prompt_tokens += prompt
+                    later.cached_tokens += cached
+                    if cached < prompt / 2:
+                        later.misses.append((t, histories.index(history), instance, cached, prompt))
     return later

@@ -129,7 +129,7 @@ def create_app(settings: Settings) -> FastAPI:
             await job_service.start()
             await supervisor.start()
             if registry is not None:
-                registry.start()
+                await registry.start()
             log.info(
                 "llmserver %s ready on http://%s:%s (gateway %s); web console at /console",
                 __version__,

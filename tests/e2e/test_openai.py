@@ -57,6 +57,18 @@ def test_streamed_chat_equals_plain_chat(sdk: openai.OpenAI) -> None:
     assert (usage.prompt_tokens, usage.completion_tokens) == (plain.usage.prompt_tokens, 30)  # type: ignore[union-attr]
 
 
+def test_answers_name_the_instance_that_served_them(sdk: openai.OpenAI, client: httpx.Client) -> None:
+    # The session's server runs one instance of the model: the native API names it too.
+    listed = {client.post("/api/generate", json={"prompt": "Hi", "max_tokens": 1}).json()["instance_id"]}
+    args = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    plain = sdk.chat.completions.with_raw_response.create(**args)  # type: ignore[call-overload]
+    with sdk.chat.completions.with_streaming_response.create(**args, stream=True) as streamed:  # type: ignore[call-overload]
+        streamed_instance = streamed.headers["x-llmserver-instance"]
+    completion = sdk.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2)
+    served = [plain.headers["x-llmserver-instance"], streamed_instance, completion.headers["x-llmserver-instance"]]
+    assert set(served) <= listed, (served, listed)
+
+
 def test_raw_stream_is_the_seeds_sse(client: httpx.Client) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "stream": True}
     with client.stream("POST", "/v1/chat/completions", json=body) as response:

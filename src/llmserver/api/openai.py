@@ -11,6 +11,7 @@ from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconne
 from llmserver.engine.generation import closed_on_failure
 from llmserver.errors import InvalidRequest
 from llmserver.jobs.runner import JobService
+from llmserver.pool.admission import Ticket
 from llmserver.schemas.openai import ChatRequest, CompletionRequest
 
 router = APIRouter()
@@ -58,6 +59,11 @@ async def _generate(
             else:
                 stream = await service.completion_stream(ticket, body)
             # The serving instance is known once the stream is open: the console shows it.
-            served = {"x-llmserver-instance": ticket.tally.instance_id or ""}
-            return StreamingResponse(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **served})
-        return FastJSONResponse(await cancel_on_disconnect(request, work()))
+            return StreamingResponse(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **served(ticket)})
+        answer = await cancel_on_disconnect(request, work())
+        return FastJSONResponse(answer, headers=served(ticket))
+
+
+def served(ticket: Ticket) -> dict[str, str]:
+    """The header that names the instance an OpenAI answer came from (the native API has a field)."""
+    return {"x-llmserver-instance": ticket.tally.instance_id or ""}

@@ -229,7 +229,16 @@ class Registry:
         self._unknown: set[str] = set()
         self._recovered_at = 0.0
 
-    def start(self) -> None:
+    async def start(self, first_read: float = 5.0) -> None:
+        """Read the registry once before the gateway takes requests (within `first_read` seconds:
+        a gateway that knew only the first instance to answer would send it every request and
+        scatter conversations away from their homes), then keep reading."""
+        try:
+            async with asyncio.timeout(first_read):
+                await self.sync()
+        except Exception as exc:  # an outage is logged by read(); serving starts without instances
+            if not isinstance(exc, TimeoutError):
+                log.exception("instance registry")
         self._tasks = [
             asyncio.create_task(self._run(), name="instance-registry"),
             asyncio.create_task(self._write_load(), name="gateway-load-writer"),
@@ -247,11 +256,11 @@ class Registry:
 
     async def _run(self) -> None:
         while True:
+            await asyncio.sleep(READ_EVERY)
             try:
                 await self.sync()
             except Exception:
                 log.exception("instance registry")
-            await asyncio.sleep(READ_EVERY)
 
     async def _write_load(self) -> None:
         """This gateway's load, in its key and to the other gateways, as soon as it changes
@@ -383,6 +392,7 @@ class Registry:
                         instance.id, pool.name, instance.node,
                     )  # fmt: skip
                     await instance.stop()
+        joining: list[tuple[ModelPool, dict[str, Any]]] = []
         for instance_id, published in records.items():
             serving = self._pools.get(published["model"])
             if serving is None:
@@ -396,14 +406,29 @@ class Registry:
                 continue
             known = next((i for i in serving.instances if i.id == instance_id), None)
             if known is None:
-                known = await self._join(serving, published)
+                joining.append((serving, published))
+                continue
             assert isinstance(known, RemoteInstance)
-            known.remote = published
-            if published["status"] == Status.DRAINING.value:
-                known.status = Status.DRAINING
-            elif known.status == Status.DRAINING:
-                known.status = Status.READY
+            self._update(known, published)
+        # Instances that appeared together join together: a request routed between two joins
+        # would see only the first.
+        joined = await asyncio.gather(*(self._join(pool, published) for pool, published in joining))
+        for (pool, published), instance in zip(joining, joined, strict=True):
+            self._update(instance, published)
+            pool.instances.append(instance)
+            log.info(
+                "instance %s (%s) on node %s at %s joined",
+                instance.id, pool.name, instance.node, instance.base_url,
+            )  # fmt: skip
         self._heard(others, complete=True)  # and slots to waiters: on instances that joined too
+
+    @staticmethod
+    def _update(instance: RemoteInstance, published: dict[str, Any]) -> None:
+        instance.remote = published
+        if published["status"] == Status.DRAINING.value:
+            instance.status = Status.DRAINING
+        elif instance.status == Status.DRAINING:
+            instance.status = Status.READY
 
     async def command(self, node: str, op: str, timeout: float, **args: str) -> dict[str, Any]:
         """Send a node a command and wait for its outcome (504 when it does not answer in time)."""
@@ -446,6 +471,7 @@ class Registry:
         await instance.stop()
 
     async def _join(self, pool: ModelPool, published: dict[str, Any]) -> RemoteInstance:
+        """A published instance, ready to join `pool` (the caller adds it)."""
         instance = RemoteInstance(
             model=pool.config,
             host=published["host"],
@@ -462,9 +488,4 @@ class Registry:
             instance.base_url, connections=pool.config.parallel + 2, api_key=self._api_key
         )
         instance.native_tools = await instance.template_has_tools()
-        pool.instances.append(instance)
-        log.info(
-            "instance %s (%s) on node %s at %s joined",
-            instance.id, pool.name, instance.node, instance.base_url,
-        )  # fmt: skip
         return instance
