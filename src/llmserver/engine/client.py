@@ -5,7 +5,6 @@ llama-server's own errors are mapped to our envelope by their structured `type`,
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ from llmserver.errors import APIError, ContextLengthExceeded, InstanceUnavailabl
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
+JSON_BODY = {"Content-Type": "application/json"}
 
 
 class LlamaServerClient:
@@ -29,10 +29,7 @@ class LlamaServerClient:
         connector = aiohttp.TCPConnector(limit=connections, force_close=False, enable_cleanup_closed=True)
         # No total timeout here: callers bound whole generations themselves.
         self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-            json_serialize=json.dumps,
-            headers=headers,
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0), headers=headers
         )
         # Retries go out on a new connection: llama-server may have closed the kept-alive ones the
         # pool still holds (it does so right after a streamed answer), and a second stale one would
@@ -40,7 +37,6 @@ class LlamaServerClient:
         self._fresh = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=connections, force_close=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-            json_serialize=json.dumps,
             headers=headers,
         )
 
@@ -70,7 +66,7 @@ class LlamaServerClient:
         just after a streamed answer ends) is InstanceUnavailable, which the one retry policy
         (`engine/calls.py`) sends again."""
         session = self._fresh if fresh else self._session
-        response = await session.post(self.base_url + path, json=payload)
+        response = await session.post(self.base_url + path, data=orjson.dumps(payload), headers=JSON_BODY)
         try:
             yield response
         finally:
@@ -129,8 +125,8 @@ class LlamaServerClient:
 
 async def _json_or_raise(response: aiohttp.ClientResponse) -> JSON:
     try:
-        body = await response.json(content_type=None)
-    except (json.JSONDecodeError, aiohttp.ContentTypeError):
+        body = orjson.loads(await response.read())
+    except orjson.JSONDecodeError:
         raise UpstreamError(f"llama-server answered {response.status} with a body that is not JSON") from None
     if response.status != 200:
         raise upstream_error(body, response.status)

@@ -11,8 +11,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from prometheus_client import Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService, Reservation
@@ -55,9 +56,18 @@ class UsageRecorder:
         self._batch = UsageBatch()
         self._writing = UsageBatch()
         self._writer: asyncio.Task[None] | None = None
-        self._gaps: dict[str, Histogram] = {}
+        self._children: dict[tuple[object, ...], Any] = {}
         self._open: set[Tally] = set()  # requests holding a quota reservation, until they close
         self._unwritten = Outage(log)  # down: the last write found the store unreachable
+
+    def _child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """A metric's labelled child, looked up once per label values rather than per request or
+        token (prometheus_client's `labels()` takes a lock and builds a tuple each time)."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def settling(self, key_id: str) -> bool:
         """Whether a settlement of this key's quota is queued or being written."""
@@ -136,12 +146,9 @@ class UsageRecorder:
         now = time.perf_counter()
         if tally.ttft is None:
             tally.ttft = now - tally.started
-            self._metrics.ttft.labels(tally.model).observe(tally.ttft)
+            self._child(self._metrics.ttft, tally.model).observe(tally.ttft)
         elif tally.last_token_at is not None:
-            gaps = self._gaps.get(tally.model)
-            if gaps is None:  # the labelled child, looked up once per model rather than per token
-                gaps = self._gaps[tally.model] = self._metrics.inter_token.labels(tally.model)
-            gaps.observe(now - tally.last_token_at)
+            self._child(self._metrics.inter_token, tally.model).observe(now - tally.last_token_at)
         tally.last_token_at = now
 
     def close(self, tally: Tally, outcome: str) -> None:
@@ -171,11 +178,11 @@ class UsageRecorder:
                 "outcome": outcome,
             }
         )
-        self._metrics.requests.labels(tally.endpoint, tally.model, outcome).inc()
+        self._child(self._metrics.requests, tally.endpoint, tally.model, outcome).inc()
         if charged:
-            self._metrics.prompt_tokens.labels(tally.model).inc(tally.prompt_tokens)
-            self._metrics.cached_prompt_tokens.labels(tally.model).inc(tally.cached_tokens)
-            self._metrics.completion_tokens.labels(tally.model).inc(tally.completion_tokens)
+            self._child(self._metrics.prompt_tokens, tally.model).inc(tally.prompt_tokens)
+            self._child(self._metrics.cached_prompt_tokens, tally.model).inc(tally.cached_tokens)
+            self._child(self._metrics.completion_tokens, tally.model).inc(tally.completion_tokens)
         if outcome == "ok":
             increment = self._speed.add(tally.model, tally.completion_tokens, latency)
             if increment is not None:
@@ -191,10 +198,10 @@ class UsageRecorder:
                 "ttft_ms": None, "tokens_per_second": None, "outcome": outcome,
             }
         )  # fmt: skip
-        self._metrics.requests.labels(endpoint, model, outcome).inc()
+        self._child(self._metrics.requests, endpoint, model, outcome).inc()
         self._schedule_write()
 
     def first_token(self, tally: Tally, seconds: float) -> None:
         """A non-streamed answer's time to first token, as llama-server measured it."""
         tally.ttft = seconds
-        self._metrics.ttft.labels(tally.model).observe(seconds)
+        self._child(self._metrics.ttft, tally.model).observe(seconds)

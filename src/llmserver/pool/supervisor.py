@@ -39,6 +39,8 @@ from llmserver.settings import Settings
 
 log = logging.getLogger(__name__)
 
+SAMPLE_EVERY = 2.0  # seconds between samples of each instance's RAM and CPU
+
 
 class Supervisor:
     def __init__(self, settings: Settings, *, check_interval: float = 0.5) -> None:
@@ -63,7 +65,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
         self._probe_misses: dict[str, int] = {}
-        self._last_probe = 0.0
+        self._last_probe = self._last_sample = 0.0
         self._stopping = False
         self.remote: Registry | None = None  # a gateway of role `gateway`: the nodes' instances
 
@@ -324,6 +326,10 @@ class Supervisor:
         probe = now - self._last_probe >= self.settings.health_interval
         if probe:
             self._last_probe = now
+        # RAM and CPU of each process (a few /proc reads): every SAMPLE_EVERY s, not every tick.
+        sample = now - self._last_sample >= SAMPLE_EVERY
+        if sample:
+            self._last_sample = now
         for pool in self.pools.values():
             for instance in list(pool.instances):
                 if instance.accepting and instance.exited:
@@ -331,7 +337,7 @@ class Supervisor:
                     self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
                 elif instance.accepting and probe:
                     self._spawn(self._probe(instance))
-                if instance.accepting:
+                if instance.accepting and sample:
                     instance.sample()
             self._keep_strength(pool)
             self._reap_idle(pool)
