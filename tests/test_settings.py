@@ -59,6 +59,9 @@ def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
         '[[models]]\nname = "a"\nunknown = 1\n',
         "default_max_tokens = 900\nmax_tokens_limit = 100\n",
         "no_such_setting = 1\n",
+        "workers = 2\n",  # role all: every worker would start its own instances
+        'workers = 2\nrole = "gateway"\nredis_url = "redis://127.0.0.1:6379"\n',  # SQLite: one gateway's file
+        'workers = 0\nrole = "gateway"\n',
     ],
 )
 def test_invalid_settings_are_rejected(tmp_path: Path, config: str) -> None:
@@ -89,3 +92,8 @@ def test_reference_table_lists_every_setting() -> None:
             assert f"`{name}`" in table
     for name in ModelConfig.model_fields:
         assert f"`models[].{name}`" in table
+
+
+def test_workers_need_a_gateway_on_postgresql() -> None:
+    settings = load_settings(workers=2, role="gateway", database_url="postgresql://u@db/llm", redis_url="redis://r")
+    assert settings.workers == 2

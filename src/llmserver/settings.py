@@ -180,6 +180,13 @@ class Settings(BaseSettings):
     node_id: str = Field(
         default="", max_length=200, description="`llmserver node`'s name in the instance registry; empty: host name."
     )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Gateway processes serving one port (role `gateway` with PostgreSQL only): each a gateway of its "
+        "own, named gateway_id-1 … -N, the kernel spreading connections over them (SO_REUSEPORT).",
+    )
     instance_api_key: SecretStr | None = Field(
         default=None,
         description="The key llama-server instances demand (--api-key), shared by nodes and gateways; required for "
@@ -383,6 +390,10 @@ class Settings(BaseSettings):
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens cannot exceed max_tokens_limit")
+        if self.workers > 1 and (self.role != "gateway" or not self.store_url.startswith("postgresql")):
+            # Each worker is a gateway of its own: they share state as many gateways do, and a gateway of
+            # role `all` would start its own instances in every worker.
+            raise ValueError("workers > 1 needs role = gateway and a postgresql:// database_url")
         return self
 
     @property

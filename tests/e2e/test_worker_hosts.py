@@ -121,11 +121,14 @@ class Hosts:
     def hosts_seen(self, gateway: Server | None = None) -> set[str]:
         return {i["host"] for i in self.instances(gateway)}
 
-    def start_gateways(self, routing: str) -> None:
-        env = {
+    def gateway_env(self, routing: str = "affinity") -> dict[str, str]:
+        return {
             "LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": self.redis.url, "LLMSERVER_INSTANCE_API_KEY": SECRET,
             "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_DATABASE_URL": self.database_url, "LLMSERVER_ROUTING": routing,
         }  # fmt: skip
+
+    def start_gateways(self, routing: str) -> None:
+        env = self.gateway_env(routing)
         for number, (index, namespace) in enumerate(GATEWAYS.items(), 1):
             gateway = Server(
                 data_dir=self.root / f"gw-{number}", config=CONFIG, env={**env, "LLMSERVER_GATEWAY_ID": f"gw-{number}"},
@@ -484,3 +487,39 @@ def test_prompt_cache_affinity_across_hosts_against_least_loaded(hosts: Hosts) -
     affinity, least = later["affinity"], later["least_loaded"]
     print(f"affinity/least_loaded TTFT p50 ratio {affinity.median_ms / least.median_ms:.3f}")
     assert affinity.cached_share >= 0.9 and affinity.cached_share > least.cached_share, affinity.misses
+
+
+def test_workers_serve_one_port_each_a_gateway_of_its_own(hosts: Hosts) -> None:
+    """`serve --workers 2`: two processes on one port, each publishing its load as a gateway; a worker
+    killed outright is started again while the other serves; SIGTERM stops them all, exit 0."""
+    import psutil
+    import redis
+
+    env = {**hosts.gateway_env(), "LLMSERVER_GATEWAY_ID": "gw-multi", "LLMSERVER_WORKERS": "2"}
+    server = Server(data_dir=hosts.root / "gw-multi", config=CONFIG, env=env, host=f"{NET}.21", namespace="llms-g1")
+    client = redis.Redis.from_url(hosts.redis.url)
+
+    def gateways_publishing() -> set[str]:
+        return {k.decode().removeprefix("llmserver:load:") for k in client.keys("llmserver:load:gw-multi-*")}
+
+    try:
+        server.start()
+        assert server.process is not None
+        supervisor = psutil.Process(server.process.pid)
+        workers = supervisor.children()
+        assert len(workers) == 2, workers
+        key = hosts.key("workers")
+        assert [generate(server, key, f"Say {i}.").status_code for i in range(8)] == [200] * 8
+        assert wait_for(lambda: gateways_publishing() == {"gw-multi-1", "gw-multi-2"}, 5), gateways_publishing()
+        workers[0].kill()
+        # The other worker takes every new connection meanwhile: nothing is refused.
+        assert [generate(server, key, f"Say {i}.").status_code for i in range(6)] == [200] * 6
+        restarted = lambda: {c.pid for c in supervisor.children()} - {w.pid for w in workers}  # noqa: E731
+        assert wait_for(lambda: len(restarted()) == 1, 30), supervisor.children()
+        assert wait_for(lambda: len(gateways_publishing()) == 2, 30)
+        assert "exited with code -9: starting it again" in server.log()
+    finally:
+        code = server.stop()
+        client.close()
+    assert code == 0, server.log()[-2000:]
+    assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("LLMSERVER_WORKER")]

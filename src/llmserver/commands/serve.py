@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import sys
 from pathlib import Path
 
 import click
@@ -32,6 +34,10 @@ from llmserver.commands import check_model_files, load, models_from_args, open_c
     "--redis-url", default=None, expose_value=False, callback=remember,
     help="redis://… where rpm and max_concurrency are counted for all gateways (default: $LLMSERVER_REDIS_URL).",
 )  # fmt: skip
+@click.option(
+    "--workers", type=int, default=None,
+    help="Gateway processes on this port (role gateway with PostgreSQL; default 1).",
+)  # fmt: skip
 def serve(
     config_file: Path | None,
     data_dir: Path | None,
@@ -39,17 +45,20 @@ def serve(
     port: int | None,
     model_specs: tuple[str, ...],
     log_level: str | None,
+    workers: int | None,
 ) -> None:
     """Start the gateway and one llama-server per configured model instance."""
     import uvicorn
 
     from llmserver.app import create_app
+    from llmserver.commands.workers import bound_socket, supervise, worker_number
     from llmserver.http_protocol import with_read_timeout
 
-    settings = load(config_file, data_dir=data_dir, host=host, port=port, log_level=log_level)
+    given = {"data_dir": data_dir, "host": host, "port": port, "log_level": log_level, "workers": workers}
+    settings = load(config_file, **given)
     chosen = models_from_args(model_specs, settings.models)
     if chosen is not None:
-        settings = load(config_file, data_dir=data_dir, host=host, port=port, log_level=log_level, models=chosen)
+        settings = load(config_file, **given, models=chosen)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The database first: a schema to migrate, or a server that cannot be reached, is one clean line.
     open_checked_store(settings)
@@ -62,9 +71,14 @@ def serve(
     # uvicorn re-raises the signal it stopped on once its shutdown is over; by default that ends the
     # process by the signal, which skips Python's exit handlers (the forkserver's socket folder would
     # stay in TMPDIR) and reports "killed by SIGTERM" to the init system. A finished stop is exit 0.
+    number = worker_number()
+    if settings.workers > 1 and number is None:
+        raise SystemExit(supervise(settings))
+    if number is not None:  # one of --workers' processes: a gateway of its own
+        settings = settings.model_copy(update={"gateway_id": f"{settings.gateway_name}-{number}"})
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, _stopped)
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         http=with_read_timeout(settings.request_read_timeout),
         host=settings.host,
@@ -73,6 +87,12 @@ def serve(
         access_log=False,  # ours (llmserver.access) leaves out query strings, which may carry keys
         timeout_graceful_shutdown=int(settings.drain_timeout),  # in-flight requests get this long
     )
+    sockets = [bound_socket(settings.host, settings.port, reuse_port=True)] if number is not None else None
+    server = uvicorn.Server(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=sockets)
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the app or the socket failed to start
 
 
 def _stopped(signum: int, frame: object) -> None:

@@ -1,0 +1,126 @@
+"""`llmserver serve --workers N`: N gateway processes serving one port.
+
+One Python process serves a few hundred small requests a second on one core; `--workers` runs
+several on the same address, each listening with SO_REUSEPORT so that the kernel spreads incoming
+connections over them. Each worker is a gateway of its own (gateway_id-1 … -N): its own lease, its
+own quota reservations and jobs, its load published to the others, exactly as gateways on separate
+hosts — which is why workers need role `gateway` (the instances are the nodes') and PostgreSQL.
+
+This process only supervises: it starts the workers, starts again one that dies (after 1 s, doubling
+up to 30 s while they keep dying), and on SIGTERM or SIGINT passes a single SIGTERM to each, so that
+they drain their requests as one gateway would. A worker that exits by itself within its first 10 s
+(not killed by a signal) met a configuration or startup error: then every worker is stopped and the
+command fails with its code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import click
+
+from llmserver.settings import Settings
+
+log = logging.getLogger("llmserver.workers")
+
+WORKER_ENV = "LLMSERVER_WORKER"  # set in each worker: its number, 1 … N (internal)
+STARTUP = 10.0  # a worker that exits by itself sooner than this after its start failed to start
+_PR_SET_PDEATHSIG = 1
+
+
+def bound_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    """A socket bound to the address, not yet listening: the server listens once its app has started,
+    so that the kernel hands a starting worker no connection to keep waiting."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = found[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def worker_number() -> int | None:
+    """This process's number when it is one of `--workers`' processes."""
+    value = os.environ.get(WORKER_ENV)
+    return int(value) if value else None
+
+
+def _stop_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # If the supervisor is killed outright, each worker gets SIGTERM and drains: no orphan keeps the port.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def supervise(settings: Settings) -> int:
+    """Run `settings.workers` workers until told to stop; the command's exit code."""
+    try:  # without SO_REUSEPORT: a port some other process holds is an error, not silently shared
+        bound_socket(settings.host, settings.port, reuse_port=False).close()
+    except OSError as exc:
+        raise click.UsageError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, stop)
+
+    def start(number: int) -> subprocess.Popen[bytes]:
+        # Its own session: a Ctrl-C at the terminal reaches this process only, which passes it on once.
+        return subprocess.Popen(
+            [sys.executable, "-m", "llmserver", *sys.argv[1:]],
+            env={**os.environ, WORKER_ENV: str(number)},
+            start_new_session=True,
+            preexec_fn=_stop_with_parent,  # safe: the supervisor runs no threads
+        )
+
+    workers = {number: start(number) for number in range(1, settings.workers + 1)}
+    started = dict.fromkeys(workers, time.monotonic())
+    delay = dict.fromkeys(workers, 1.0)
+    log.info(
+        "%d gateway workers on http://%s:%s (gateways %s-1 … %s-%d)",
+        settings.workers, settings.host, settings.port, settings.gateway_name, settings.gateway_name, settings.workers,
+    )  # fmt: skip
+    code = 0
+    while not stopping:
+        time.sleep(0.2)
+        for number, process in list(workers.items()):
+            if stopping or process.poll() is None:
+                continue
+            if process.returncode >= 0 and time.monotonic() - started[number] < STARTUP:
+                log.error("worker %d exited with code %d while starting: stopping", number, process.returncode)
+                code, stopping = process.returncode or 1, True
+                break
+            log.error(
+                "worker %d (pid %d) exited with code %d: starting it again in %.0f s",
+                number, process.pid, process.returncode, delay[number],
+            )  # fmt: skip
+            time.sleep(delay[number])
+            delay[number] = min(30.0, delay[number] * 2)
+            workers[number], started[number] = start(number), time.monotonic()
+    for process in workers.values():
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + settings.drain_timeout + 15
+    for process in workers.values():
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return code
