@@ -98,7 +98,7 @@ def supervise(settings: Settings) -> int:
     )  # fmt: skip
     code = 0
     while not stopping:
-        time.sleep(0.2)
+        time.sleep(0.5)  # a dead worker is noticed within half a second
         for number, process in list(workers.items()):
             if stopping or process.poll() is None:
                 continue
