@@ -78,6 +78,8 @@ def start_llama_cpp_python(model: ModelConfig, log_dir: Path) -> tuple[Target, s
         "--model", str(embedded_model_path()), "--model_alias", model.name,
         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(model.ctx_size),
         "--n_threads", str(model.threads), "--n_threads_batch", str(model.threads),
+        # By default a new request cuts the stream in progress; queued, every client gets its answer.
+        "--interrupt_requests", "False",
     ]  # fmt: skip
     with (log_dir / "llama-cpp-python.log").open("ab") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
