@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench import load
-from bench.targets import Target, model_config, start_llama_server, start_llmserver
+from bench.targets import Target, migrated_database, model_config, start_llama_server, start_llmserver
 from llmserver.store import KeyLimits
 from tests.services import Postgres, Redis
 
@@ -40,13 +38,7 @@ def main() -> None:
     postgres, redis = Postgres().start(), Redis().start()
     targets: list[Target] = []
     try:
-        url = postgres.new_database()
-        migrated = subprocess.run(
-            [sys.executable, "-m", "llmserver", "db", "migrate", "--database-url", url],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if migrated.returncode != 0:
-            raise SystemExit(migrated.stderr)
+        url = migrated_database(postgres)
         targets.append(start_llama_server(model, logs))
         targets.append(start_llmserver(model, logs, name="llmserver-sqlite", limits=LIMITS))
         shared = {"LLMSERVER_DATABASE_URL": url, "LLMSERVER_REDIS_URL": redis.url}

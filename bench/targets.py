@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -27,6 +28,9 @@ from llmserver.catalog import embedded_model_path, llama_server_binary
 from llmserver.pool.instance import llama_server_args
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
 from llmserver.store import NO_LIMITS, KeyLimits, open_store
+
+if TYPE_CHECKING:
+    from tests.services import Postgres
 
 
 async def _create_key(database_url: str, limits: KeyLimits = NO_LIMITS) -> str:
@@ -86,6 +90,26 @@ def model_config(parallel: int, ctx_size: int, threads: int) -> ModelConfig:
     return ModelConfig(name=DEFAULT_MODEL_NAME, parallel=parallel, ctx_size=ctx_size, threads=threads)
 
 
+def model_toml(model: ModelConfig) -> str:
+    """The model's table in an llmserver config file."""
+    return (
+        f'[[models]]\nname = "{model.name}"\nparallel = {model.parallel}\nctx_size = {model.ctx_size}\n'
+        f"threads = {model.threads}\nmin_instances = {model.min_instances}\nmax_instances = {model.max_instances}\n"
+    )
+
+
+def migrated_database(postgres: Postgres) -> str:
+    """A new database on the private PostgreSQL server, with llmserver's schema applied."""
+    url = postgres.new_database()
+    migrated = subprocess.run(
+        [sys.executable, "-m", "llmserver", "db", "migrate", "--database-url", url],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if migrated.returncode != 0:
+        raise SystemExit(migrated.stderr)
+    return url
+
+
 def start_llmserver(
     model: ModelConfig,
     log_dir: Path,
@@ -99,10 +123,7 @@ def start_llmserver(
     may name its database (LLMSERVER_DATABASE_URL, migrated), where its key is made with `limits`."""
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-"))
     config = data_dir / "config.toml"
-    config.write_text(
-        f'{settings}[[models]]\nname = "{model.name}"\nparallel = {model.parallel}\nctx_size = {model.ctx_size}\n'
-        f"threads = {model.threads}\nmin_instances = {model.min_instances}\nmax_instances = {model.max_instances}\n"
-    )
+    config.write_text(settings + model_toml(model))
     database_url = (env or {}).get("LLMSERVER_DATABASE_URL") or f"sqlite:///{data_dir / 'llmserver.db'}"
     key = asyncio.run(_create_key(database_url, limits))
     port = free_port()

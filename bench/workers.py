@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from bench import load
-from bench.targets import Target, free_port, model_config, start_llmserver, wait_ready
+from bench.targets import Target, free_port, migrated_database, model_config, model_toml, start_llmserver, wait_ready
 from tests.services import Postgres, Redis
 
 LEVELS = (1, 4, 16)
@@ -66,22 +66,13 @@ def main() -> None:
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="llmserver-bench-logs-"))
     model = model_config(parallel=4, ctx_size=2048, threads=2)
-    config = (
-        f'[[models]]\nname = "{model.name}"\nparallel = {model.parallel}\nctx_size = {model.ctx_size}\n'
-        f"threads = {model.threads}\n"
-    )
+    config = model_toml(model)
     postgres, redis = Postgres().start(), Redis().start()
     node: subprocess.Popen[bytes] | None = None
     gateways: list[Target] = []
     results: Results = {}
     try:
-        url = postgres.new_database()
-        migrated = subprocess.run(
-            [sys.executable, "-m", "llmserver", "db", "migrate", "--database-url", url],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if migrated.returncode != 0:
-            raise SystemExit(migrated.stderr)
+        url = migrated_database(postgres)
         node, instance = start_node(config, redis.url, logs)
         for workers in (1, 2):
             env = {

@@ -24,6 +24,7 @@ from pydantic_settings import (
 
 from llmserver.inputs.archives import ArchiveLimits
 from llmserver.inputs.limits import FileLimits, ImageLimits
+from llmserver.store import is_postgres
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -390,7 +391,7 @@ class Settings(BaseSettings):
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens cannot exceed max_tokens_limit")
-        if self.workers > 1 and (self.role != "gateway" or not self.store_url.startswith("postgresql")):
+        if self.workers > 1 and (self.role != "gateway" or not is_postgres(self.store_url)):
             # Each worker is a gateway of its own: they share state as many gateways do, and a gateway of
             # role `all` would start its own instances in every worker.
             raise ValueError("workers > 1 needs role = gateway and a postgresql:// database_url")

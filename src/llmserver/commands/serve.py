@@ -68,14 +68,14 @@ def serve(
         )
     if settings.role == "all":  # a gateway of role `gateway` runs no model itself
         check_model_files(settings)
-    # uvicorn re-raises the signal it stopped on once its shutdown is over; by default that ends the
-    # process by the signal, which skips Python's exit handlers (the forkserver's socket folder would
-    # stay in TMPDIR) and reports "killed by SIGTERM" to the init system. A finished stop is exit 0.
     number = worker_number()
     if settings.workers > 1 and number is None:
         raise SystemExit(supervise(settings))
     if number is not None:  # one of --workers' processes: a gateway of its own
         settings = settings.model_copy(update={"gateway_id": f"{settings.gateway_name}-{number}"})
+    # uvicorn re-raises the signal it stopped on once its shutdown is over; by default that ends the
+    # process by the signal, which skips Python's exit handlers (the forkserver's socket folder would
+    # stay in TMPDIR) and reports "killed by SIGTERM" to the init system. A finished stop is exit 0.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, _stopped)
     config = uvicorn.Config(

@@ -15,8 +15,6 @@ command fails with its code.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -27,13 +25,13 @@ import time
 
 import click
 
+from llmserver.pool.instance import on_parent_death
 from llmserver.settings import Settings
 
 log = logging.getLogger("llmserver.workers")
 
 WORKER_ENV = "LLMSERVER_WORKER"  # set in each worker: its number, 1 … N (internal)
 STARTUP = 10.0  # a worker that exits by itself sooner than this after its start failed to start
-_PR_SET_PDEATHSIG = 1
 
 
 def bound_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
@@ -59,12 +57,6 @@ def worker_number() -> int | None:
     return int(value) if value else None
 
 
-def _stop_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    # If the supervisor is killed outright, each worker gets SIGTERM and drains: no orphan keeps the port.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-
 def supervise(settings: Settings) -> int:
     """Run `settings.workers` workers until told to stop; the command's exit code."""
     try:  # without SO_REUSEPORT: a port some other process holds is an error, not silently shared
@@ -86,7 +78,9 @@ def supervise(settings: Settings) -> int:
             [sys.executable, "-m", "llmserver", *sys.argv[1:]],
             env={**os.environ, WORKER_ENV: str(number)},
             start_new_session=True,
-            preexec_fn=_stop_with_parent,  # safe: the supervisor runs no threads
+            # If the supervisor is killed outright, each worker gets SIGTERM and drains: no orphan keeps
+            # the port. Safe here: the supervisor runs no threads.
+            preexec_fn=on_parent_death(signal.SIGTERM),
         )
 
     workers = {number: start(number) for number in range(1, settings.workers + 1)}

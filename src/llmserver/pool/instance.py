@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -44,12 +45,15 @@ class InstanceStartError(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    # If the gateway is killed outright, the kernel kills the instance too: no orphans. SIGKILL, not
-    # SIGTERM: llama-server's SIGTERM handler can hang in its graceful shutdown (seen here with the
-    # signal stuck blocked in the handler), and there is nobody left to wait for it anyway.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+def on_parent_death(sig: signal.Signals) -> Callable[[], None]:
+    """A `preexec_fn` after which the kernel sends the child `sig` when the thread that spawned it
+    ends (the parent killed outright included): no orphans."""
+
+    def arm() -> None:  # pragma: no cover - runs in the child between fork and exec
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
+
+    return arm
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -242,7 +246,9 @@ class Instance:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C at the terminal reaches the gateway, which stops us in order
-                preexec_fn=_die_with_parent,
+                # SIGKILL, not SIGTERM: llama-server's SIGTERM handler can hang in its graceful shutdown
+                # (seen here with the signal stuck blocked in the handler), and nobody is left to wait.
+                preexec_fn=on_parent_death(signal.SIGKILL),
                 env=env,
             )
         log.info(

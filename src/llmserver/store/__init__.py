@@ -55,6 +55,13 @@ __all__ = [
 ]
 
 
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+
+
+def is_postgres(database_url: str) -> bool:
+    return database_url.partition("://")[0] in POSTGRES_SCHEMES
+
+
 async def open_store(database_url: str, *, migrate: bool = False) -> Store:
     """The store a database URL names; ValueError for a scheme this build has no engine for, SchemaError
     for a schema it does not know (PostgreSQL's is migrated first with `migrate`)."""
@@ -69,7 +76,7 @@ async def open_store(database_url: str, *, migrate: bool = False) -> Store:
         if not path:
             raise ValueError("database_url sqlite:/// needs a file path")
         return SQLiteStore(Path(path))
-    if scheme in ("postgresql", "postgres"):
+    if scheme in POSTGRES_SCHEMES:
         from llmserver.store.postgres import PostgresStore
 
         return await PostgresStore.connect(database_url, migrate=migrate)
