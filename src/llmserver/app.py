@@ -12,10 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from llmserver import __version__, console
 from llmserver.api import embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api.deps import validation_error
+from llmserver.api.events import DirectBody
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
@@ -161,7 +163,7 @@ def create_app(settings: Settings) -> FastAPI:
     # No /docs: Swagger UI loads from a CDN, blank on a machine without internet; /openapi.json stays.
     # FastAPI's native OpenTelemetry is off: with no provider configured it still asked for one on every
     # request (a dozen calls each); the server's metrics are Prometheus's, at /metrics.
-    app = FastAPI(
+    app = Gateway(
         title="llmserver", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )  # fmt: skip
@@ -173,6 +175,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(QuotaHeaders, quota=lambda: app.state.quota)
     app.add_middleware(AccessLog)
     return app
+
+
+class Gateway(FastAPI):
+    """The app, under `DirectBody` (outermost, beyond Starlette's error middleware): streams send
+    their chunks to the server's own `send` (`api/events.py`)."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return DirectBody(super().build_middleware_stack())
 
 
 def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:

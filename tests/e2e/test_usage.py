@@ -161,7 +161,12 @@ def test_speed_average_metrics_and_disconnect_charging(tmp_path: Path, start_ser
     assert any(
         s.value > 0 for s in families["llmserver_time_to_first_token_seconds"].samples if s.name.endswith("_count")
     )
-    assert any(s.value > 0 for s in families["llmserver_inter_token_seconds"].samples if s.name.endswith("_count"))
+    gaps = families["llmserver_inter_token_seconds"].samples
+    assert any(s.value > 0 for s in gaps if s.name.endswith("_count"))
+    buckets = [s.value for s in gaps if s.name.endswith("_bucket")]  # cumulative, +Inf last: every gap
+    assert buckets == sorted(buckets) and buckets[-1] == next(s.value for s in gaps if s.name.endswith("_count"))
+    assert [s.labels["le"] for s in gaps if s.name.endswith("_bucket")][-2:] == ["1.28", "+Inf"]
+    assert next(s.value for s in gaps if s.name.endswith("_sum")) > 0
     ready = [s for s in families["llmserver_instances"].samples if s.labels["status"] == "ready"]
     assert ready[0].value == 1
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import orjson
 import pytest
 
 from llmserver.auth.keys import Principal
@@ -156,8 +157,10 @@ def test_an_answer_that_is_an_error_is_never_sent_again(tmp_path: Path) -> None:
 def test_a_stream_is_sent_again_only_before_its_first_event(tmp_path: Path) -> None:
     async def test(calls: InstanceCalls, ticket: Ticket, fake: StandIn, reported: list[Instance]) -> None:
         first, events = await calls.open_stream(ticket, "/v1/completions", {"prompt": "x", "stream": True})
-        rest = [event async for batch in events for event in batch]
-        assert [*first, *rest] == [{"choices": [{"delta": {"content": c}}]} for c in "ab"]
+        rest = [data async for batch in events for data in batch]
+        assert [orjson.loads(data) for data in [*first, *rest]] == [
+            {"choices": [{"delta": {"content": c}}]} for c in "ab"
+        ]
         assert fake.requests == 2
 
     run(tmp_path, ["drop", "sse"], test)

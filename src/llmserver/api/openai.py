@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconnect, generation, jobs, parse
+from llmserver.api.events import EventStream
 from llmserver.engine.generation import closed_on_failure
 from llmserver.errors import InvalidRequest
 from llmserver.jobs.runner import JobService
@@ -20,18 +20,18 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest), response_model=None)
-async def chat_completions(request: Request) -> FastJSONResponse | StreamingResponse:
+async def chat_completions(request: Request) -> FastJSONResponse | EventStream:
     return await _generate(request, ChatRequest, "/v1/chat/completions")
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest), response_model=None)
-async def completions(request: Request) -> FastJSONResponse | StreamingResponse:
+async def completions(request: Request) -> FastJSONResponse | EventStream:
     return await _generate(request, CompletionRequest, "/v1/completions")
 
 
 async def _generate(
     request: Request, kind: type[ChatRequest] | type[CompletionRequest], endpoint: str
-) -> FastJSONResponse | StreamingResponse:
+) -> FastJSONResponse | EventStream:
     service = generation(request)
     principal, body = await parse(request, kind, gate=service.admission.precheck)
     key = None
@@ -59,7 +59,7 @@ async def _generate(
             else:
                 stream = await service.completion_stream(ticket, body)
             # The serving instance is known once the stream is open: the console shows it.
-            return StreamingResponse(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **served(ticket)})
+            return EventStream(stream, {**SSE_HEADERS, **served(ticket)})
         answer = await cancel_on_disconnect(request, work())
         return FastJSONResponse(answer, headers=served(ticket))
 

@@ -45,27 +45,22 @@ class InstanceCalls:
 
     async def open_stream(
         self, ticket: Ticket, path: str, payload: JSON
-    ) -> tuple[list[JSON], AsyncGenerator[list[JSON]]]:
-        """A streamed call's first events, and the rest of them, in the batches they arrived in (the
-        caller closes them)."""
+    ) -> tuple[list[bytes], AsyncGenerator[list[bytes]]]:
+        """A streamed call's first events' data, and the rest of them, in the batches they arrived in
+        (the caller closes them); the whole stream is bounded by the timeout."""
         for attempt in range(1, self.attempts + 1):
-            events = self._events(ticket, path, payload, fresh=attempt > 1)
+            # A generator that raised is finished: nothing to close but on success.
             try:
+                events = _client(ticket).stream(path, payload, fresh=attempt > 1, timeout=self.timeout)
                 return await anext(events), events
+            except ContextLengthExceeded as exc:
+                _name_prompt(exc, ticket)
+                raise
             except StopAsyncIteration:
                 raise UpstreamError("The instance closed the stream without sending anything.") from None
             except InstanceUnavailable:
-                await events.aclose()
                 await self._after_failure(ticket, attempt)
-            except BaseException:
-                await events.aclose()
-                raise
         raise AssertionError("unreachable")
-
-    async def _events(self, ticket: Ticket, path: str, payload: JSON, *, fresh: bool) -> AsyncGenerator[list[JSON]]:
-        async with self._deadline(ticket):
-            async for batch in _client(ticket).stream(path, payload, fresh=fresh):
-                yield batch
 
     async def _after_failure(self, ticket: Ticket, attempt: int) -> None:
         """Report the instance to its pool and give its slot back; then raise on the last attempt, or
@@ -92,8 +87,13 @@ class InstanceCalls:
         except TimeoutError:
             raise GatewayTimeout(f"The generation did not finish within {self.timeout:.0f} s.") from None
         except ContextLengthExceeded as exc:
-            exc.param = PROMPT_PARAM.get(ticket.tally.endpoint, "prompt")  # what the client sent the prompt as
+            _name_prompt(exc, ticket)
             raise
+
+
+def _name_prompt(exc: ContextLengthExceeded, ticket: Ticket) -> None:
+    """A prompt over the context names the parameter the client sent it as."""
+    exc.param = PROMPT_PARAM.get(ticket.tally.endpoint, "prompt")
 
 
 def _client(ticket: Ticket) -> LlamaServerClient:

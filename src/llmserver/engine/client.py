@@ -5,15 +5,23 @@ llama-server's own errors are mapped to our envelope by their structured `type`,
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
 import orjson
 
-from llmserver.errors import APIError, ContextLengthExceeded, InstanceUnavailable, InvalidRequest, UpstreamError
+from llmserver.errors import (
+    APIError,
+    ContextLengthExceeded,
+    GatewayTimeout,
+    InstanceUnavailable,
+    InvalidRequest,
+    UpstreamError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +93,27 @@ class LlamaServerClient:
         except aiohttp.ClientError as exc:
             raise _unreachable(exc) from None
 
-    async def stream(self, path: str, payload: JSON, *, fresh: bool = False) -> AsyncIterator[list[JSON]]:
-        """POST with `stream: true` and yield the events' JSON until `[DONE]`, as they arrived: one
-        list per read from the socket (several when llama-server wrote them at once), so that the
-        relay writes them to its client in one piece, and wakes up once for them.
+    async def stream(
+        self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None
+    ) -> AsyncGenerator[list[bytes]]:
+        """POST with `stream: true` and yield the events' data (JSON text, unparsed: the relay parses
+        only what it must) until `[DONE]`, as they arrived: one list per read from the socket (several
+        when llama-server wrote them at once), so that the relay writes them to its client in one
+        piece, and wakes up once for them. An error event raises. The whole stream is bounded by
+        `timeout` seconds (GatewayTimeout past it).
 
         Leaving the iteration early (a client that went away) closes the connection, which makes
         llama-server stop generating and free the slot.
         """
         try:
-            async with self._post(path, payload, fresh) as response:
+            async with asyncio.timeout(timeout), self._post(path, payload, fresh) as response:
                 if response.status != 200:
                     await _json_or_raise(response)
+                content = response.content
                 pending = b""
-                async for chunk in response.content.iter_any():
+                while chunk := await content.readany():
                     *complete, pending = (pending + chunk).split(b"\n\n")
-                    batch: list[JSON] = []
+                    batch: list[bytes] = []
                     for block in complete:
                         for line in block.split(b"\n"):
                             if line.startswith(b"data:"):
@@ -109,10 +122,9 @@ class LlamaServerClient:
                                     if batch:
                                         yield batch
                                     return
-                                event = orjson.loads(data)
-                                if "error" in event and "choices" not in event:
-                                    raise upstream_error(event, 500)
-                                batch.append(event)
+                                if b'"error"' in data:
+                                    _raise_error_event(orjson.loads(data))
+                                batch.append(data)
                             elif line.startswith(b"error:"):
                                 raise upstream_error(orjson.loads(line[6:].strip()), 500)
                     if batch:
@@ -121,6 +133,25 @@ class LlamaServerClient:
             raise UpstreamError("The model instance answered with a broken response.") from None
         except aiohttp.ClientError as exc:
             raise _unreachable(exc) from None
+        except TimeoutError:
+            raise GatewayTimeout(f"The generation did not finish within {timeout:.0f} s.") from None
+
+
+def parse_event(data: bytes) -> JSON:
+    """One event's data as JSON (UpstreamError if it is not a JSON object)."""
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise UpstreamError("The model instance answered with a broken response.") from None
+    if not isinstance(event, dict):
+        raise UpstreamError("The model instance answered with a broken response.")
+    return event
+
+
+def _raise_error_event(event: Any) -> None:
+    """An event that is llama-server's error (not a token whose text says "error")."""
+    if isinstance(event, dict) and "error" in event and "choices" not in event:
+        raise upstream_error(event, 500)
 
 
 async def _json_or_raise(response: aiohttp.ClientResponse) -> JSON:

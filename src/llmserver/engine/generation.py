@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from llmserver.auth.keys import Principal
 from llmserver.engine import shapes, translate
 from llmserver.engine.calls import InstanceCalls
+from llmserver.engine.client import parse_event
 from llmserver.engine.tools import ToolPlan, added_prompt, check_request, json_schema_format
 from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, ServerError
 from llmserver.inputs.documents import native_file_parts
@@ -209,7 +210,7 @@ class GenerationService:
             body = await self._answer(ticket, "/v1/chat/completions", payload)
         return shapes.chat(body, ticket.model, plan, request.top_logprobs or 0)
 
-    async def chat_stream(self, ticket: Ticket, request: ChatRequest) -> AsyncIterator[bytes]:
+    async def chat_stream(self, ticket: Ticket, request: ChatRequest) -> AsyncGenerator[bytes]:
         async def prepared() -> tuple[JSON, shapes.StreamShape]:
             payload, plan = await self._chat_payload(ticket, request)
             return payload, shapes.ChatStream(plan, request.top_logprobs or 0)
@@ -242,7 +243,7 @@ class GenerationService:
         self._called(ticket, body)
         return body
 
-    async def completion_stream(self, ticket: Ticket, request: CompletionRequest) -> AsyncIterator[bytes]:
+    async def completion_stream(self, ticket: Ticket, request: CompletionRequest) -> AsyncGenerator[bytes]:
         async def prepared() -> tuple[JSON, shapes.StreamShape]:
             payload = await self._completion_payload(ticket, request)
             return payload, shapes.CompletionStream(self._legacy_logprobs(request))
@@ -272,7 +273,7 @@ class GenerationService:
         prepared: Callable[[], Awaitable[tuple[JSON, shapes.StreamShape]]],
         head: JSON,
         request: ChatRequest | CompletionRequest,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes]:
         """The SSE body, already started: its first step (the slot, the inputs, llama-server's first
         event) has run, so that what fails there is a plain HTTP error. From here the body owns the
         ticket: it closes it however it ends, also when it is dropped without being read."""
@@ -291,7 +292,7 @@ class GenerationService:
     ) -> AsyncGenerator[bytes]:
         tally = ticket.tally
         outcome = "client_closed"
-        events: AsyncGenerator[list[JSON]] | None = None
+        events: AsyncGenerator[list[bytes]] | None = None
         try:
             # Progress events carry the prompt's token count up front: a client that leaves early is
             # still charged for its prompt, not only for the tokens it received.
@@ -304,28 +305,41 @@ class GenerationService:
         yield b""  # ready: the HTTP response may start
         sent_any = False
         usage: JSON | None = None
+        chunk = shapes.Chunks(head)
+        token, tokens = self.recorder.token, shape.tokens
         try:
-            batch: list[JSON] | None = first
+            batch: list[bytes] | None = first
             while batch is not None:
                 out: list[bytes] = []  # what arrived together goes out together: one write, one wake-up
-                for event in batch:
-                    progress = event.get("prompt_progress")
-                    if isinstance(progress, dict):
-                        tally.prompt_tokens = int(progress.get("total") or 0)
-                    choices = event.get("choices") or []
-                    if "usage" in event:
-                        usage = translate.usage(event)
-                        tally.prompt_tokens, tally.completion_tokens = (
-                            usage["prompt_tokens"],
-                            usage["completion_tokens"],
-                        )
-                        tally.cached_tokens = translate.cached_tokens(usage)
-                    if choices and not (progress is not None and sent_any):
+                for data in batch:
+                    if tokens is not None and (text := tokens.text(data)) is not None:
+                        if text != b'""':
+                            tally.completion_tokens += 1  # one token per event; the final usage corrects it
+                            token(tally)
+                        sent_any = True
+                        out.append(chunk.token(tokens, text))
+                        continue
+                    event = parse_event(data)
+                    choices = event.get("choices")
+                    if "prompt_progress" in event or "usage" in event:
+                        progress = event.get("prompt_progress")
+                        if isinstance(progress, dict):
+                            tally.prompt_tokens = int(progress.get("total") or 0)
+                        if "usage" in event:
+                            usage = translate.usage(event)
+                            tally.prompt_tokens, tally.completion_tokens = (
+                                usage["prompt_tokens"],
+                                usage["completion_tokens"],
+                            )
+                            tally.cached_tokens = translate.cached_tokens(usage)
+                        if progress is not None and sent_any:
+                            continue  # llama.cpp repeats its first choice in progress events
+                    if choices:
                         if _generated(choices[0]):
                             tally.completion_tokens += 1  # one token per event; the final usage corrects it
-                            self.recorder.token(tally)
+                            token(tally)
                         sent_any = True
-                        out.extend(shapes.sse({**head, "choices": [piece]}) for piece in shape.pieces(choices[0]))
+                        out.extend(map(chunk, shape.pieces(choices[0])))
                 if out:
                     yield out[0] if len(out) == 1 else b"".join(out)
                 batch = await anext(events, None)

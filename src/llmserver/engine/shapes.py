@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -15,6 +16,64 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(event: JSON) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+class Chunks:
+    """A stream's chunks: its head (id, object, created, model) serialised once, each choice after it."""
+
+    def __init__(self, head: JSON) -> None:
+        self.opening = b"data: " + orjson.dumps(head)[:-1] + b',"choices":['
+
+    def __call__(self, piece: JSON) -> bytes:
+        return self.opening + orjson.dumps(piece) + CLOSING
+
+    def token(self, tokens: TokenEvents, text: bytes) -> bytes:
+        return self.opening + tokens.before + text + tokens.after + CLOSING
+
+
+CLOSING = b"]}\n\n"
+
+
+@dataclass(frozen=True)
+class TokenEvents:
+    """Most events of a stream are one token of text and nothing else, always written alike by
+    llama-server: such an event is relayed without being parsed, its text (a JSON string) cut out
+    of it and put into our chunk as it is. Anything else (or anything unexpected) is parsed."""
+
+    start: bytes  # llama-server's event up to the text
+    end: bytes  # what follows the text in llama-server's event; it holds `,"`, which no JSON string does
+    before: bytes  # our choice up to the text
+    after: bytes  # and after it
+
+    def text(self, data: bytes) -> bytes | None:
+        """The token's text, as JSON, if `data` is such an event; None: parse it."""
+        if not data.startswith(self.start):
+            return None
+        end = data.find(self.end, len(self.start))
+        if end < 0:
+            return None
+        text = data[len(self.start) : end]
+        # One JSON string: quoted, and no `,"` in it (inside a string every quote is escaped).
+        if text[:1] != b'"' or text[-1:] != b'"' or len(text) < 2 or b',"' in text:
+            return None
+        tail = data[end:]
+        if b'"prompt_progress"' in tail or b'"usage"' in tail:
+            return None
+        return text
+
+
+CHAT_TOKEN = TokenEvents(
+    start=b'{"choices":[{"finish_reason":null,"index":0,"delta":{"content":',
+    end=b'}}],"',
+    before=b'{"index":0,"delta":{"content":',
+    after=b'},"finish_reason":null}',
+)
+COMPLETION_TOKEN = TokenEvents(
+    start=b'{"choices":[{"text":',
+    end=b',"index":0,"logprobs":null,"finish_reason":null}],"',
+    before=b'{"text":',
+    after=b',"index":0,"logprobs":null,"finish_reason":null}',
+)
 
 
 def choice(body: JSON) -> JSON:
@@ -98,6 +157,7 @@ def completion(body: JSON, model: str, logprobs: translate.LegacyLogprobs | None
 
 class StreamShape(Protocol):
     schema_param: str | None  # what to name when llama.cpp refuses the request's grammar
+    tokens: TokenEvents | None  # its token events, when they may be relayed unparsed
 
     def pieces(self, event_choice: JSON) -> list[JSON]:
         """The choice objects (in our shape) for one of llama-server's stream events: none, one or more."""
@@ -115,10 +175,16 @@ class ChatStream:
         self.held: list[str] = []
         self.held_logprobs: list[JSON] = []
         self.role_sent = False
+        self.shown = not plan.prompted  # the model's text goes to the client as it comes
+        self.tokens = CHAT_TOKEN if self.shown else None
 
     def pieces(self, event_choice: JSON) -> list[JSON]:
         delta = event_choice.get("delta") or {}
         reason = event_choice.get("finish_reason")
+        if self.shown and reason is None and len(delta) == 1 and event_choice.get("logprobs") is None:
+            content = delta.get("content")
+            if content is not None:  # most events: one token of text
+                return [{"index": 0, "delta": {"content": content}, "finish_reason": None}]
         logprobs = translate.chat_logprobs(event_choice.get("logprobs"), self.top_logprobs)
         out: JSON = {}
         if delta.get("role") and not self.role_sent:  # llama.cpp repeats it in its progress events
@@ -161,6 +227,7 @@ class CompletionStream:
     def __init__(self, logprobs: translate.LegacyLogprobs | None) -> None:
         self.logprobs = logprobs
         self.schema_param: str | None = None
+        self.tokens = COMPLETION_TOKEN if logprobs is None else None
 
     def pieces(self, event_choice: JSON) -> list[JSON]:
         reason = event_choice.get("finish_reason")

@@ -26,6 +26,7 @@ from llmserver.store import OutboxItem, OutboxStore
 log = logging.getLogger(__name__)
 
 BATCH = 16
+MAX_POLL = 8.0  # seconds between looks for other gateways' items, while none turn up
 
 
 class Attempt(Enum):
@@ -97,20 +98,30 @@ class WebhookOutbox:
         self._wake.set()
 
     async def _run(self) -> None:
+        # This gateway's own items wake it (queued, or a retry falling due); a poll finds those other
+        # gateways left behind. It polls every `poll` seconds after finding some, and less often
+        # while it finds none, up to every MAX_POLL seconds: an idle gateway wakes its store less.
+        wait = self._poll
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._poll)
+                await asyncio.wait_for(self._wake.wait(), wait)
+            woken = self._wake.is_set()
             self._wake.clear()
+            found = False
             try:
                 while items := await self._store.outbox_claim(self._gateway_id, self._claim_seconds, BATCH):
+                    found = True
                     await asyncio.gather(*(self._send(item) for item in items))
             except APIError as exc:
                 self._outage.failed("webhook outbox cannot be read: %s", exc.message)
+                wait = self._poll
                 continue
             except Exception:
                 log.exception("webhook outbox")
+                wait = self._poll
                 continue
             self._outage.recovered("webhook outbox can be read again")
+            wait = self._poll if found or woken else min(wait * 2, MAX_POLL)
 
     @property
     def _claim_seconds(self) -> float:
@@ -129,7 +140,9 @@ class WebhookOutbox:
         if outcome is Attempt.DELIVERED:
             log.info("webhook for job %s delivered (attempt %d)", item.tracking_id, tried)
         elif outcome is Attempt.FAILED and tried < self._attempts:
-            await self._store.outbox_retry(item.id, tried, self._first_delay * 2 ** (tried - 1))
+            delay = self._first_delay * 2 ** (tried - 1)
+            await self._store.outbox_retry(item.id, tried, delay)
+            asyncio.get_running_loop().call_later(delay, self._wake.set)  # a look when it falls due
             return
         elif outcome is Attempt.FAILED:
             log.error("webhook for job %s failed after %d attempts", item.tracking_id, tried)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from llmserver.pool.supervisor import Supervisor
@@ -42,6 +44,31 @@ class _PoolCollector(Collector):
         yield from (depth, flight, instances, cold, cold_seconds, evictions)
 
 
+class Gaps(Collector):
+    """`llmserver_inter_token_seconds{model}`, observed once per streamed token: a list of counts per
+    model, where prometheus_client's Histogram takes a lock for each of the buckets a value falls in
+    (the event loop is the only writer)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, list[float]] = {}  # per bucket (+Inf last), then the sum
+
+    def observe(self, model: str, seconds: float) -> None:
+        counts = self._counts.get(model)
+        if counts is None:
+            counts = self._counts[model] = [0] * (len(GAP_BUCKETS) + 2)
+        counts[bisect_left(GAP_BUCKETS, seconds)] += 1
+        counts[-1] += seconds
+
+    def collect(self) -> Iterable[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "llmserver_inter_token_seconds", "Gaps between streamed tokens", labels=["model"]
+        )
+        bounds = [*(repr(bound) for bound in GAP_BUCKETS), "+Inf"]
+        for model, counts in self._counts.items():
+            family.add_metric([model], list(zip(bounds, accumulate(counts[:-1]), strict=True)), counts[-1])
+        yield family
+
+
 class Metrics:
     def __init__(self, supervisor: Supervisor) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -62,10 +89,8 @@ class Metrics:
             "llmserver_time_to_first_token_seconds", "Time to first token", ["model"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
-        self.inter_token = Histogram(
-            "llmserver_inter_token_seconds", "Gaps between streamed tokens", ["model"],
-            buckets=GAP_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+        self.inter_token = Gaps()
+        self.registry.register(self.inter_token)
         self.quota_rejections = Counter(
             "llmserver_quota_rejections", "Requests refused by a key's limits", ["type"], registry=self.registry
         )

@@ -148,7 +148,7 @@ class UsageRecorder:
             tally.ttft = now - tally.started
             self._child(self._metrics.ttft, tally.model).observe(tally.ttft)
         elif tally.last_token_at is not None:
-            self._child(self._metrics.inter_token, tally.model).observe(now - tally.last_token_at)
+            self._metrics.inter_token.observe(tally.model, now - tally.last_token_at)
         tally.last_token_at = now
 
     def close(self, tally: Tally, outcome: str) -> None:
