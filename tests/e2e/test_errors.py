@@ -149,6 +149,9 @@ def test_malformed_bodies(client: httpx.Client) -> None:
 def test_unknown_paths_and_methods(client: httpx.Client) -> None:
     assert_error(client.get("/no/such/path"), 404, "not_found_error")
     assert_error(client.get("/api/generate"), 405, "invalid_request_error")
+    # The generation endpoints' lane (api/hot.py) takes POST only; the rest is FastAPI's, as before.
+    assert_error(client.get("/v1/chat/completions"), 405, "invalid_request_error")
+    assert_error(client.put("/v1/completions", json={}), 405, "invalid_request_error")
 
 
 @pytest.mark.parametrize(
