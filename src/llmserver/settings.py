@@ -265,7 +265,12 @@ class Settings(BaseSettings):
         ge=0,
         description="Seconds in-flight requests (and at a stop running async jobs) get to finish when stopping.",
     )
-    health_interval: float = Field(default=2.0, gt=0, description="Seconds between health probes of each instance.")
+    health_interval: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds between health probes of each instance (skipped for one that answered a request "
+        "within them).",
+    )
     restart_max_failures: int = Field(
         default=5,
         ge=1,

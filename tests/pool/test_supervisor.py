@@ -109,3 +109,31 @@ def test_missed_health_probes_in_a_row_count_as_a_crash() -> None:
             assert await until(lambda: instance.exited)  # the hung process was stopped
 
     asyncio.run(scenario())
+
+
+def test_an_instance_that_answers_requests_is_not_probed() -> None:
+    """Traffic proves an instance alive: one that answered within `health_interval` is not probed
+    (here the probe would fail: nothing listens at its address); once the answers stop, it is."""
+
+    async def scenario() -> None:
+        options = {"health_interval": 0.2, "health_probe_misses": 1, "restart_max_failures": 1}
+        async with supervised(alive=True, **options) as (supervisor, instance):
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:  # answering a request every 50 ms
+                instance.answered_at = time.monotonic()
+                await supervisor.tick()
+                await asyncio.sleep(0.05)
+            assert instance.status == Status.READY and not instance.crashes
+
+            async def ticks() -> None:
+                while True:
+                    await supervisor.tick()
+                    await asyncio.sleep(0.05)
+
+            task = asyncio.create_task(ticks())
+            try:
+                assert await until(lambda: instance.status == Status.FAILED, timeout=5)  # no answers: probed
+            finally:
+                task.cancel()
+
+    asyncio.run(scenario())

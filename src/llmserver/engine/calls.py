@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -38,7 +39,9 @@ class InstanceCalls:
         for attempt in range(1, self.attempts + 1):
             try:
                 async with self._deadline(ticket):
-                    return await _client(ticket).post_json(path, payload, fresh=attempt > 1)
+                    answer = await _client(ticket).post_json(path, payload, fresh=attempt > 1)
+                _answered(ticket)
+                return answer
             except InstanceUnavailable:
                 await self._after_failure(ticket, attempt)
         raise AssertionError("unreachable")
@@ -52,7 +55,9 @@ class InstanceCalls:
             # A generator that raised is finished: nothing to close but on success.
             try:
                 events = _client(ticket).stream(path, payload, fresh=attempt > 1, timeout=self.timeout)
-                return await anext(events), events
+                first = await anext(events)
+                _answered(ticket)
+                return first, events
             except ContextLengthExceeded as exc:
                 _name_prompt(exc, ticket)
                 raise
@@ -94,6 +99,12 @@ class InstanceCalls:
 def _name_prompt(exc: ContextLengthExceeded, ticket: Ticket) -> None:
     """A prompt over the context names the parameter the client sent it as."""
     exc.param = PROMPT_PARAM.get(ticket.tally.endpoint, "prompt")
+
+
+def _answered(ticket: Ticket) -> None:
+    """The instance answered: proof enough that it is alive (the supervisor skips its next probe)."""
+    if ticket.lease.instance is not None:
+        ticket.lease.instance.answered_at = time.monotonic()
 
 
 def _client(ticket: Ticket) -> LlamaServerClient:

@@ -120,6 +120,7 @@ class Instance:
     # pool/registry.py); this gateway's own are `in_flight`.
     elsewhere: int = 0
     failures: int = 0  # requests in a row that could not reach it (a remote instance's circuit breaker)
+    answered_at: float = 0.0  # when it last answered a request (time.monotonic()): alive then, no probe needed
     users: collections.Counter[str] = field(default_factory=collections.Counter)
     crashes: collections.deque[float] = field(default_factory=collections.deque)
     restarting: bool = False

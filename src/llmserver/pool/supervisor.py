@@ -335,8 +335,8 @@ class Supervisor:
                 if instance.accepting and instance.exited:
                     assert instance.process is not None
                     self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
-                elif instance.accepting and probe:
-                    self._spawn(self._probe(instance))
+                elif instance.accepting and probe and now - instance.answered_at >= self.settings.health_interval:
+                    self._spawn(self._probe(instance))  # not one that answered a request since the last probe
                 if instance.accepting and sample:
                     instance.sample()
             self._keep_strength(pool)
