@@ -176,10 +176,12 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(module.router)
     console.install(app)
     _install_error_handlers(app)
-    hot = {"/v1/chat/completions": openai.chat_completions, "/v1/completions": openai.completions}
-    app.add_middleware(
-        HotRoutes, routes={**hot, "/api/generate": native.generate}, api_error=_api_error, unexpected=_unexpected
-    )
+    generating = {
+        "/api/generate": native.generate,
+        "/v1/chat/completions": openai.chat_completions,
+        "/v1/completions": openai.completions,
+    }
+    app.add_middleware(HotRoutes, routes=generating, api_error=_api_error, unexpected=_unexpected)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(QuotaHeaders, quota=lambda: app.state.quota)
     app.add_middleware(AccessLog)

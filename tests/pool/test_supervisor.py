@@ -38,6 +38,22 @@ async def supervised(alive: bool, **settings: object) -> AsyncIterator[tuple[Sup
         await client.close()
 
 
+@asynccontextmanager
+async def ticking(supervisor: Supervisor, every: float) -> AsyncIterator[None]:
+    """The supervisor's loop, every `every` seconds, while the block runs."""
+
+    async def ticks() -> None:
+        while True:
+            await supervisor.tick()
+            await asyncio.sleep(every)
+
+    task = asyncio.create_task(ticks())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
 async def until(condition: object, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -94,17 +110,8 @@ def test_missed_health_probes_in_a_row_count_as_a_crash() -> None:
     async def scenario() -> None:
         options = {"health_interval": 0.01, "health_probe_misses": 2, "restart_max_failures": 1}
         async with supervised(alive=True, **options) as (supervisor, instance):
-
-            async def ticks() -> None:
-                while True:
-                    await supervisor.tick()
-                    await asyncio.sleep(0.02)
-
-            ticking = asyncio.create_task(ticks())
-            try:
+            async with ticking(supervisor, every=0.02):
                 assert await until(lambda: instance.status == Status.FAILED)
-            finally:
-                ticking.cancel()
             assert len(instance.crashes) == 1  # one crash, counted after two missed probes
             assert await until(lambda: instance.exited)  # the hung process was stopped
 
@@ -124,16 +131,7 @@ def test_an_instance_that_answers_requests_is_not_probed() -> None:
                 await supervisor.tick()
                 await asyncio.sleep(0.05)
             assert instance.status == Status.READY and not instance.crashes
-
-            async def ticks() -> None:
-                while True:
-                    await supervisor.tick()
-                    await asyncio.sleep(0.05)
-
-            task = asyncio.create_task(ticks())
-            try:
+            async with ticking(supervisor, every=0.05):
                 assert await until(lambda: instance.status == Status.FAILED, timeout=5)  # no answers: probed
-            finally:
-                task.cancel()
 
     asyncio.run(scenario())

@@ -64,15 +64,13 @@ class EventStream(Response):
         try:
             async for chunk in self.body_iterator:
                 await direct({"type": "http.response.body", "body": chunk, "more_body": True})
-            finished = True
-            watcher.cancel()
+            finished = True  # the end makes the server's receive() say http.disconnect: not a departure
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
                 raise
             task.uncancel()  # the client left: nobody to answer, and nothing went wrong here
         finally:
-            finished = True
             watcher.cancel()
             await self.body_iterator.aclose()
         if self.background is not None:

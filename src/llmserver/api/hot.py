@@ -12,8 +12,7 @@ find them.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -21,15 +20,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserver.errors import APIError
 
-log = logging.getLogger(__name__)
-
 Endpoint = Callable[[Request], Awaitable[Response]]
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 
 
 class HotRoutes:
     def __init__(
-        self, app: ASGIApp, routes: dict[str, Endpoint], api_error: ErrorHandler, unexpected: ErrorHandler
+        self, app: ASGIApp, routes: Mapping[str, Endpoint], api_error: ErrorHandler, unexpected: ErrorHandler
     ) -> None:
         self.app = app
         self.routes = routes  # path → endpoint, for POST

@@ -11,15 +11,13 @@ another instance. Each attempt is bounded by `request_timeout`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from llmserver.engine.client import LlamaServerClient
-from llmserver.errors import ContextLengthExceeded, GatewayTimeout, InstanceUnavailable, UpstreamError
+from llmserver.errors import ContextLengthExceeded, InstanceUnavailable, UpstreamError
 from llmserver.pool.admission import Admission, Ticket
 
 log = logging.getLogger(__name__)
@@ -38,10 +36,12 @@ class InstanceCalls:
         """One non-streamed call's JSON answer."""
         for attempt in range(1, self.attempts + 1):
             try:
-                async with self._deadline(ticket):
-                    answer = await _client(ticket).post_json(path, payload, fresh=attempt > 1)
+                answer = await _client(ticket).post_json(path, payload, fresh=attempt > 1, timeout=self.timeout)
                 _answered(ticket)
                 return answer
+            except ContextLengthExceeded as exc:
+                _name_prompt(exc, ticket)
+                raise
             except InstanceUnavailable:
                 await self._after_failure(ticket, attempt)
         raise AssertionError("unreachable")
@@ -83,17 +83,6 @@ class InstanceCalls:
         if not again:
             raise InstanceUnavailable("The model instance could not be reached or closed the connection.")
         await self._admission.take_slot(ticket)
-
-    @asynccontextmanager
-    async def _deadline(self, ticket: Ticket) -> AsyncIterator[None]:
-        try:
-            async with asyncio.timeout(self.timeout):
-                yield
-        except TimeoutError:
-            raise GatewayTimeout(f"The generation did not finish within {self.timeout:.0f} s.") from None
-        except ContextLengthExceeded as exc:
-            _name_prompt(exc, ticket)
-            raise
 
 
 def _name_prompt(exc: ContextLengthExceeded, ticket: Ticket) -> None:

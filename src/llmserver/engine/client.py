@@ -85,13 +85,16 @@ class LlamaServerClient:
             else:
                 response.close()
 
-    async def post_json(self, path: str, payload: JSON, *, fresh: bool = False) -> JSON:
-        """POST and read the JSON answer; `fresh`: on a new connection (a retry)."""
+    async def post_json(self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None) -> JSON:
+        """POST and read the JSON answer within `timeout` seconds (GatewayTimeout past it); `fresh`:
+        on a new connection (a retry)."""
         try:
-            async with self._post(path, payload, fresh) as response:
+            async with asyncio.timeout(timeout), self._post(path, payload, fresh) as response:
                 return await _json_or_raise(response)
         except aiohttp.ClientError as exc:
             raise _unreachable(exc) from None
+        except TimeoutError:
+            raise _past(timeout) from None
 
     async def stream(
         self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None
@@ -134,7 +137,11 @@ class LlamaServerClient:
         except aiohttp.ClientError as exc:
             raise _unreachable(exc) from None
         except TimeoutError:
-            raise GatewayTimeout(f"The generation did not finish within {timeout:.0f} s.") from None
+            raise _past(timeout) from None
+
+
+def _past(timeout: float | None) -> GatewayTimeout:
+    return GatewayTimeout(f"The generation did not finish within {timeout or 0:.0f} s.")
 
 
 def parse_event(data: bytes) -> JSON:

@@ -314,29 +314,24 @@ class GenerationService:
                 for data in batch:
                     if tokens is not None and (text := tokens.text(data)) is not None:
                         if text != b'""':
-                            tally.completion_tokens += 1  # one token per event; the final usage corrects it
                             token(tally)
                         sent_any = True
                         out.append(chunk.token(tokens, text))
                         continue
                     event = parse_event(data)
-                    choices = event.get("choices")
-                    if "prompt_progress" in event or "usage" in event:
-                        progress = event.get("prompt_progress")
-                        if isinstance(progress, dict):
-                            tally.prompt_tokens = int(progress.get("total") or 0)
-                        if "usage" in event:
-                            usage = translate.usage(event)
-                            tally.prompt_tokens, tally.completion_tokens = (
-                                usage["prompt_tokens"],
-                                usage["completion_tokens"],
-                            )
-                            tally.cached_tokens = translate.cached_tokens(usage)
-                        if progress is not None and sent_any:
-                            continue  # llama.cpp repeats its first choice in progress events
-                    if choices:
+                    progress = event.get("prompt_progress")
+                    if isinstance(progress, dict):
+                        tally.prompt_tokens = int(progress.get("total") or 0)
+                    choices = event.get("choices") or []
+                    if "usage" in event:
+                        usage = translate.usage(event)
+                        tally.prompt_tokens, tally.completion_tokens = (
+                            usage["prompt_tokens"],
+                            usage["completion_tokens"],
+                        )
+                        tally.cached_tokens = translate.cached_tokens(usage)
+                    if choices and not (progress is not None and sent_any):
                         if _generated(choices[0]):
-                            tally.completion_tokens += 1  # one token per event; the final usage corrects it
                             token(tally)
                         sent_any = True
                         out.extend(map(chunk, shape.pieces(choices[0])))

@@ -175,16 +175,12 @@ class ChatStream:
         self.held: list[str] = []
         self.held_logprobs: list[JSON] = []
         self.role_sent = False
-        self.shown = not plan.prompted  # the model's text goes to the client as it comes
-        self.tokens = CHAT_TOKEN if self.shown else None
+        # Text held back (prompted tool calls) is never relayed unparsed.
+        self.tokens = None if plan.prompted else CHAT_TOKEN
 
     def pieces(self, event_choice: JSON) -> list[JSON]:
         delta = event_choice.get("delta") or {}
         reason = event_choice.get("finish_reason")
-        if self.shown and reason is None and len(delta) == 1 and event_choice.get("logprobs") is None:
-            content = delta.get("content")
-            if content is not None:  # most events: one token of text
-                return [{"index": 0, "delta": {"content": content}, "finish_reason": None}]
         logprobs = translate.chat_logprobs(event_choice.get("logprobs"), self.top_logprobs)
         out: JSON = {}
         if delta.get("role") and not self.role_sent:  # llama.cpp repeats it in its progress events

@@ -105,23 +105,22 @@ class WebhookOutbox:
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
-            woken = self._wake.is_set()
+            quiet = not self._wake.is_set()
             self._wake.clear()
-            found = False
+            idle_wait, wait = min(wait * 2, MAX_POLL), self._poll
             try:
                 while items := await self._store.outbox_claim(self._gateway_id, self._claim_seconds, BATCH):
-                    found = True
+                    quiet = False
                     await asyncio.gather(*(self._send(item) for item in items))
             except APIError as exc:
                 self._outage.failed("webhook outbox cannot be read: %s", exc.message)
-                wait = self._poll
                 continue
             except Exception:
                 log.exception("webhook outbox")
-                wait = self._poll
                 continue
             self._outage.recovered("webhook outbox can be read again")
-            wait = self._poll if found or woken else min(wait * 2, MAX_POLL)
+            if quiet:
+                wait = idle_wait
 
     @property
     def _claim_seconds(self) -> float:

@@ -142,7 +142,9 @@ class UsageRecorder:
         return {where: tokens for where, tokens in produced.items() if tokens}
 
     def token(self, tally: Tally) -> None:
-        """A streamed token went out: time to first token, then the gaps."""
+        """A streamed token went out: counted (one per event; the final usage corrects it), its time
+        to first token, then the gaps."""
+        tally.completion_tokens += 1
         now = time.perf_counter()
         if tally.ttft is None:
             tally.ttft = now - tally.started
