@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -17,8 +17,6 @@ from starlette.types import ASGIApp
 from llmserver import __version__, console
 from llmserver.api import embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api.deps import validation_error
-from llmserver.api.events import DirectBody
-from llmserver.api.hot import HotRoutes
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
@@ -34,7 +32,7 @@ from llmserver.jobs.runner import JobService
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
 from llmserver.metrics.speed import RollingSpeed
-from llmserver.middleware import AccessLog, BodySizeLimit, QuotaHeaders
+from llmserver.middleware import Front
 from llmserver.pool.admission import Admission
 from llmserver.pool.registry import Registry
 from llmserver.pool.router import Router
@@ -176,24 +174,29 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(module.router)
     console.install(app)
     _install_error_handlers(app)
-    generating = {
-        "/api/generate": native.generate,
-        "/v1/chat/completions": openai.chat_completions,
-        "/v1/completions": openai.completions,
-    }
-    app.add_middleware(HotRoutes, routes=generating, api_error=_api_error, unexpected=_unexpected)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
-    app.add_middleware(QuotaHeaders, quota=lambda: app.state.quota)
-    app.add_middleware(AccessLog)
+    app.front = lambda stack: Front(
+        stack,
+        max_bytes=settings.max_request_bytes,
+        quota=lambda: app.state.quota,
+        hot={
+            "/api/generate": native.generate,
+            "/v1/chat/completions": openai.chat_completions,
+            "/v1/completions": openai.completions,
+        },
+        api_error=_api_error,
+        unexpected=_unexpected,
+    )
     return app
 
 
 class Gateway(FastAPI):
-    """The app, under `DirectBody` (outermost, beyond Starlette's error middleware): streams send
-    their chunks to the server's own `send` (`api/events.py`)."""
+    """The app under its `front` (`middleware.Front`: outermost, beyond Starlette's error middleware)."""
+
+    front: Callable[[ASGIApp], ASGIApp] | None = None
 
     def build_middleware_stack(self) -> ASGIApp:
-        return DirectBody(super().build_middleware_stack())
+        stack = super().build_middleware_stack()
+        return stack if self.front is None else self.front(stack)
 
 
 def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:

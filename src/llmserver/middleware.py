@@ -1,7 +1,18 @@
-"""Pure ASGI middleware (cheap on the hot path): the body-size limit and the access log.
+"""The app's outermost layer, one pure-ASGI frame for what every request needs: the body-size limit,
+the quota headers, the access log, the server's own `send` for streams, and the generation
+endpoints' lane past FastAPI.
 
-The access log never writes the query string, which may hold an `api_key`; it names the caller by
-key fingerprint only.
+- The access log never writes the query string, which may hold an `api_key`; it names the caller by
+  key fingerprint only.
+- Streams (`api/events.EventStream`) send their start and end through this layer and each chunk of
+  the body straight to the server's `send`, which is left in the scope under `RAW_SEND`: nothing here
+  acts on a body chunk, and a token's wake-up resumes no frame of ours or Starlette's above the stream.
+- The generation endpoints (POST `/v1/chat/completions`, `/v1/completions`, `/api/generate`) are
+  called directly, past Starlette's error middleware, FastAPI's exception and exit-stack middleware,
+  the route table and FastAPI's request handler: they take nothing from FastAPI (they read their own
+  bodies, see `api/deps.parse`). Their errors are rendered by the app's own handlers (`errors`: the one
+  envelope). They stay registered with FastAPI too, where the OpenAPI document and any other method on
+  their paths find them.
 """
 
 from __future__ import annotations
@@ -9,50 +20,122 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserver.api.events import RAW_SEND
 from llmserver.auth.quota import QuotaService
 from llmserver.errors import APIError, RequestTooLarge
 
 access_log = logging.getLogger("llmserver.access")
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 
-def _too_large(limit: int) -> RequestTooLarge:
-    return RequestTooLarge(f"The request body is larger than this server's limit of {limit} bytes.")
 
-
-class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+class Front:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        quota: Callable[[], QuotaService],
+        hot: Mapping[str, Endpoint],
+        api_error: ErrorHandler,
+        unexpected: ErrorHandler,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self._quota = quota  # built in the app's lifespan, after this layer
+        self.hot = hot  # path → endpoint, for POST
+        self.api_error = api_error
+        self.unexpected = unexpected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > self.max_bytes:
-                    await _send_error(send, _too_large(self.max_bytes))
-                    return
-        received = 0
+        scope[RAW_SEND] = send
+        logged = access_log.isEnabledFor(logging.INFO)
+        started = time.perf_counter() if logged else 0.0
+        status = 0
 
-        async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _too_large(self.max_bytes)  # rendered by the APIError handler
-            return message
+        async def front_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = await self._with_quota_headers(scope, message)
+            await send(message)
 
-        await self.app(scope, counting_receive, send)
+        try:
+            declared = _content_length(scope)
+            if declared is not None and declared > self.max_bytes:
+                await _send_error(front_send, _too_large(self.max_bytes))
+                return
+            if declared is None:  # chunked: count what arrives (no more than a declared length can)
+                receive = _counting(receive, self.max_bytes)
+            endpoint = self.hot.get(scope["path"]) if scope["method"] == "POST" else None
+            if endpoint is None:
+                await self.app(scope, receive, front_send)
+            else:
+                await self._call(endpoint, scope, receive, front_send)
+        finally:
+            if logged:
+                _log_access(scope, status, started)
+
+    async def _call(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        try:
+            response = await endpoint(request)
+        except APIError as exc:
+            response = await self.api_error(request, exc)
+        except Exception as exc:
+            response = await self.unexpected(request, exc)
+        await response(scope, receive, send)
+
+    async def _with_quota_headers(self, scope: Scope, start: Message) -> Message:
+        """x-ratelimit-*-tokens on every answer to a key that has a token quota (errors included)."""
+        principal = scope.get("state", {}).get("principal")
+        if principal is None or principal.limits.quota_tokens is None:
+            return start
+        try:
+            headers = await self._quota().headers(principal)
+        except APIError:
+            return start  # the database went away after the answer was made: send it without them
+        extra = [(k.encode(), v.encode()) for k, v in headers.items()]
+        return {**start, "headers": [*start.get("headers", []), *extra]}
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _counting(receive: Receive, limit: int) -> Receive:
+    received = 0
+
+    async def counting_receive() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _too_large(limit)  # rendered by the APIError handler
+        return message
+
+    return counting_receive
+
+
+def _too_large(limit: int) -> RequestTooLarge:
+    return RequestTooLarge(f"The request body is larger than this server's limit of {limit} bytes.")
 
 
 async def _send_error(send: Send, error: RequestTooLarge) -> None:
@@ -67,59 +150,13 @@ async def _send_error(send: Send, error: RequestTooLarge) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class AccessLog:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not access_log.isEnabledFor(logging.INFO):
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = 0
-
-        async def logging_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, logging_send)
-        finally:
-            state = scope.get("state", {})
-            principal, tally = state.get("principal"), state.get("tally")
-            who = f" key={principal.fingerprint}" if principal is not None else ""
-            if tally is not None and tally.prompt_tokens:  # prompt-cache reuse: cached/prompt tokens
-                who += f" instance={tally.instance_id} cached={tally.cached_tokens}/{tally.prompt_tokens}"
-            access_log.info(
-                "%s %s %s %.1fms%s",
-                scope["method"], scope["path"], status or 500, (time.perf_counter() - started) * 1000, who,
-            )  # fmt: skip
-
-
-class QuotaHeaders:
-    """x-ratelimit-*-tokens on every answer to a key that has a token quota (errors included)."""
-
-    def __init__(self, app: ASGIApp, quota: Callable[[], QuotaService]) -> None:
-        self.app = app
-        self._quota = quota  # built in the app's lifespan, after this middleware
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                principal = scope.get("state", {}).get("principal")
-                if principal is not None and principal.limits.quota_tokens is not None:
-                    try:
-                        headers = await self._quota().headers(principal)
-                    except APIError:
-                        headers = {}  # the database went away after the answer was made: send it without them
-                    extra = [(k.encode(), v.encode()) for k, v in headers.items()]
-                    message = {**message, "headers": [*message.get("headers", []), *extra]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
+def _log_access(scope: Scope, status: int, started: float) -> None:
+    state = scope.get("state", {})
+    principal, tally = state.get("principal"), state.get("tally")
+    who = f" key={principal.fingerprint}" if principal is not None else ""
+    if tally is not None and tally.prompt_tokens:  # prompt-cache reuse: cached/prompt tokens
+        who += f" instance={tally.instance_id} cached={tally.cached_tokens}/{tally.prompt_tokens}"
+    access_log.info(
+        "%s %s %s %.1fms%s",
+        scope["method"], scope["path"], status or 500, (time.perf_counter() - started) * 1000, who,
+    )  # fmt: skip

@@ -1,36 +1,31 @@
 """The response for a server-sent-event stream, lean per token.
 
 Starlette's StreamingResponse runs each stream in an anyio task group beside a second task that
-listens for the disconnect, and every chunk passes through each middleware's `send` wrapper (five
-coroutine frames a token here). This response sends its start (and its end) through the middleware
-stack, where the access log, the quota headers and the error middleware see them, and each chunk of
-the body straight to the server's own `send` (`DirectBody` puts it in the scope): every middleware
-here acts on the start message only. One watcher task per stream waits for the client to leave and
-then cancels the stream's task: the body generator is closed at once, which closes the connection
-to llama-server (it stops generating) and the request's ticket.
+listens for the disconnect, and every chunk passes through each middleware's `send` wrapper. This
+response sends its start (and its end) through the middleware stack, where the access log and the
+quota headers see them (`middleware.Front`), and the body's chunks past it: the first through the
+server's own `send`, which `Front` leaves in the scope, and the rest, where the server is uvicorn,
+through a `DirectWriter` the body is sent (`asend`): the relay (`engine/generation.py`) then shapes and
+writes each batch of tokens in the callback of the connection it came in on, no task woken for it.
+One watcher task per stream waits for the client to leave and then cancels the stream's task: the
+body generator is closed at once, which closes the connection to llama-server (it stops generating)
+and the request's ticket.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Mapping
+from typing import Any
 
 from starlette.background import BackgroundTask
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-RAW_SEND = "llmserver.send"
+from llmserver.engine.generation import Writer
 
-
-class DirectBody:
-    """The outermost middleware: it leaves the server's `send` in the scope for `EventStream`."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope[RAW_SEND] = send
-        await self.app(scope, receive, send)
+RAW_SEND = "llmserver.send"  # the scope key of the server's own `send`
 
 
 class EventStream(Response):
@@ -38,7 +33,7 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncGenerator[bytes], headers: Mapping[str, str]) -> None:
+    def __init__(self, body: AsyncGenerator[bytes, Writer | None], headers: Mapping[str, str]) -> None:
         self.body_iterator = body
         self.status_code = 200
         self.background: BackgroundTask | None = None
@@ -61,9 +56,16 @@ class EventStream(Response):
         direct: Send = scope.get(RAW_SEND, send)
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         watcher = asyncio.get_running_loop().create_task(watch())
+        body = self.body_iterator
+        writer = DirectWriter.of(direct)
         try:
-            async for chunk in self.body_iterator:
+            chunk = await anext(body, None)
+            while chunk is not None:
                 await direct({"type": "http.response.body", "body": chunk, "more_body": True})
+                try:
+                    chunk = await body.asend(writer)
+                except StopAsyncIteration:
+                    chunk = None
             finished = True  # the end makes the server's receive() say http.disconnect: not a departure
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
@@ -72,6 +74,34 @@ class EventStream(Response):
             task.uncancel()  # the client left: nobody to answer, and nothing went wrong here
         finally:
             watcher.cancel()
-            await self.body_iterator.aclose()
+            await body.aclose()
         if self.background is not None:
             await self.background()
+
+
+class DirectWriter:
+    """Writes body chunks of a started response straight to uvicorn's transport, framed as uvicorn
+    frames them (HTTP/1.1 chunked), for a body that pumps its chunks from a callback (the relay,
+    `engine/generation.py`). It says False once the client is gone or its connection's buffer is full
+    (uvicorn's flow control): the body then goes back to being sent, and awaited, through `send`."""
+
+    __slots__ = ("_cycle", "_write")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self._write = cycle.transport.write
+
+    @classmethod
+    def of(cls, send: Send) -> DirectWriter | None:
+        """For uvicorn's own `send` of a chunked response (an SSE stream is one); None for any other."""
+        cycle = getattr(send, "__self__", None)
+        if type(cycle) is not RequestResponseCycle or cycle.chunked_encoding is not True or cycle.response_complete:
+            return None
+        return cls(cycle)
+
+    def __call__(self, body: bytes) -> bool:
+        cycle = self._cycle
+        if cycle.disconnected or cycle.flow.write_paused:
+            return False
+        self._write(b"%x\r\n%b\r\n" % (len(body), body))
+        return not cycle.flow.write_paused

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from llmserver.engine.client import LlamaServerClient
+from llmserver.engine.client import LlamaServerClient, Sink
 from llmserver.errors import ContextLengthExceeded, InstanceUnavailable, UpstreamError
 from llmserver.pool.admission import Admission, Ticket
 
@@ -48,7 +48,7 @@ class InstanceCalls:
 
     async def open_stream(
         self, ticket: Ticket, path: str, payload: JSON
-    ) -> tuple[list[bytes], AsyncGenerator[list[bytes]]]:
+    ) -> tuple[list[bytes], AsyncGenerator[list[bytes], Sink | None]]:
         """A streamed call's first events' data, and the rest of them, in the batches they arrived in
         (the caller closes them); the whole stream is bounded by the timeout."""
         for attempt in range(1, self.attempts + 1):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -98,12 +98,15 @@ class LlamaServerClient:
 
     async def stream(
         self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None
-    ) -> AsyncGenerator[list[bytes]]:
+    ) -> AsyncGenerator[list[bytes], Sink | None]:
         """POST with `stream: true` and yield the events' data (JSON text, unparsed: the relay parses
         only what it must) until `[DONE]`, as they arrived: one list per read from the socket (several
         when llama-server wrote them at once), so that the relay writes them to its client in one
         piece, and wakes up once for them. An error event raises. The whole stream is bounded by
         `timeout` seconds (GatewayTimeout past it).
+
+        A `Sink` sent in (`asend`) takes the rest of the events instead, pumped from the socket's own
+        callback (`_pump`); they are yielded again once it asks to stop (its client is slow).
 
         Leaving the iteration early (a client that went away) closes the connection, which makes
         llama-server stop generating and free the slot.
@@ -113,31 +116,128 @@ class LlamaServerClient:
                 if response.status != 200:
                     await _json_or_raise(response)
                 content = response.content
-                pending = b""
-                while chunk := await content.readany():
-                    *complete, pending = (pending + chunk).split(b"\n\n")
-                    batch: list[bytes] = []
-                    for block in complete:
-                        for line in block.split(b"\n"):
-                            if line.startswith(b"data:"):
-                                data = line[5:].strip()
-                                if data == b"[DONE]":
-                                    if batch:
-                                        yield batch
-                                    return
-                                if b'"error"' in data:
-                                    _raise_error_event(orjson.loads(data))
-                                batch.append(data)
-                            elif line.startswith(b"error:"):
-                                raise upstream_error(orjson.loads(line[6:].strip()), 500)
+                pumpable = type(content) is aiohttp.StreamReader
+                events = EventSplitter()
+                sink: Sink | None = None
+                while not events.done:
+                    if sink is not None and pumpable:
+                        if await _pump(content, events, sink):
+                            return
+                        sink = None  # it asked to stop: yield again until another is sent
+                    chunk = await content.readany()
+                    if not chunk:
+                        return
+                    batch = events.feed(chunk)
                     if batch:
-                        yield batch
+                        sink = yield batch
         except orjson.JSONDecodeError:
             raise UpstreamError("The model instance answered with a broken response.") from None
         except aiohttp.ClientError as exc:
             raise _unreachable(exc) from None
         except TimeoutError:
             raise _past(timeout) from None
+
+
+Sink = Callable[[list[bytes]], bool]  # takes a batch of events' data; False: stop taking them for now
+
+
+class EventSplitter:
+    """llama-server's server-sent events, as the bytes arrive: the data of each whole event."""
+
+    __slots__ = ("done", "pending")
+
+    def __init__(self) -> None:
+        self.pending = b""  # the start of an event still arriving
+        self.done = False  # `[DONE]` came: what follows is not read
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        *complete, self.pending = (self.pending + chunk).split(b"\n\n")
+        batch: list[bytes] = []
+        for block in complete:
+            for line in block.split(b"\n"):
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        self.done = True
+                        return batch
+                    if b'"error"' in data:
+                        _raise_error_event(orjson.loads(data))
+                    batch.append(data)
+                elif line.startswith(b"error:"):
+                    raise upstream_error(orjson.loads(line[6:].strip()), 500)
+        return batch
+
+
+class _Pump:
+    """Events from a response's body to a sink, called from the connection's own callback as the HTTP
+    parser decodes each piece: no buffer, no task woken per token. It stops (`stopped`) with True at
+    the stream's end, with False when the sink asks (the rest is read as usual), or with the error."""
+
+    def __init__(self, reader: aiohttp.StreamReader, events: EventSplitter, sink: Sink) -> None:
+        self.reader, self.events, self.sink = reader, events, sink
+        self.stopped: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    def data(self, chunk: bytes) -> None:
+        if self.stopped.done():
+            return
+        try:
+            batch = self.events.feed(chunk)
+            going = self.sink(batch) if batch else True
+        except Exception as exc:
+            self.stop(exc)
+            return
+        if self.events.done or not going:
+            self.stop(self.events.done)
+
+    def stop(self, outcome: bool | BaseException) -> None:
+        self.reader.__class__ = aiohttp.StreamReader  # what arrives from now on is buffered as usual
+        if self.stopped.done():
+            return
+        if isinstance(outcome, BaseException):
+            self.stopped.set_exception(outcome)
+        else:
+            self.stopped.set_result(outcome)
+
+
+_PUMPS: dict[int, _Pump] = {}  # by id() of the reader being pumped
+
+
+class _PumpedReader(aiohttp.StreamReader):
+    """A response body whose data goes to its pump rather than into the buffer: aiohttp's parser calls
+    `feed_data`, `feed_eof` and `set_exception` on it. Same layout as StreamReader, whose class a
+    reader takes for a pump's time (`_pump`) and gets back after."""
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        _PUMPS[id(self)].data(data)
+        return False
+
+    def feed_eof(self) -> None:
+        super().feed_eof()
+        _PUMPS[id(self)].stop(True)
+
+    def set_exception(self, exc: BaseException, *cause: BaseException) -> None:
+        super().set_exception(exc, *cause)
+        _PUMPS[id(self)].stop(exc)
+
+
+async def _pump(reader: aiohttp.StreamReader, events: EventSplitter, sink: Sink) -> bool:
+    """The rest of a response's events pumped to `sink`: True once the stream has ended, False when
+    the sink asked to stop (read on as usual); the connection's error raises."""
+    pump = _Pump(reader, events, sink)
+    buffered = reader.read_nowait()  # what came before the pump
+    _PUMPS[id(reader)] = pump
+    reader.__class__ = _PumpedReader
+    try:
+        if buffered:
+            pump.data(buffered)
+        if reader.is_eof():
+            pump.stop(True)
+        return await pump.stopped
+    finally:
+        reader.__class__ = aiohttp.StreamReader
+        del _PUMPS[id(reader)]
 
 
 def _past(timeout: float | None) -> GatewayTimeout:

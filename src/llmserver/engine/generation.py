@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from llmserver.auth.keys import Principal
 from llmserver.engine import shapes, translate
 from llmserver.engine.calls import InstanceCalls
-from llmserver.engine.client import parse_event
+from llmserver.engine.client import Sink, parse_event
 from llmserver.engine.tools import ToolPlan, added_prompt, check_request, json_schema_format
 from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, ServerError
 from llmserver.inputs.documents import native_file_parts
@@ -42,6 +42,8 @@ from llmserver.settings import Settings
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
+# Writes bytes straight to a stream's client (`api/events.py`); False: it cannot take more for now.
+Writer = Callable[[bytes], bool]
 Request = GenerateRequest | ChatRequest | CompletionRequest
 T = TypeVar("T")
 # Room around an untemplated prompt (a BOS token and the like).
@@ -210,7 +212,7 @@ class GenerationService:
             body = await self._answer(ticket, "/v1/chat/completions", payload)
         return shapes.chat(body, ticket.model, plan, request.top_logprobs or 0)
 
-    async def chat_stream(self, ticket: Ticket, request: ChatRequest) -> AsyncGenerator[bytes]:
+    async def chat_stream(self, ticket: Ticket, request: ChatRequest) -> AsyncGenerator[bytes, Writer | None]:
         async def prepared() -> tuple[JSON, shapes.StreamShape]:
             payload, plan = await self._chat_payload(ticket, request)
             return payload, shapes.ChatStream(plan, request.top_logprobs or 0)
@@ -243,7 +245,9 @@ class GenerationService:
         self._called(ticket, body)
         return body
 
-    async def completion_stream(self, ticket: Ticket, request: CompletionRequest) -> AsyncGenerator[bytes]:
+    async def completion_stream(
+        self, ticket: Ticket, request: CompletionRequest
+    ) -> AsyncGenerator[bytes, Writer | None]:
         async def prepared() -> tuple[JSON, shapes.StreamShape]:
             payload = await self._completion_payload(ticket, request)
             return payload, shapes.CompletionStream(self._legacy_logprobs(request))
@@ -273,7 +277,7 @@ class GenerationService:
         prepared: Callable[[], Awaitable[tuple[JSON, shapes.StreamShape]]],
         head: JSON,
         request: ChatRequest | CompletionRequest,
-    ) -> AsyncGenerator[bytes]:
+    ) -> AsyncGenerator[bytes, Writer | None]:
         """The SSE body, already started: its first step (the slot, the inputs, llama-server's first
         event) has run, so that what fails there is a plain HTTP error. From here the body owns the
         ticket: it closes it however it ends, also when it is dropped without being read."""
@@ -289,10 +293,12 @@ class GenerationService:
         prepared: Callable[[], Awaitable[tuple[JSON, shapes.StreamShape]]],
         head: JSON,
         include_usage: bool,
-    ) -> AsyncGenerator[bytes]:
+    ) -> AsyncGenerator[bytes, Writer | None]:
+        """The stream's SSE body. Where the server sends in a `Writer` (`api/events.py`), the events
+        after the first are pumped: each batch shaped and written in the callback that received it."""
         tally = ticket.tally
         outcome = "client_closed"
-        events: AsyncGenerator[list[bytes]] | None = None
+        events: AsyncGenerator[list[bytes], Sink | None] | None = None
         try:
             # Progress events carry the prompt's token count up front: a client that leaves early is
             # still charged for its prompt, not only for the tokens it received.
@@ -307,37 +313,54 @@ class GenerationService:
         usage: JSON | None = None
         chunk = shapes.Chunks(head)
         token, tokens = self.recorder.token, shape.tokens
+
+        def shaped(batch: list[bytes]) -> bytes:
+            """Our chunks for a batch of llama-server's events: what arrived together goes out together."""
+            nonlocal sent_any, usage
+            out: list[bytes] = []
+            for data in batch:
+                if tokens is not None and (text := tokens.text(data)) is not None:
+                    if text != b'""':
+                        token(tally)
+                    sent_any = True
+                    out.append(chunk.token(tokens, text))
+                    continue
+                event = parse_event(data)
+                progress = event.get("prompt_progress")
+                if isinstance(progress, dict):
+                    tally.prompt_tokens = int(progress.get("total") or 0)
+                choices = event.get("choices") or []
+                if "usage" in event:
+                    usage = translate.usage(event)
+                    tally.prompt_tokens, tally.completion_tokens = (
+                        usage["prompt_tokens"],
+                        usage["completion_tokens"],
+                    )
+                    tally.cached_tokens = translate.cached_tokens(usage)
+                if choices and not (progress is not None and sent_any):
+                    if _generated(choices[0]):
+                        token(tally)
+                    sent_any = True
+                    out.extend(map(chunk, shape.pieces(choices[0])))
+            return out[0] if len(out) == 1 else b"".join(out)
+
+        writer: Writer | None = None
+
+        def pumped(batch: list[bytes]) -> bool:
+            assert writer is not None
+            out = shaped(batch)
+            return writer(out) if out else True
+
         try:
             batch: list[bytes] | None = first
             while batch is not None:
-                out: list[bytes] = []  # what arrived together goes out together: one write, one wake-up
-                for data in batch:
-                    if tokens is not None and (text := tokens.text(data)) is not None:
-                        if text != b'""':
-                            token(tally)
-                        sent_any = True
-                        out.append(chunk.token(tokens, text))
-                        continue
-                    event = parse_event(data)
-                    progress = event.get("prompt_progress")
-                    if isinstance(progress, dict):
-                        tally.prompt_tokens = int(progress.get("total") or 0)
-                    choices = event.get("choices") or []
-                    if "usage" in event:
-                        usage = translate.usage(event)
-                        tally.prompt_tokens, tally.completion_tokens = (
-                            usage["prompt_tokens"],
-                            usage["completion_tokens"],
-                        )
-                        tally.cached_tokens = translate.cached_tokens(usage)
-                    if choices and not (progress is not None and sent_any):
-                        if _generated(choices[0]):
-                            token(tally)
-                        sent_any = True
-                        out.extend(map(chunk, shape.pieces(choices[0])))
+                out = shaped(batch)
                 if out:
-                    yield out[0] if len(out) == 1 else b"".join(out)
-                batch = await anext(events, None)
+                    writer = (yield out) or writer
+                try:
+                    batch = await events.asend(pumped if writer is not None else None)
+                except StopAsyncIteration:
+                    batch = None
             if include_usage and usage is not None:
                 # Last, as OpenAI sends it (llama.cpp's completions carry it on their final choice).
                 yield shapes.sse({**head, "choices": [], "usage": usage})

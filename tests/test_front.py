@@ -1,19 +1,21 @@
-"""The generation endpoints' lane past FastAPI's router (`api/hot.py`): what its endpoints raise is
-rendered as the app's handlers render it. The endpoints themselves are tested end to end
-(tests/e2e); an exception no endpoint raises on purpose is provoked here with stand-in endpoints."""
+"""The app's front (`middleware.Front`): the generation endpoints' lane past FastAPI's router, where
+what an endpoint raises is rendered as the app's handlers render it, and the body-size limit on a
+body that declares no length. The endpoints themselves are tested end to end (tests/e2e); what no
+endpoint raises on purpose is provoked here with stand-in endpoints."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from llmserver.api.hot import HotRoutes
 from llmserver.app import _api_error, _unexpected
 from llmserver.errors import InvalidRequest
+from llmserver.middleware import Front
 
 
 async def fine(request: Request) -> Response:
@@ -32,14 +34,26 @@ async def fallback(scope: Scope, receive: Receive, send: Send) -> None:
     await JSONResponse({"fallback": scope["method"]})(scope, receive, send)
 
 
-def call(method: str, path: str) -> httpx.Response:
-    app = HotRoutes(
-        fallback, {"/fine": fine, "/refused": refused, "/broken": broken}, api_error=_api_error, unexpected=_unexpected
+async def chunked(pieces: list[bytes]) -> AsyncIterator[bytes]:
+    for piece in pieces:
+        yield piece
+
+
+def call(method: str, path: str, content: bytes | list[bytes] = b"{}") -> httpx.Response:
+    app = Front(
+        fallback,
+        max_bytes=16,
+        quota=lambda: None,  # type: ignore[arg-type,return-value]  # no principal here: never asked
+        hot={"/fine": fine, "/refused": refused, "/broken": broken},
+        api_error=_api_error,
+        unexpected=_unexpected,
     )
 
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            return await client.request(method, path, content=b"{}")
+            if isinstance(content, bytes):
+                return await client.request(method, path, content=content)
+            return await client.request(method, path, content=chunked(content))  # no Content-Length
 
     return asyncio.run(go())
 
@@ -65,3 +79,13 @@ def test_errors_are_the_envelope() -> None:
     assert answer.status_code == 500
     assert answer.json()["error"]["type"] == "server_error"
     assert "a bug" not in answer.text  # logged, never shown
+
+
+def test_a_body_without_a_length_is_counted_against_the_limit() -> None:
+    # A declared length over the limit is refused before the body is read (tests/e2e/test_errors.py);
+    # a chunked body declares none, so its bytes are counted as they arrive.
+    assert call("POST", "/fine", [b"{", b"}"]).json() == {"path": "/fine", "body": "{}"}
+    answer = call("POST", "/fine", [b"x" * 10, b"y" * 10])
+    assert answer.status_code == 413
+    assert answer.json()["error"]["type"] == "request_too_large"
+    assert call("POST", "/fine", b"x" * 17).status_code == 413

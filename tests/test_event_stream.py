@@ -1,0 +1,73 @@
+"""The SSE response (`api/events.py`) under a real uvicorn on 127.0.0.1: its body is sent a
+DirectWriter after the first chunk, and what the body writes through it reaches the client framed
+and in order with what it yields. Under any other server (here httpx's ASGI transport) it is sent
+nothing and works as a plain stream."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncGenerator
+
+import aiohttp
+import httpx
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from llmserver.api.events import DirectWriter, EventStream
+from llmserver.engine.generation import Writer
+
+
+def app_and_seen() -> tuple[object, list[Writer | None]]:
+    seen: list[Writer | None] = []
+
+    async def body() -> AsyncGenerator[bytes, Writer | None]:
+        writer = yield b"data: 1\n\n"
+        seen.append(writer)
+        if writer is not None:
+            assert writer(b"data: 2\n\n")
+            assert writer(b"data: 3\n\n")
+        else:
+            yield b"data: 2\n\ndata: 3\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        assert scope["type"] == "http"
+        await EventStream(body(), {})(scope, receive, send)
+
+    return app, seen
+
+
+def test_under_uvicorn_the_body_writes_directly() -> None:
+    app, seen = app_and_seen()
+
+    async def test() -> bytes:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))  # type: ignore[arg-type]
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:  # noqa: ASYNC110 (uvicorn has no event for it)
+            await asyncio.sleep(0.01)
+        try:
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/") as answer:
+                assert answer.headers["content-type"].startswith("text/event-stream")
+                return await answer.read()
+        finally:
+            server.should_exit = True
+            await serving
+
+    assert asyncio.run(test()) == b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: [DONE]\n\n"
+    assert len(seen) == 1 and isinstance(seen[0], DirectWriter)
+
+
+def test_elsewhere_it_is_a_plain_stream() -> None:
+    app, seen = app_and_seen()
+
+    async def test() -> bytes:
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return (await client.get("/")).content
+
+    assert asyncio.run(test()) == b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: [DONE]\n\n"
+    assert seen == [None]
