@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserver.api.events import RAW_SEND
+from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService
 from llmserver.errors import APIError, RequestTooLarge
 
@@ -67,7 +68,9 @@ class Front:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = await self._with_quota_headers(scope, message)
+                principal = scope.get("state", {}).get("principal")
+                if principal is not None and principal.limits.quota_tokens is not None:
+                    message = await self._with_quota_headers(principal, message)
             await send(message)
 
         try:
@@ -96,11 +99,8 @@ class Front:
             response = await self.unexpected(request, exc)
         await response(scope, receive, send)
 
-    async def _with_quota_headers(self, scope: Scope, start: Message) -> Message:
+    async def _with_quota_headers(self, principal: Principal, start: Message) -> Message:
         """x-ratelimit-*-tokens on every answer to a key that has a token quota (errors included)."""
-        principal = scope.get("state", {}).get("principal")
-        if principal is None or principal.limits.quota_tokens is None:
-            return start
         try:
             headers = await self._quota().headers(principal)
         except APIError:
