@@ -71,3 +71,25 @@ def test_elsewhere_it_is_a_plain_stream() -> None:
 
     assert asyncio.run(test()) == b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: [DONE]\n\n"
     assert seen == [None]
+
+
+class Cycle:
+    """Stand-in for uvicorn's cycle in the two states a real client is slow to produce on demand:
+    its connection's buffer full (flow control paused), and the client gone."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.transport = type("Transport", (), {"write": self.written.append})()
+        self.flow = type("Flow", (), {"write_paused": False})()
+        self.disconnected = False
+
+
+def test_a_paused_client_still_gets_what_was_given_and_a_gone_one_nothing() -> None:
+    cycle = Cycle()
+    writer = DirectWriter(cycle)
+    assert writer(b"data: 1\n\n") is True
+    cycle.flow.write_paused = True
+    assert writer(b"data: 2\n\n") is False  # stop pumping, but this chunk is not lost
+    cycle.disconnected = True
+    assert writer(b"data: 3\n\n") is False
+    assert cycle.written == [b"9\r\ndata: 1\n\n\r\n", b"9\r\ndata: 2\n\n\r\n"]

@@ -82,8 +82,9 @@ class EventStream(Response):
 class DirectWriter:
     """Writes body chunks of a started response straight to uvicorn's transport, framed as uvicorn
     frames them (HTTP/1.1 chunked), for a body that pumps its chunks from a callback (the relay,
-    `engine/generation.py`). It says False once the client is gone or its connection's buffer is full
-    (uvicorn's flow control): the body then goes back to being sent, and awaited, through `send`."""
+    `engine/generation.py`). It says False once the client is gone (and writes nothing) or its
+    connection's buffer is full (uvicorn's flow control; what it was given is written all the same):
+    the body then goes back to being sent, and awaited, through `send`."""
 
     __slots__ = ("_cycle", "_write")
 
@@ -101,7 +102,7 @@ class DirectWriter:
 
     def __call__(self, body: bytes) -> bool:
         cycle = self._cycle
-        if cycle.disconnected or cycle.flow.write_paused:
-            return False
-        self._write(b"%x\r\n%b\r\n" % (len(body), body))
+        if cycle.disconnected:
+            return False  # nobody to read it (the watcher is cancelling the stream)
+        self._write(b"%x\r\n%b\r\n" % (len(body), body))  # written even when paused: nothing is dropped
         return not cycle.flow.write_paused
