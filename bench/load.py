@@ -13,6 +13,7 @@ import collections
 import itertools
 import json
 import statistics
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -213,7 +214,10 @@ async def capacity(target: Target, concurrency: int, seconds: float) -> tuple[fl
 
 def cpu_seconds(target: Target) -> float:
     """The target's process CPU time (user + system), without its children's: for a gateway, what
-    it spends itself. Far steadier here than wall-clock differences."""
+    it spends itself. Far steadier here than wall-clock differences. On Linux read from the process's
+    CPU clock, to the nanosecond (/proc counts it in 10 ms ticks: too coarse for a few hundred tokens)."""
+    if sys.platform == "linux":
+        return time.clock_gettime((~target.pid << 3) | 2)  # the kernel's CPUCLOCK_SCHED clock of a pid
     times = psutil.Process(target.pid).cpu_times()
     return float(times.user + times.system)
 

@@ -204,7 +204,7 @@ def _cpu(results: Results) -> list[str]:
         "",
         "## Gateway CPU per unit of work",
         "",
-        "The gateway process's own CPU time (user + system, from `/proc`, its children excluded) over the "
+        "The gateway process's own CPU time (its CPU clock, to the nanosecond; its children excluded) over the "
         "work it relayed; `passthrough` is a bare pass-through proxy on the same stack (bench/passthrough.py): "
         "the floor.",
         "",

@@ -1,17 +1,20 @@
-"""uvicorn's HTTP protocol with a read timeout: a connection whose request stops arriving (headers
-without their blank line, a body shorter than its Content-Length) is closed once nothing has come
-for `read_timeout` seconds, instead of being held open forever (uvicorn only times out idle
-keep-alive connections between requests).
+"""uvicorn, adjusted: its HTTP protocol with a read timeout, and its server waking once a second.
 
-The cost on the hot path is one clock read per chunk received while a request is being read; a
-timer runs only while a request is incomplete.
+A connection whose request stops arriving (headers without their blank line, a body shorter than
+its Content-Length) is closed once nothing has come for `read_timeout` seconds, instead of being
+held open forever (uvicorn only times out idle keep-alive connections between requests). The cost
+on the hot path is one clock read per chunk received while a request is being read; a timer runs
+only while a request is incomplete.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from types import FrameType
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
@@ -62,3 +65,24 @@ class ReadTimeoutProtocol(HttpToolsProtocol):
 
 def with_read_timeout(seconds: float) -> type[ReadTimeoutProtocol]:
     return type("ReadTimeoutProtocol", (ReadTimeoutProtocol,), {"read_timeout": seconds})
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn's server, whose main loop wakes ten times a second to refresh the Date header (once a
+    second) and to see whether a stop was asked for: here it wakes once a second, and a stop signal
+    wakes it at once. Each wake-up of an idle process costs it 0.1 to 0.2 ms of CPU on this kind of VM."""
+
+    TICK = 1.0  # seconds
+
+    async def main_loop(self) -> None:
+        self._stopping = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        while not await self.on_tick(0):  # a multiple of 10: every tick refreshes the Date header
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.TICK):
+                    await self._stopping.wait()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if hasattr(self, "_loop"):  # the signal handler runs between bytecodes: wake the loop safely
+            self._loop.call_soon_threadsafe(self._stopping.set)

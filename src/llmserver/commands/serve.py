@@ -52,7 +52,7 @@ def serve(
 
     from llmserver.app import create_app
     from llmserver.commands.workers import bound_socket, supervise, worker_number
-    from llmserver.http_protocol import with_read_timeout
+    from llmserver.http_protocol import QuietServer, with_read_timeout
 
     given = {"data_dir": data_dir, "host": host, "port": port, "log_level": log_level, "workers": workers}
     settings = load(config_file, **given)
@@ -88,7 +88,7 @@ def serve(
         timeout_graceful_shutdown=int(settings.drain_timeout),  # in-flight requests get this long
     )
     sockets = [bound_socket(settings.host, settings.port, reuse_port=True)] if number is not None else None
-    server = uvicorn.Server(config)
+    server = QuietServer(config)
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=sockets)
     if not server.started:
