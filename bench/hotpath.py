@@ -4,7 +4,7 @@ llmserver source trees, beside the bare pass-through proxy, against one shared l
     .venv/bin/python -m bench.hotpath                         # the working tree
     .venv/bin/python -m bench.hotpath --src /tmp/before/src   # ... and another tree (a git worktree)
 
-Every variant runs each measurement in turn, the order alternating between repeats; the figures are
+Every variant runs each measurement in turn, each taking each place in the order in turn; the figures are
 medians over the repeats of process CPU time divided by the work (far steadier here than wall time).
 """
 
@@ -59,7 +59,7 @@ def main() -> None:
         for target in [direct, *targets]:
             asyncio.run(load.run_level(target, 1, 1, 16))  # warm
         for repeat in range(args.repeats):
-            order = targets if repeat % 2 == 0 else list(reversed(targets))
+            order = load.turn(targets, repeat)  # each target in each place in turn
             for clients, requests in levels:
                 for target in [direct, *order]:
                     if target is direct:

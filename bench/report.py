@@ -88,7 +88,7 @@ def render(results: Results) -> str:
         f"- Workload: streamed chat, greedy, {plan.max_tokens} output tokens, {len(plan.levels)} levels "
         f"({', '.join(map(str, plan.levels))} clients), {plan.per_client} requests per client per repeat "
         f"(at least {plan.min_requests} per level), "
-        f"{plan.repeats} repeat(s) alternating the order of the targets; {plan.overhead_requests} "
+        f"{plan.repeats} repeat(s) rotating the order of the targets; {plan.overhead_requests} "
         f"`max_tokens: 1` requests per target for the overhead; run time {results.seconds:.0f} s",
         "",
         "Ratios are llmserver / direct llama-server from the same run; `added` is llmserver minus direct.",

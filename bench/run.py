@@ -4,7 +4,7 @@ in one run on this machine, with a Markdown report and charts.
     .venv/bin/python -m bench            # full: the report committed in bench/results/
     .venv/bin/python -m bench --quick    # under a minute here: a smoke test of the harness
 
-Each concurrency level is run on every target in turn, the order alternating between repeats, so
+Each concurrency level is run on every target in turn, the order rotating between repeats, so
 that drift in the machine's speed hits all of them alike.
 """
 
@@ -120,7 +120,7 @@ def run(plan: Plan, out: Path, peers: list[str]) -> Results:
         results.rss_idle = sampler.rss()
         with sampler:
             _throughput(plan, targets, results)
-            progress(f"gateway overhead: {plan.overhead_requests} max_tokens=1 requests per target, alternating")
+            progress(f"gateway overhead: {plan.overhead_requests} max_tokens=1 requests per target, taking turns")
             proxied = [t for t in targets if t.name != "llama-cpp-python"]  # llmserver, direct, the floor, LiteLLM
             results.overhead, results.overhead_cpu = asyncio.run(load.overhead(proxied, plan.overhead_requests))
             for concurrency in plan.capacity_levels:
@@ -144,7 +144,7 @@ def _throughput(plan: Plan, targets: list[Target], results: Results) -> None:
         asyncio.run(load.run_level(target, 1, 1, 8))
     for concurrency in plan.levels:
         for repeat in range(plan.repeats):
-            order = targets if repeat % 2 == 0 else list(reversed(targets))
+            order = load.turn(targets, repeat)  # each target in each place in turn
             for target in order:
                 each = per_client(plan, concurrency)
                 requests = concurrency * each
