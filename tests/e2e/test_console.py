@@ -314,9 +314,11 @@ def test_page_weight_and_first_render(browser: Browser) -> None:
     started = time.perf_counter()
     page = browser.open()
     page.wait_for_selector("#api-key")
-    painted = page.evaluate(
-        "performance.getEntriesByType('paint').find(e => e.name === 'first-contentful-paint')?.startTime ?? null"
-    )
+    # The element can be in the page a moment before its first paint is recorded: wait for the entry.
+    painted = page.wait_for_function(
+        "performance.getEntriesByType('paint').find(e => e.name === 'first-contentful-paint')?.startTime ?? null",
+        timeout=10_000,
+    ).json_value()
     loaded = time.perf_counter() - started
     assert painted is not None
     print(f"console: {sum(sizes) / 1024:.0f} KB before sign-in, first contentful paint {painted:.0f} ms, "
