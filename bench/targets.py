@@ -127,7 +127,10 @@ def start_llmserver(
     database_url = (env or {}).get("LLMSERVER_DATABASE_URL") or f"sqlite:///{data_dir / 'llmserver.db'}"
     key = asyncio.run(_create_key(database_url, limits))
     port = free_port()
-    env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(free_port()), **(env or {})}
+    instances = free_port()
+    while port - 3 <= instances <= port:  # its instances take instances, +1, …: none may be the gateway's
+        instances = free_port()
+    env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(instances), **(env or {})}
     with (log_dir / f"{name}.log").open("ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "llmserver", "serve", "--config", str(config), "--data-dir", str(data_dir),

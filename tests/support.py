@@ -42,11 +42,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def free_port_range(size: int) -> int:
-    """The first of `size` consecutive free ports (for instances, which take base, base+1, …)."""
+def free_port_range(size: int, avoid: int | None = None) -> int:
+    """The first of `size` consecutive free ports (for instances, which take base, base+1, …), none of
+    them `avoid` (a port already picked but not yet bound: the kernel may offer it again)."""
     for _ in range(200):
         base = free_port()
-        if base + size > 65000:
+        if base + size > 65000 or (avoid is not None and base <= avoid < base + size):
             continue
         ok = True
         for port in range(base, base + size):
@@ -152,7 +153,7 @@ class Server:
 
     def start(self, timeout: float = 180.0) -> Server:
         self.port = free_port()
-        self.instance_port = free_port_range(4)
+        self.instance_port = free_port_range(4, avoid=self.port)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "llmserver", "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)]
         if self.namespace is not None:
