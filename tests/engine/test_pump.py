@@ -9,7 +9,6 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -122,28 +121,5 @@ def test_a_connection_that_drops_while_pumped_raises() -> None:
             with pytest.raises(UpstreamError, match="broken response"):  # as when not pumped
                 await stream.asend(lambda batch: pumped.extend(batch) or True)
             assert pumped == EVENTS[1:4]  # all that came whole before the drop
-
-    run(test)
-
-
-def test_the_reader_gets_its_class_back() -> None:
-    async def test() -> None:
-        async with serving(WRITES) as (client, _):
-            seen: list[type] = []
-            original = aiohttp.StreamReader.read_nowait
-
-            def spy(self: aiohttp.StreamReader, n: int = -1) -> bytes:
-                seen.append(self)  # type: ignore[arg-type]
-                return original(self, n)
-
-            aiohttp.StreamReader.read_nowait = spy  # type: ignore[method-assign]
-            try:
-                stream = client.stream("/stream", {})
-                await anext(stream)
-                with pytest.raises(StopAsyncIteration):
-                    await stream.asend(lambda batch: True)
-            finally:
-                aiohttp.StreamReader.read_nowait = original  # type: ignore[method-assign]
-            assert seen and all(type(reader) is aiohttp.StreamReader for reader in seen)
 
     run(test)

@@ -11,9 +11,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
 import orjson
 
+from llmserver.engine import wire
 from llmserver.errors import (
     APIError,
     ContextLengthExceeded,
@@ -26,7 +26,6 @@ from llmserver.errors import (
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
-JSON_BODY = {"Content-Type": "application/json"}
 
 
 class LlamaServerClient:
@@ -34,64 +33,51 @@ class LlamaServerClient:
         self.base_url = base_url
         # An instance on a worker host answers only to the key that gateways and its node share.
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        connector = aiohttp.TCPConnector(limit=connections, force_close=False, enable_cleanup_closed=True)
-        # No total timeout here: callers bound whole generations themselves.
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0), headers=headers
-        )
-        # Retries go out on a new connection: llama-server may have closed the kept-alive ones the
-        # pool still holds (it does so right after a streamed answer), and a second stale one would
-        # fail the request for nothing.
-        self._fresh = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=connections, force_close=True),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-            headers=headers,
-        )
+        # No timeout on a whole answer here: callers bound whole generations themselves.
+        self._pool = wire.pool_for(base_url, limit=connections, headers=headers)
 
     async def close(self) -> None:
-        await self._session.close()
-        await self._fresh.close()
+        await self._pool.close()
 
     async def healthy(self, timeout: float = 2.0) -> bool:
         try:
-            async with self._session.get(
-                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as response:
+            async with asyncio.timeout(timeout), self._request("GET", "/health") as response:
+                await response.read()
                 return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+        except (wire.WireError, TimeoutError):
             return False
 
     async def get_json(self, path: str) -> JSON:
         try:
-            async with self._session.get(self.base_url + path) as response:
+            async with self._request("GET", path) as response:
                 return await _json_or_raise(response)
-        except aiohttp.ClientError as exc:
+        except wire.WireError as exc:
             raise _unreachable(exc) from None
 
     @asynccontextmanager
-    async def _post(self, path: str, payload: JSON, fresh: bool = False) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST once. A connection that drops before any answer (llama-server may close connections
+    async def _request(
+        self, method: str, path: str, payload: JSON | None = None, fresh: bool = False
+    ) -> AsyncIterator[wire.Response]:
+        """Send once. A connection that drops before any answer (llama-server may close connections
         just after a streamed answer ends) is InstanceUnavailable, which the one retry policy
-        (`engine/calls.py`) sends again."""
-        session = self._fresh if fresh else self._session
-        response = await session.post(self.base_url + path, data=orjson.dumps(payload), headers=JSON_BODY)
+        (`engine/calls.py`) sends again; `fresh`: on a new connection (a retry: the pool's other
+        kept-alive ones may be as stale)."""
+        body = None if payload is None else orjson.dumps(payload)
+        response = await self._pool.send(method, path, body, fresh=fresh)
         try:
             yield response
         finally:
-            # Read to the end: the connection may serve again. Left early: closing it is what
-            # tells llama-server to stop generating.
-            if response.content.at_eof():
-                response.release()
-            else:
-                response.close()
+            # Read to the end, the connection serves again. Left early: closing it is what tells
+            # llama-server to stop generating.
+            self._pool.release(response)
 
     async def post_json(self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None) -> JSON:
         """POST and read the JSON answer within `timeout` seconds (GatewayTimeout past it); `fresh`:
         on a new connection (a retry)."""
         try:
-            async with asyncio.timeout(timeout), self._post(path, payload, fresh) as response:
+            async with asyncio.timeout(timeout), self._request("POST", path, payload, fresh) as response:
                 return await _json_or_raise(response)
-        except aiohttp.ClientError as exc:
+        except wire.WireError as exc:
             raise _unreachable(exc) from None
         except TimeoutError:
             raise _past(timeout) from None
@@ -105,26 +91,24 @@ class LlamaServerClient:
         piece, and wakes up once for them. An error event raises. The whole stream is bounded by
         `timeout` seconds (GatewayTimeout past it).
 
-        A `Sink` sent in (`asend`) takes the rest of the events instead, pumped from the socket's own
-        callback (`_pump`); they are yielded again once it asks to stop (its client is slow).
+        A `Sink` sent in (`asend`) takes the rest of the events instead, pumped from the connection's
+        own callback (`_Pump`); they are yielded again once it asks to stop (its client is slow).
 
         Leaving the iteration early (a client that went away) closes the connection, which makes
         llama-server stop generating and free the slot.
         """
         try:
-            async with asyncio.timeout(timeout), self._post(path, payload, fresh) as response:
+            async with asyncio.timeout(timeout), self._request("POST", path, payload, fresh) as response:
                 if response.status != 200:
                     await _json_or_raise(response)
-                content = response.content
-                pumpable = type(content) is aiohttp.StreamReader
                 events = EventSplitter()
                 sink: Sink | None = None
                 while not events.done:
-                    if sink is not None and pumpable:
-                        if await _pump(content, events, sink):
+                    if sink is not None:
+                        if await _Pump(events, sink).run(response):
                             return
                         sink = None  # it asked to stop: yield again until another is sent
-                    chunk = await content.readany()
+                    chunk = await response.readany()
                     if not chunk:
                         return
                     batch = events.feed(chunk)
@@ -132,7 +116,7 @@ class LlamaServerClient:
                         sink = yield batch
         except orjson.JSONDecodeError:
             raise UpstreamError("The model instance answered with a broken response.") from None
-        except aiohttp.ClientError as exc:
+        except wire.WireError as exc:
             raise _unreachable(exc) from None
         except TimeoutError:
             raise _past(timeout) from None
@@ -170,12 +154,23 @@ class EventSplitter:
 
 class _Pump:
     """Events from a response's body to a sink, called from the connection's own callback as the HTTP
-    parser decodes each piece: no buffer, no task woken per token. It stops (`stopped`) with True at
-    the stream's end, with False when the sink asks (the rest is read as usual), or with the error."""
+    parser decodes each piece (a `wire.Tap`): no buffer, no task woken per token. It stops with True
+    at the stream's end, with False when the sink asks (the rest is read as usual), or with the error."""
 
-    def __init__(self, reader: aiohttp.StreamReader, events: EventSplitter, sink: Sink) -> None:
-        self.reader, self.events, self.sink = reader, events, sink
+    __slots__ = ("events", "response", "sink", "stopped")
+
+    def __init__(self, events: EventSplitter, sink: Sink) -> None:
+        self.events, self.sink = events, sink
+        self.response: wire.Response | None = None
         self.stopped: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+    async def run(self, response: wire.Response) -> bool:
+        self.response = response
+        response.tap(self)
+        try:
+            return await self.stopped
+        finally:
+            response.tap(None)
 
     def data(self, chunk: bytes) -> None:
         if self.stopped.done():
@@ -190,54 +185,14 @@ class _Pump:
             self.stop(self.events.done)
 
     def stop(self, outcome: bool | BaseException) -> None:
-        self.reader.__class__ = aiohttp.StreamReader  # what arrives from now on is buffered as usual
+        if self.response is not None:
+            self.response.tap(None)  # what arrives from now on is buffered as usual
         if self.stopped.done():
             return
         if isinstance(outcome, BaseException):
             self.stopped.set_exception(outcome)
         else:
             self.stopped.set_result(outcome)
-
-
-_PUMPS: dict[int, _Pump] = {}  # by id() of the reader being pumped
-
-
-class _PumpedReader(aiohttp.StreamReader):
-    """A response body whose data goes to its pump rather than into the buffer: aiohttp's parser calls
-    `feed_data`, `feed_eof` and `set_exception` on it. Same layout as StreamReader, whose class a
-    reader takes for a pump's time (`_pump`) and gets back after."""
-
-    __slots__ = ()
-
-    def feed_data(self, data: bytes, size: int = 0) -> bool:
-        _PUMPS[id(self)].data(data)
-        return False
-
-    def feed_eof(self) -> None:
-        super().feed_eof()
-        _PUMPS[id(self)].stop(True)
-
-    def set_exception(self, exc: BaseException, *cause: BaseException) -> None:
-        super().set_exception(exc, *cause)
-        _PUMPS[id(self)].stop(exc)
-
-
-async def _pump(reader: aiohttp.StreamReader, events: EventSplitter, sink: Sink) -> bool:
-    """The rest of a response's events pumped to `sink`: True once the stream has ended, False when
-    the sink asked to stop (read on as usual); the connection's error raises."""
-    pump = _Pump(reader, events, sink)
-    buffered = reader.read_nowait()  # what came before the pump
-    _PUMPS[id(reader)] = pump
-    reader.__class__ = _PumpedReader
-    try:
-        if buffered:
-            pump.data(buffered)
-        if reader.is_eof():
-            pump.stop(True)
-        return await pump.stopped
-    finally:
-        reader.__class__ = aiohttp.StreamReader
-        del _PUMPS[id(reader)]
 
 
 def _past(timeout: float | None) -> GatewayTimeout:
@@ -261,7 +216,7 @@ def _raise_error_event(event: Any) -> None:
         raise upstream_error(event, 500)
 
 
-async def _json_or_raise(response: aiohttp.ClientResponse) -> JSON:
+async def _json_or_raise(response: wire.Response) -> JSON:
     try:
         body = orjson.loads(await response.read())
     except orjson.JSONDecodeError:
@@ -293,8 +248,8 @@ def upstream_error(body: Any, status: int) -> APIError:
     return UpstreamError(f"The model instance failed: {message}")
 
 
-def _unreachable(exc: aiohttp.ClientError) -> UpstreamError:
+def _unreachable(exc: wire.WireError) -> UpstreamError:
     log.debug("llama-server unreachable: %s", exc)
-    if isinstance(exc, aiohttp.ClientConnectionError):
+    if isinstance(exc, wire.Unreachable):
         return InstanceUnavailable("The model instance could not be reached or closed the connection.")
     return UpstreamError("The model instance answered with a broken response.")

@@ -1,0 +1,264 @@
+"""The lean HTTP/1.1 client (`engine/wire.py`) against real servers on 127.0.0.1: a raw asyncio server
+that answers each request as a test scripts it (lengths, chunks, `Connection: close`, drops, noise),
+and the real llama-server for the calls the gateway makes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from llmserver.engine import wire
+from llmserver.engine.client import LlamaServerClient
+from llmserver.errors import InstanceUnavailable, UpstreamError
+from tests.support import free_port
+
+Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # the request's head → keep the connection?
+
+
+class Server:
+    """Answers each request with `answer`; counts connections and requests, keeps their heads."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.open = 0
+        self.most_open = 0
+        self.heads: list[bytes] = []
+        self.closed = asyncio.Event()  # a connection was closed by the client
+        self.port = 0
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        await reader.readexactly(int(line.split(b":")[1]))
+                self.heads.append(head)
+                if not await self.answer(head, writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed.set()
+        finally:
+            self.open -= 1
+            writer.close()
+
+
+@asynccontextmanager
+async def serving(answer: Answer, *, limit: int = 8) -> AsyncIterator[tuple[Server, wire.Pool]]:
+    server = Server(answer)
+    listener = await asyncio.start_server(server._serve, "127.0.0.1", 0)
+    server.port = listener.sockets[0].getsockname()[1]
+    pool = wire.pool_for(f"http://127.0.0.1:{server.port}", limit=limit, headers={"Authorization": "Bearer k"})
+    try:
+        yield server, pool
+    finally:
+        await pool.close()
+        listener.close()
+        await listener.wait_closed()
+
+
+def json_answer(body: bytes = b'{"ok":true}', *, close: bool = False) -> Answer:
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        extra = b"Connection: close\r\n" if close else b""
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body))
+        await writer.drain()
+        return not close
+
+    return answer
+
+
+async def cut(head: bytes, writer: asyncio.StreamWriter) -> bool:
+    """The answer begins, then the connection drops."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")
+    await writer.drain()
+    return False
+
+
+async def exchange(pool: wire.Pool, path: str = "/x", body: bytes | None = b"{}") -> tuple[int, bytes]:
+    response = await pool.send("POST" if body is not None else "GET", path, body)
+    try:
+        return response.status, await response.read()
+    finally:
+        pool.release(response)
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+def test_answers_are_read_whole_and_the_connection_serves_again() -> None:
+    async def test() -> None:
+        async with serving(json_answer()) as (server, pool):
+            for _ in range(3):
+                assert await exchange(pool) == (200, b'{"ok":true}')
+            assert await exchange(pool, "/health", None) == (200, b'{"ok":true}')
+            assert server.connections == 1
+            first = server.heads[0].decode()
+            assert first.startswith("POST /x HTTP/1.1\r\n")
+            assert f"Host: 127.0.0.1:{server.port}\r\n" in first
+            assert "Authorization: Bearer k\r\n" in first and "Content-Length: 2\r\n" in first
+            assert "Content-Length" not in server.heads[3].decode()  # a GET has no body
+
+    run(test)
+
+
+def test_chunked_answers_arrive_piece_by_piece() -> None:
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for piece in (b"one", b"two"):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    async def test() -> None:
+        async with serving(answer) as (server, pool):
+            response = await pool.send("POST", "/s", b"{}")
+            assert response.headers[b"content-type"] == b"text/event-stream"
+            pieces = []
+            while piece := await response.readany():
+                pieces.append(piece)
+            assert pieces == [b"one", b"two"] and response.at_eof()
+            pool.release(response)
+            assert await exchange(pool) is not None and server.connections == 1
+
+    run(test)
+
+
+def test_connection_close_is_honoured() -> None:
+    async def test() -> None:
+        async with serving(json_answer(close=True)) as (server, pool):
+            assert await exchange(pool) == (200, b'{"ok":true}')
+            assert await exchange(pool) == (200, b'{"ok":true}')
+            assert server.connections == 2
+
+    run(test)
+
+
+def test_a_kept_alive_connection_the_server_closed_is_not_reused() -> None:
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        await json_answer()(head, writer)
+        return False  # closes it after answering, as llama-server does after its keep-alive timeout
+
+    async def test() -> None:
+        async with serving(answer) as (server, pool):
+            assert await exchange(pool) == (200, b'{"ok":true}')
+            await asyncio.sleep(0.05)  # the close has reached the client
+            assert await exchange(pool) == (200, b'{"ok":true}')
+            assert server.connections == 2
+
+    run(test)
+
+
+def test_a_body_left_unread_closes_its_connection() -> None:
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(250):  # a generation still going, until its writes fail
+            writer.write(b"3\r\none\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        return True
+
+    async def test() -> None:
+        async with serving(answer) as (server, pool):
+            response = await pool.send("POST", "/s", b"{}")
+            assert (await response.readany()).startswith(b"one")
+            pool.release(response)  # the client went away
+            await asyncio.wait_for(server.closed.wait(), 2)  # what makes llama-server stop generating
+
+    run(test)
+
+
+def test_a_drop_before_the_answer_is_unreachable_and_after_it_broken() -> None:
+    async def drop(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        return False
+
+    async def test() -> None:
+        async with serving(drop) as (_, pool):
+            with pytest.raises(wire.Unreachable):
+                await pool.send("POST", "/x", b"{}")
+        async with serving(cut) as (_, pool):
+            response = await pool.send("POST", "/x", b"{}")
+            with pytest.raises(wire.Broken, match="mid-answer"):
+                await response.read()
+            pool.release(response)
+
+    run(test)
+
+
+def test_an_answer_that_is_not_http_is_broken() -> None:
+    async def noise(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
+        return await asyncio.sleep(1, False)
+
+    async def test() -> None:
+        async with serving(noise) as (_, pool):
+            with pytest.raises(wire.Broken, match="not an HTTP answer"):
+                await pool.send("GET", "/health")
+
+    run(test)
+
+
+def test_nothing_listening_is_unreachable() -> None:
+    async def test() -> None:
+        pool = wire.pool_for(f"http://127.0.0.1:{free_port()}", limit=2)
+        with pytest.raises(wire.Unreachable, match="could not connect"):
+            await pool.send("GET", "/health")
+        await pool.close()
+
+    run(test)
+
+
+def test_no_more_than_limit_connections_at_once() -> None:
+    async def slow(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        await asyncio.sleep(0.05)
+        return await json_answer()(head, writer)
+
+    async def test() -> None:
+        async with serving(slow, limit=2) as (server, pool):
+            answers = await asyncio.gather(*(exchange(pool) for _ in range(6)))
+            assert answers == [(200, b'{"ok":true}')] * 6
+            assert server.most_open == 2 and server.connections == 2
+
+    run(test)
+
+
+def test_a_slow_reader_pauses_the_socket_and_gets_every_byte() -> None:
+    body = bytes(range(256)) * (3 * wire.PAUSE_BYTES // 256)  # three times what is buffered before a pause
+
+    async def test() -> None:
+        async with serving(json_answer(body)) as (_, pool):
+            response = await pool.send("POST", "/big", b"{}")
+            received = b""
+            await asyncio.sleep(0.2)  # all of it could have arrived by now: only about PAUSE_BYTES did
+            while piece := await response.readany():
+                assert len(piece) <= 2 * wire.PAUSE_BYTES
+                received += piece
+            pool.release(response)
+            assert received == body
+
+    run(test)
+
+
+def test_the_client_maps_wire_failures_to_the_envelope() -> None:
+    async def test() -> None:
+        client = LlamaServerClient(f"http://127.0.0.1:{free_port()}")
+        with pytest.raises(InstanceUnavailable):  # sent again by the retry policy
+            await client.post_json("/v1/completions", {})
+        assert not await client.healthy()
+        await client.close()
+        async with serving(cut) as (server, _):
+            client = LlamaServerClient(f"http://127.0.0.1:{server.port}")
+            with pytest.raises(UpstreamError, match="broken response"):  # never sent again
+                await client.post_json("/v1/completions", {})
+            await client.close()
+
+    run(test)
