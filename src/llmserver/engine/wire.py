@@ -181,9 +181,15 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None
         self.response = Response(self)
         self.reusable = False
-        self.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            self.transport.write(body)  # not copied into the head
+        try:
+            if len(body) < 65536:
+                self.transport.write(head + body)
+            else:
+                self.transport.write(head)
+                self.transport.write(body)  # not copied into the head
+        except RuntimeError as exc:  # uvloop: the peer closed it a moment ago
+            self.close()
+            raise Unreachable(f"the instance closed the connection: {exc}") from None
         return self.response
 
     def close(self) -> None:
@@ -258,6 +264,7 @@ class Pool:
         connection. The caller gives the answer back with `release`, whatever happens. Unreachable
         when the connection cannot be made or drops before the headers; Broken when they are not HTTP."""
         await self._slots.acquire()
+        connection = None
         try:
             connection = None if fresh else self._reuse()
             if connection is None:
@@ -266,10 +273,12 @@ class Pool:
             head = f"{method} {path} HTTP/1.1\r\n{self._head_tail}"
             if body is not None:
                 head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            loop = asyncio.get_running_loop()
-            headed = connection.headed = loop.create_future()
+            headed = connection.headed = asyncio.get_running_loop().create_future()
             response = connection.send(head.encode("latin-1") + b"\r\n", body or b"")
         except BaseException:
+            if connection is not None:
+                self._busy.discard(connection)
+                connection.close()
             self._slots.release()
             raise
         try:
