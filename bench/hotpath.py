@@ -42,11 +42,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", type=int, default=300, help="tiny requests per variant and repeat")
     parser.add_argument("--tiny-only", action="store_true", help="measure only the tiny requests")
+    parser.add_argument(
+        "--wire-floor", action="store_true", help="also the pass-through on llmserver's own client (engine/wire.py)"
+    )
     args = parser.parse_args()
     model = model_config(4, 2048, 2)
     logs = Path(tempfile.mkdtemp(prefix="llmserver-hotpath-"))
     direct = start_llama_server(model, logs)
     targets: list[Target] = [start_passthrough(direct, logs)]
+    if args.wire_floor:
+        targets.append(start_passthrough(direct, logs, client="wire"))
     for index, src in enumerate([str(ROOT / "src"), *args.src]):
         name = "llmserver" if index == 0 else f"llmserver-{index}"
         progress(f"{name}: {src}")

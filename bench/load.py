@@ -221,6 +221,16 @@ async def capacity(target: Target, concurrency: int, seconds: float) -> tuple[fl
     return len(latencies) / elapsed, statistics.median(latencies), cpu
 
 
+def settle(quiet_percent: float = 10.0, most_seconds: float = 60.0) -> float:
+    """Wait until the machine's CPU use over a second is below `quiet_percent` (at most `most_seconds`):
+    what the targets do on their own after starting is not what we measure. The last second's use."""
+    deadline = time.monotonic() + most_seconds
+    busy = psutil.cpu_percent(interval=1.0)
+    while busy >= quiet_percent and time.monotonic() < deadline:
+        busy = psutil.cpu_percent(interval=1.0)
+    return busy
+
+
 def cpu_seconds(target: Target) -> float:
     """The target's process CPU time (user + system), without its children's: for a gateway, what
     it spends itself. Far steadier here than wall-clock differences. On Linux read from the process's

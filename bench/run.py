@@ -142,6 +142,10 @@ def run(plan: Plan, out: Path, peers: list[str]) -> Results:
 def _throughput(plan: Plan, targets: list[Target], results: Results) -> None:
     for target in targets:  # warm up: first-request costs are not what we measure
         asyncio.run(load.run_level(target, 1, 1, 8))
+    # Peers just started may still be busy (imports, model loading): a run measured its first target
+    # at 0.85 x direct while they were, and 1.12 x in the next repeat.
+    busy = load.settle()
+    progress(f"machine quiet ({busy:.0f}% CPU) before measuring")
     for concurrency in plan.levels:
         for repeat in range(plan.repeats):
             order = load.turn(targets, repeat)  # each target in each place in turn

@@ -141,15 +141,18 @@ def start_llmserver(
     return wait_ready(target, "/ready")
 
 
-def start_passthrough(upstream: Target, log_dir: Path) -> Target:
-    """The bare pass-through proxy (bench/passthrough.py) in front of `upstream`: the floor."""
+def start_passthrough(upstream: Target, log_dir: Path, client: str = "aiohttp") -> Target:
+    """The bare pass-through proxy (bench/passthrough.py) in front of `upstream`: the floor, with
+    aiohttp or (`client="wire"`) llmserver's own client towards llama-server."""
     port = free_port()
-    with (log_dir / "passthrough.log").open("ab") as log:
+    name = "passthrough" if client == "aiohttp" else f"passthrough-{client}"
+    with (log_dir / f"{name}.log").open("ab") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "bench.passthrough", "--upstream", upstream.url, "--port", str(port)],
+            [sys.executable, "-m", "bench.passthrough", "--upstream", upstream.url, "--port", str(port),
+             "--client", client],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
-    target = Target("passthrough", f"http://127.0.0.1:{port}", process, gateway=True)
+    target = Target(name, f"http://127.0.0.1:{port}", process, gateway=True)
     return wait_ready(target, "/health")  # relayed to llama-server
 
 
