@@ -262,3 +262,11 @@ def test_the_client_maps_wire_failures_to_the_envelope() -> None:
             await client.close()
 
     run(test)
+
+
+def test_addresses() -> None:
+    pool = wire.pool_for("http://[::1]:8081", limit=1)
+    assert (pool.host, pool.port) == ("::1", 8081)
+    assert "Host: [::1]:8081\r\n" in pool._head_tail
+    with pytest.raises(ValueError, match="plain-HTTP"):
+        wire.pool_for("https://example.com:443", limit=1)

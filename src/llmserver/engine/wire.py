@@ -254,7 +254,8 @@ class Pool:
 
     def __init__(self, host: str, port: int, *, limit: int, headers: dict[str, str] | None = None) -> None:
         self.host, self.port = host, port
-        self._head_tail = "".join(f"{k}: {v}\r\n" for k, v in {"Host": f"{host}:{port}", **(headers or {})}.items())
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._head_tail = "".join(f"{k}: {v}\r\n" for k, v in {"Host": authority, **(headers or {})}.items())
         self._idle: list[Connection] = []  # the most recently used last: the likeliest still open
         self._slots = asyncio.Semaphore(limit)
         self._busy: set[Connection] = set()
