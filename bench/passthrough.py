@@ -21,21 +21,18 @@ from llmserver.engine import wire
 
 
 class PassThrough:
+    """The proxy on aiohttp's client: the floor the performance targets were set against."""
+
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.session: aiohttp.ClientSession | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                # At most 8 connections (llama-server serves parallel + 4 = 8 HTTP threads here and drops
-                # connections beyond them), as llmserver keeps its own within them.
-                self.session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=8), timeout=aiohttp.ClientTimeout(total=None)
-                )
+            while (await receive())["type"] != "lifespan.shutdown":
+                await self.open()
                 await send({"type": "lifespan.startup.complete"})
-            if self.session is not None:
-                await self.session.close()
+            await self.close()
             await send({"type": "lifespan.shutdown.complete"})
             return
         body, more = b"", True
@@ -43,66 +40,73 @@ class PassThrough:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        assert self.session is not None
-        headers = {"content-type": "application/json"}
-        url = self.upstream + scope["path"]
         for attempt in (1, 2, 3):  # llama-server may close a kept-alive connection just after a stream
             try:
-                response = await self.session.request(scope["method"], url, data=body, headers=headers)
+                await self.relay(scope["method"], scope["path"], body, send, fresh=attempt > 1)
                 break
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            except ConnectionDropped:
                 if attempt == 3:
                     raise
-        async with response:
-            content_type = response.headers.get("content-type", "application/json").encode()
-            start = {
-                "type": "http.response.start",
-                "status": response.status,
-                "headers": [(b"content-type", content_type)],
-            }
-            await send(start)
-            async for chunk in response.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
+    async def open(self) -> None:
+        # At most 8 connections (llama-server serves parallel + 4 = 8 HTTP threads here and drops
+        # connections beyond them), as llmserver keeps its own within them.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=8), timeout=aiohttp.ClientTimeout(total=None)
+        )
 
-class WirePassThrough:
-    """The same proxy with llmserver's own HTTP/1.1 client towards llama-server."""
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
 
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-        self.pool: wire.Pool | None = None
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                self.pool = wire.pool_for(self.upstream, limit=8)
-                await send({"type": "lifespan.startup.complete"})
-            if self.pool is not None:
-                await self.pool.close()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-        assert self.pool is not None
-        for attempt in (1, 2, 3):  # as above: a kept-alive connection llama-server has just closed
-            try:
-                response = await self.pool.send(scope["method"], scope["path"], body or None, fresh=attempt > 1)
-                break
-            except wire.Unreachable:
-                if attempt == 3:
-                    raise
+    async def relay(self, method: str, path: str, body: bytes, send: Any, *, fresh: bool) -> None:
+        """Forward the request and relay the answer's start and body chunks; ConnectionDropped when the
+        connection dropped before any answer."""
+        assert self.session is not None
+        headers = {"content-type": "application/json"}
         try:
-            headers = [(b"content-type", response.headers.get(b"content-type", b"application/json"))]
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            response = await self.session.request(method, self.upstream + path, data=body, headers=headers)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            raise ConnectionDropped from exc
+        async with response:
+            await send(_start(response.status, response.headers.get("content-type", "application/json").encode()))
+            async for chunk in response.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
+class WirePassThrough(PassThrough):
+    """The same proxy on llmserver's own HTTP/1.1 client towards llama-server (`engine/wire.py`)."""
+
+    pool: wire.Pool | None = None
+
+    async def open(self) -> None:
+        self.pool = wire.pool_for(self.upstream, limit=8)
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    async def relay(self, method: str, path: str, body: bytes, send: Any, *, fresh: bool) -> None:
+        assert self.pool is not None
+        try:
+            response = await self.pool.send(method, path, body or None, fresh=fresh)
+        except wire.Unreachable as exc:
+            raise ConnectionDropped from exc
+        try:
+            await send(_start(response.status, response.headers.get(b"content-type", b"application/json")))
             while chunk := await response.readany():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
             self.pool.release(response)
-        await send({"type": "http.response.body", "body": b""})
+
+
+class ConnectionDropped(Exception):
+    """llama-server dropped the connection before answering: the request may be sent again."""
+
+
+def _start(status: int, content_type: bytes) -> dict[str, Any]:
+    return {"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]}
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from llmserver.catalog import embedded_model_path, llama_server_binary
 from llmserver.pool.instance import llama_server_args
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
 from llmserver.store import NO_LIMITS, KeyLimits, open_store
+from tests.support import free_port_range
 
 if TYPE_CHECKING:
     from tests.services import Postgres
@@ -127,9 +128,7 @@ def start_llmserver(
     database_url = (env or {}).get("LLMSERVER_DATABASE_URL") or f"sqlite:///{data_dir / 'llmserver.db'}"
     key = asyncio.run(_create_key(database_url, limits))
     port = free_port()
-    instances = free_port()
-    while port - 3 <= instances <= port:  # its instances take instances, +1, …: none may be the gateway's
-        instances = free_port()
+    instances = free_port_range(4, avoid=port)  # its instances take instances, +1, …: none the gateway's
     env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(instances), **(env or {})}
     with (log_dir / f"{name}.log").open("ab") as log:
         process = subprocess.Popen(

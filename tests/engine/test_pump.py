@@ -14,6 +14,7 @@ from aiohttp import web
 
 from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import UpstreamError
+from tests.support import aiohttp_server
 
 Writes = list[bytes]
 
@@ -48,19 +49,12 @@ async def serving(writes: Writes, *, drop: bool = False) -> AsyncIterator[tuple[
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/stream", events)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = LlamaServerClient(f"http://127.0.0.1:{port}")
-    try:
-        yield client, peers
-    finally:
-        await client.close()
-        await runner.cleanup()
+    async with aiohttp_server("/stream", events) as port:
+        client = LlamaServerClient(f"http://127.0.0.1:{port}")
+        try:
+            yield client, peers
+        finally:
+            await client.close()
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
