@@ -14,6 +14,8 @@ from llmserver.pool.instance import Instance, Status, slot_context
 from llmserver.pool.pool import ModelPool
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import ModelConfig, Settings
+from tests.services import Redis
+from tests.support import free_port
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -205,4 +207,70 @@ def test_the_registry_keeps_each_gateways_latest_load_and_drops_gateways_that_st
             assert instance.client is not None
             await instance.client.close()
 
+    run(scenario)
+
+
+def test_a_freed_slot_reaches_redis_before_the_request_ends(redis_server: Redis) -> None:
+    """`Ticket.shared` (what a request's end awaits on a gateway of role `gateway`): once it returns,
+    the freed slot is in this gateway's published load and on its way to the others, so a next turn
+    sent at once to another gateway finds the slot free. Without it the load still shows it taken."""
+    import json
+
+    import redis.asyncio
+
+    from llmserver.pool import registry as registry_module
+    from llmserver.pool.registry import LOAD_KEY, Registry
+
+    async def published(client: redis.asyncio.Redis, gateway: str) -> dict[str, int]:
+        raw = await client.get(LOAD_KEY + gateway)
+        return dict(json.loads(raw)["in_flight"]) if raw else {}
+
+    async def scenario() -> None:
+        pools, registries = [], []
+        for gateway in ("gw-a", "gw-b"):
+            pool, _ = make_pool(parallel=2)
+            pool.instances.append(await ready_instance(pool.config, 1))
+            registry = Registry(redis.asyncio.Redis.from_url(redis_server.url), {"m": pool}, None, gateway)
+            registry._tasks = [asyncio.create_task(task) for task in (registry._write_load(), registry._listen_load())]
+            pools.append(pool)
+            registries.append(registry)
+        (mine, theirs), (writer, _) = pools, registries
+        theirs.instances[0].id = mine.instances[0].id  # one instance, seen by both gateways
+        instance = mine.instances[0]
+        await asyncio.sleep(0.2)  # subscribed
+        reader = redis.asyncio.Redis.from_url(redis_server.url)
+        await mine.acquire("k")
+        await writer.shared()
+        assert await published(reader, "gw-a") == {instance.id: 1}
+        for _ in range(100):
+            if theirs.instances[0].elsewhere == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert theirs.instances[0].load == 1  # gw-b counts gw-a's request
+        mine.release(instance, "k")
+        assert await published(reader, "gw-a") == {instance.id: 1}  # not written yet
+        await writer.shared()
+        assert await published(reader, "gw-a") == {}
+        await writer.shared()  # nothing changed since: at once
+        # While Redis cannot be written, a request's end does not wait for it.
+        working, writer._redis = writer._redis, redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+        await mine.acquire("k")
+        await asyncio.sleep(0.05)  # the write failed
+        registry_module.SHARE_WAIT = 30.0
+        try:
+            async with asyncio.timeout(5):
+                mine.release(instance, "k")
+                await writer.shared()
+        finally:
+            registry_module.SHARE_WAIT = 0.1
+        await reader.aclose()
+        await working.aclose()
+        for registry in registries:
+            await registry.stop()
+        for pool in pools:
+            for each in pool.instances:
+                assert each.client is not None
+                await each.client.close()
+
+    redis_server.flush()
     run(scenario)

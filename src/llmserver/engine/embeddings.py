@@ -94,6 +94,7 @@ class EmbeddingService:
         prompt = translate.usage(body)["prompt_tokens"]
         ticket.tally.prompt_tokens = prompt
         ticket.close("ok")
+        await ticket.shared()
         return {
             "object": "list",
             "data": [

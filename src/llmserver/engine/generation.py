@@ -182,7 +182,7 @@ class GenerationService:
                 path = "/v1/chat/completions"
             with schema_errors("format" if schema is not None else None):
                 body = await self.calls.call(ticket, path, payload)
-        self._called(ticket, body)
+        await self._called(ticket, body)
         text = shapes.completion_text(body) if request.raw else shapes.chat_text(body)
         latency = time.perf_counter() - ticket.tally.started
         counts = translate.usage(body)
@@ -242,7 +242,7 @@ class GenerationService:
         """A non-streamed OpenAI call (slot and inputs already taken): its body, the ticket closed."""
         with closed_on_failure(ticket):
             body = await self.calls.call(ticket, path, payload)
-        self._called(ticket, body)
+        await self._called(ticket, body)
         return body
 
     async def completion_stream(
@@ -255,8 +255,9 @@ class GenerationService:
         head = translate.head("cmpl", "text_completion", ticket.model)
         return await self._stream(ticket, "/v1/completions", prepared, head, request)
 
-    def _called(self, ticket: Ticket, body: JSON) -> None:
-        """A non-streamed call answered: its counts and time to first token, and the ticket closed."""
+    async def _called(self, ticket: Ticket, body: JSON) -> None:
+        """A non-streamed call answered: its counts and time to first token, and the ticket closed
+        (its freed slot known to the other gateways before the answer goes out)."""
         counts = translate.usage(body)
         ticket.tally.prompt_tokens, ticket.tally.completion_tokens = (
             counts["prompt_tokens"],
@@ -267,6 +268,7 @@ class GenerationService:
         if isinstance(prompt_ms, int | float):
             self.recorder.first_token(ticket.tally, prompt_ms / 1000)
         ticket.close("ok")
+        await ticket.shared()
 
     # Streams
 
@@ -375,6 +377,7 @@ class GenerationService:
         finally:
             await events.aclose()
             ticket.close(outcome)
+        await ticket.shared()  # before the client hears the end
         yield shapes.DONE
 
 

@@ -50,6 +50,13 @@ class Ticket:
         """Give back the slot and the place in flight, settle the quota, record the request (once)."""
         self.admission.finish(self, outcome)
 
+    async def shared(self) -> None:
+        """Once closed, before the client hears the end: wait until the other gateways have been
+        told the slot is free (role `gateway`), so that a next turn sent at once to any of them
+        finds its conversation's instance free rather than one request busier."""
+        if (load_shared := self.lease.pool.load_shared) is not None:
+            await load_shared()
+
 
 def _check_rate(principal: Principal, wait: float | None) -> None:
     if wait is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from llmserver.errors import GatewayTimeout, Overloaded
@@ -69,8 +69,9 @@ class ModelPool:
         self.queued_elsewhere = 0
         self.share: int | None = None
         # Set by the registry, which publishes this gateway's requests in flight and waiting when
-        # they change.
+        # they change, and (`load_shared`) awaits the changes made so far reaching the others.
         self.on_load: Callable[[], None] = lambda: None
+        self.load_shared: Callable[[], Awaitable[None]] | None = None
 
     @property
     def name(self) -> str:
