@@ -2,6 +2,7 @@
 upstream that answers at once (a stand-in for llama-server, `serve` below), tiny requests only.
 
     .venv/bin/python -m bench.instant [--requests 1000] [--clients 16] [--seconds 10]
+    .venv/bin/python -m bench.instant --src /tmp/before/src --out /tmp/ab.md   # A/B against another tree
 
 Against the real llama-server a tiny request leaves the gateway idle for the ~10 ms the model takes,
 and on this VM the same work costs ~3.7 x more after such a wait (cold caches, a lower clock): the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -102,35 +104,42 @@ def measure(args: argparse.Namespace) -> None:
     folder = Path(tempfile.mkdtemp(prefix="llmserver-instant-"))
     upstream = start_upstream(folder)
     settings = f'llama_server_path = "{upstream_script(folder)}"\n'
-    targets = [
-        start_passthrough(upstream, folder),
-        start_passthrough(upstream, folder, client="wire"),
-        start_llmserver(model_config(4, 2048, 1), folder, settings=settings, env={"PYTHONPATH": str(ROOT / "src")}),
-    ]
+    targets = [start_passthrough(upstream, folder), start_passthrough(upstream, folder, client="wire")]
+    for index, src in enumerate([str(ROOT / "src"), *args.src]):
+        name = "llmserver" if index == 0 else f"llmserver-{index}"
+        model = model_config(4, 2048, 1)
+        targets.append(start_llmserver(model, folder, name=name, settings=settings, env={"PYTHONPATH": src}))
     rows: list[tuple[str, float, float, float, float]] = []
     try:
         load.settle()
         latencies, alone = asyncio.run(load.overhead(targets, args.requests))
-        for target in targets:
-            rates, cpus = [], []
-            for _ in range(args.repeats):
+        rates: dict[str, list[float]] = {target.name: [] for target in targets}
+        cpus: dict[str, list[float]] = {target.name: [] for target in targets}
+        for repeat in range(args.repeats):
+            for target in load.turn(targets, repeat):  # each target in each place in turn
                 rate, _, cpu = asyncio.run(load.capacity(target, args.clients, args.seconds))
-                rates.append(rate)
-                cpus.append(cpu)
-            p50 = statistics.median(latencies[target.name])
-            rows.append((target.name, alone[target.name], p50, statistics.median(rates), statistics.median(cpus)))
+                rates[target.name].append(rate)
+                cpus[target.name].append(cpu)
+        for target in targets:
+            name = target.name
+            p50 = statistics.median(latencies[name])
+            rows.append((name, alone[name], p50, statistics.median(rates[name]), statistics.median(cpus[name])))
     finally:
         for target in [*targets, upstream]:
             target.stop()
+    command = (
+        f"python -m bench.instant --requests {args.requests} --clients {args.clients} --seconds {args.seconds:g} "
+        f"--repeats {args.repeats}"
+    )
     lines = [
         "# The gateway's own cost: tiny requests to an upstream that answers at once",
         "",
-        f"`python -m bench.instant --requests {args.requests} --clients {args.clients} --seconds {args.seconds:g} "
-        f"--repeats {args.repeats}` ({time.strftime('%Y-%m-%d %H:%M')}): llmserver (SQLite, one instance: the",
-        "stand-in for llama-server of bench/instant.py) and the bare pass-through on aiohttp and on llmserver's",
-        "own client, in front of the same stand-in. One at a time: the targets take turns request by request.",
-        f"Capacity: {args.clients} clients for {args.seconds:g} s, the median of {args.repeats}. CPU: the gateway",
-        "process's own, per request.",
+        f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs): llmserver (SQLite, one",
+        "instance: the stand-in for llama-server of bench/instant.py) and the bare pass-through on aiohttp and",
+        "on llmserver's own client, all in front of the same stand-in. One at a time: the targets take turns",
+        f"request by request, {args.requests} each. Capacity: {args.clients} clients for {args.seconds:g} s, "
+        f"the median of {args.repeats}",
+        "runs, each target in each place in turn. CPU: the gateway process's own, per request.",
         "",
         f"| target | CPU per request, one at a time | p50 ms | requests/s, {args.clients} clients "
         "| CPU per request there |",
@@ -157,6 +166,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="seconds of each capacity measurement")
     parser.add_argument("--repeats", type=int, default=3, help="capacity measurements per target (median)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "instant.md")
+    parser.add_argument("--src", action="append", default=[], help="another llmserver src/ tree to compare")
     measure(parser.parse_args())
 
 
