@@ -90,11 +90,12 @@ def upstream_script(folder: Path) -> Path:
     return script
 
 
-def start_upstream(folder: Path) -> Target:
+def start_upstream(script: Path, folder: Path) -> Target:
+    """The stand-in as a target of its own (the pass-throughs' upstream), run by `script`."""
     port = free_port()
     with (folder / "instant.log").open("ab") as log:
         process = subprocess.Popen(
-            [str(upstream_script(folder)), "--host", "127.0.0.1", "--port", str(port)],
+            [str(script), "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     return wait_ready(Target("instant", f"http://127.0.0.1:{port}", process), "/health")
@@ -102,8 +103,9 @@ def start_upstream(folder: Path) -> Target:
 
 def measure(args: argparse.Namespace) -> None:
     folder = Path(tempfile.mkdtemp(prefix="llmserver-instant-"))
-    upstream = start_upstream(folder)
-    settings = f'llama_server_path = "{upstream_script(folder)}"\n'
+    script = upstream_script(folder)
+    upstream = start_upstream(script, folder)
+    settings = f'llama_server_path = "{script}"\n'
     targets = [start_passthrough(upstream, folder), start_passthrough(upstream, folder, client="wire")]
     for index, src in enumerate([str(ROOT / "src"), *args.src]):
         name = "llmserver" if index == 0 else f"llmserver-{index}"

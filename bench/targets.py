@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from llmserver.catalog import embedded_model_path, llama_server_binary
 from llmserver.pool.instance import llama_server_args
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
 from llmserver.store import NO_LIMITS, KeyLimits, open_store
-from tests.support import free_port_range
+from tests.support import free_port, free_port_range
 
 if TYPE_CHECKING:
     from tests.services import Postgres
@@ -64,12 +63,6 @@ class Target:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_ready(target: Target, path: str, timeout: float = 180) -> Target:

@@ -7,6 +7,7 @@ and `make_key` use the same one), so that the whole suite runs on either engine.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import ctypes
 import hashlib
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from tests.services import Postgres, Redis
 
 MODEL = "SmolLM2-135M-Instruct-Q4_1"
@@ -58,6 +61,20 @@ async def aiohttp_server(path: str, handler: Any) -> AsyncIterator[int]:
         yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
+
+
+async def write_events(request: web.Request, pieces: list[bytes]) -> web.StreamResponse:
+    """A chunked `text/event-stream` answer to an aiohttp `request`, its `pieces` written a moment
+    apart; the caller ends it (`write_eof`) or cuts the connection."""
+    from aiohttp import web  # only the tests that serve import it
+
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+    for piece in pieces:
+        await response.write(piece)
+        await asyncio.sleep(0.01)
+    return response
 
 
 def free_port_range(size: int, avoid: int | None = None) -> int:

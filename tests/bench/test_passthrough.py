@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.support import aiohttp_server, free_port
+from tests.support import aiohttp_server, free_port, write_events
 
 ROOT = Path(__file__).resolve().parents[2]
 PIECES = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
@@ -22,12 +22,7 @@ async def upstream(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     if not body.get("stream"):
         return web.json_response({"echo": body})
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    response.enable_chunked_encoding()
-    await response.prepare(request)
-    for piece in PIECES:
-        await response.write(piece)
-        await asyncio.sleep(0.01)
+    response = await write_events(request, PIECES)
     await response.write_eof()
     return response
 

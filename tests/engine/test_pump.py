@@ -14,7 +14,7 @@ from aiohttp import web
 
 from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import UpstreamError
-from tests.support import aiohttp_server
+from tests.support import aiohttp_server, write_events
 
 Writes = list[bytes]
 
@@ -37,12 +37,7 @@ async def serving(writes: Writes, *, drop: bool = False) -> AsyncIterator[tuple[
 
     async def events(request: web.Request) -> web.StreamResponse:
         peers.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        response.enable_chunked_encoding()
-        await response.prepare(request)
-        for piece in writes:
-            await response.write(piece)
-            await asyncio.sleep(0.01)
+        response = await write_events(request, writes)
         if drop:
             request.transport.close()  # type: ignore[union-attr]
             return response
