@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -269,12 +269,18 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T], after: floa
 
 
 class FastJSONResponse(Response):
-    """JSON written by orjson: a generation's answer, several times faster to render than json's."""
+    """JSON written by orjson: a generation's answer, several times faster to render than json's; its
+    headers built in one step (`headers` are extra ones, never Content-Type or Content-Length)."""
 
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
+
+    def init_headers(self, headers: Mapping[str, str] | None = None) -> None:
+        self.raw_headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(self.body))]
+        if headers:
+            self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:

@@ -75,8 +75,13 @@ class LlamaServerClient:
         """POST and read the JSON answer within `timeout` seconds (GatewayTimeout past it); `fresh`:
         on a new connection (a retry)."""
         try:
-            async with asyncio.timeout(timeout), self._request("POST", path, payload, fresh) as response:
-                return await _json_or_raise(response)
+            async with asyncio.timeout(timeout):
+                # `_request`'s steps, written out: the one call every non-streamed request makes.
+                response = await self._pool.send("POST", path, orjson.dumps(payload), fresh=fresh)
+                try:
+                    return await _json_or_raise(response)
+                finally:
+                    self._pool.release(response)
         except wire.WireError as exc:
             raise _unreachable(exc) from None
         except TimeoutError:

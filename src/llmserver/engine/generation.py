@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import AbstractContextManager
+from types import TracebackType
 from typing import Any, TypeVar
 
 from llmserver.auth.keys import Principal
@@ -53,14 +54,22 @@ RAW_PROMPT_TOKENS = 8
 MAX_TOKEN_BYTES = 256
 
 
-@contextmanager
-def closed_on_failure(ticket: Ticket) -> Iterator[None]:
+def closed_on_failure(ticket: Ticket) -> AbstractContextManager[None]:
     """Close the ticket if the block fails: settled to nothing, the outcome recorded."""
-    try:
-        yield
-    except BaseException as exc:
-        ticket.close(outcome_of(exc))
-        raise
+    return _ClosedOnFailure(ticket)
+
+
+class _ClosedOnFailure(AbstractContextManager[None]):
+    # A class, not a @contextmanager generator: it wraps several steps of every request, and a
+    # generator's context manager costs a few times as much to enter and leave.
+    __slots__ = ("ticket",)
+
+    def __init__(self, ticket: Ticket) -> None:
+        self.ticket = ticket
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is not None:
+            self.ticket.close(outcome_of(exc))
 
 
 class GenerationService:
@@ -395,15 +404,22 @@ def _generated(event_choice: JSON) -> bool:
     return bool(event_choice.get("text") or delta.get("content") or delta.get("tool_calls"))
 
 
-@contextmanager
-def schema_errors(param: str | None) -> Iterator[None]:
+def schema_errors(param: str | None) -> AbstractContextManager[None]:
     """llama-server's refusal of a JSON schema it cannot turn into a grammar, naming the parameter
     the schema came from (`response_format`, `format`, or `tools` for prompted tool calls)."""
-    try:
-        yield
-    except InvalidRequest as exc:
-        if param is None or "schema" not in exc.message.lower():
-            raise
+    return _SchemaErrors(param)
+
+
+class _SchemaErrors(AbstractContextManager[None]):  # a class, as _ClosedOnFailure
+    __slots__ = ("param",)
+
+    def __init__(self, param: str | None) -> None:
+        self.param = param
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        param = self.param
+        if param is None or not isinstance(exc, InvalidRequest) or "schema" not in exc.message.lower():
+            return
         reason = exc.message.split("failed: ", 1)[-1]
         raise InvalidRequest(
             f"{param}: llama.cpp cannot turn this schema into a grammar: {reason}", param=param

@@ -5,6 +5,8 @@ Only fields we validated are ever sent to llama-server: requests are rebuilt, ne
 
 from __future__ import annotations
 
+import itertools
+import os
 import secrets
 import time
 from typing import Any
@@ -24,8 +26,29 @@ from llmserver.schemas.openai import (
 JSON = dict[str, Any]
 
 
+class _Ids:
+    """Response ids, unique without a random draw each: a random 48-bit prefix per process (drawn again
+    in a forked child) and a counter. os.urandom is a system call that costs several microseconds on a
+    busy VM, once per answer; these are names, not secrets."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = secrets.token_hex(6)
+        self.counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self.prefix}{next(self.counter):012x}"
+
+
+_ids = _Ids()
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
+    """`prefix-` and 24 hex digits, as OpenAI's ids."""
+    return f"{prefix}-{_ids.next()}"
 
 
 def head(prefix: str, object_: str, model: str) -> JSON:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterable
 from itertools import accumulate
+from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -14,6 +15,7 @@ from llmserver.pool.supervisor import Supervisor
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+C = TypeVar("C", bound=Collector)
 
 
 class _PoolCollector(Collector):
@@ -44,53 +46,67 @@ class _PoolCollector(Collector):
         yield from (depth, flight, instances, cold, cold_seconds, evictions)
 
 
-class Gaps(Collector):
-    """`llmserver_inter_token_seconds{model}`, observed once per streamed token: a list of counts per
-    model, where prometheus_client's Histogram takes a lock for each of the buckets a value falls in
-    (the event loop is the only writer)."""
+class Histogram(Collector):
+    """A histogram by model, observed on the hot path (a request's time to first token, each streamed
+    token's gap): a list of counts per model, where prometheus_client's Histogram takes a lock for
+    each of the buckets a value falls in (the event loop is the only writer). Rendered when scraped."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self._name, self._documentation, self._buckets = name, documentation, buckets
         self._counts: dict[str, list[float]] = {}  # per bucket (+Inf last), then the sum
 
     def observe(self, model: str, seconds: float) -> None:
         counts = self._counts.get(model)
         if counts is None:
-            counts = self._counts[model] = [0] * (len(GAP_BUCKETS) + 2)
-        counts[bisect_left(GAP_BUCKETS, seconds)] += 1
+            counts = self._counts[model] = [0] * (len(self._buckets) + 2)
+        counts[bisect_left(self._buckets, seconds)] += 1
         counts[-1] += seconds
 
     def collect(self) -> Iterable[HistogramMetricFamily]:
-        family = HistogramMetricFamily(
-            "llmserver_inter_token_seconds", "Gaps between streamed tokens", labels=["model"]
-        )
-        bounds = [*(repr(bound) for bound in GAP_BUCKETS), "+Inf"]
+        family = HistogramMetricFamily(self._name, self._documentation, labels=["model"])
+        bounds = [*(repr(bound) for bound in self._buckets), "+Inf"]
         for model, counts in self._counts.items():
             family.add_metric([model], list(zip(bounds, accumulate(counts[:-1]), strict=True)), counts[-1])
+        yield family
+
+
+class Counts(Collector):
+    """A counter by label values, counted on the hot path (each request, its tokens): a dict of plain
+    numbers, where prometheus_client's Counter takes a lock for each increment. Rendered when scraped."""
+
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...]) -> None:
+        self._name, self._documentation, self._labels = name, documentation, labels
+        self._counts: dict[tuple[str, ...], float] = {}
+
+    def inc(self, labels: tuple[str, ...], amount: float = 1) -> None:
+        self._counts[labels] = self._counts.get(labels, 0) + amount
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=list(self._labels))
+        for labels, count in self._counts.items():
+            family.add_metric(list(labels), count)
         yield family
 
 
 class Metrics:
     def __init__(self, supervisor: Supervisor) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "llmserver_requests", "Generation requests", ["endpoint", "model", "status"], registry=self.registry
+        self.requests = self._hot(Counts("llmserver_requests", "Generation requests", ("endpoint", "model", "status")))
+        self.prompt_tokens = self._hot(Counts("llmserver_prompt_tokens", "Prompt tokens", ("model",)))
+        self.cached_prompt_tokens = self._hot(
+            Counts(
+                "llmserver_cached_prompt_tokens",
+                "Prompt tokens the instances took from their prompt cache (of llmserver_prompt_tokens)",
+                ("model",),
+            )
         )
-        self.prompt_tokens = Counter("llmserver_prompt_tokens", "Prompt tokens", ["model"], registry=self.registry)
-        self.cached_prompt_tokens = Counter(
-            "llmserver_cached_prompt_tokens",
-            "Prompt tokens the instances took from their prompt cache (of llmserver_prompt_tokens)",
-            ["model"],
-            registry=self.registry,
+        self.completion_tokens = self._hot(Counts("llmserver_completion_tokens", "Completion tokens", ("model",)))
+        self.ttft = self._hot(
+            Histogram("llmserver_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
         )
-        self.completion_tokens = Counter(
-            "llmserver_completion_tokens", "Completion tokens", ["model"], registry=self.registry
+        self.inter_token = self._hot(
+            Histogram("llmserver_inter_token_seconds", "Gaps between streamed tokens", GAP_BUCKETS)
         )
-        self.ttft = Histogram(
-            "llmserver_time_to_first_token_seconds", "Time to first token", ["model"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
-        self.inter_token = Gaps()
-        self.registry.register(self.inter_token)
         self.quota_rejections = Counter(
             "llmserver_quota_rejections", "Requests refused by a key's limits", ["type"], registry=self.registry
         )
@@ -101,6 +117,10 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_PoolCollector(supervisor))
+
+    def _hot(self, collector: C) -> C:
+        self.registry.register(collector)
+        return collector
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -11,9 +11,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-from prometheus_client.metrics import MetricWrapperBase
 
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService, Reservation
@@ -56,18 +53,8 @@ class UsageRecorder:
         self._batch = UsageBatch()
         self._writing = UsageBatch()
         self._writer: asyncio.Task[None] | None = None
-        self._children: dict[tuple[object, ...], Any] = {}
         self._open: set[Tally] = set()  # requests holding a quota reservation, until they close
         self._unwritten = Outage(log)  # down: the last write found the store unreachable
-
-    def _child(self, metric: MetricWrapperBase, *labels: str) -> Any:
-        """A metric's labelled child, looked up once per label values rather than per request or
-        token (prometheus_client's `labels()` takes a lock and builds a tuple each time)."""
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def settling(self, key_id: str) -> bool:
         """Whether a settlement of this key's quota is queued or being written."""
@@ -148,7 +135,7 @@ class UsageRecorder:
         now = time.perf_counter()
         if tally.ttft is None:
             tally.ttft = now - tally.started
-            self._child(self._metrics.ttft, tally.model).observe(tally.ttft)
+            self._metrics.ttft.observe(tally.model, tally.ttft)
         elif tally.last_token_at is not None:
             self._metrics.inter_token.observe(tally.model, now - tally.last_token_at)
         tally.last_token_at = now
@@ -180,11 +167,13 @@ class UsageRecorder:
                 "outcome": outcome,
             }
         )
-        self._child(self._metrics.requests, tally.endpoint, tally.model, outcome).inc()
+        metrics = self._metrics
+        metrics.requests.inc((tally.endpoint, tally.model, outcome))
         if charged:
-            self._child(self._metrics.prompt_tokens, tally.model).inc(tally.prompt_tokens)
-            self._child(self._metrics.cached_prompt_tokens, tally.model).inc(tally.cached_tokens)
-            self._child(self._metrics.completion_tokens, tally.model).inc(tally.completion_tokens)
+            model = (tally.model,)
+            metrics.prompt_tokens.inc(model, tally.prompt_tokens)
+            metrics.cached_prompt_tokens.inc(model, tally.cached_tokens)
+            metrics.completion_tokens.inc(model, tally.completion_tokens)
         if outcome == "ok":
             increment = self._speed.add(tally.model, tally.completion_tokens, latency)
             if increment is not None:
@@ -200,10 +189,10 @@ class UsageRecorder:
                 "ttft_ms": None, "tokens_per_second": None, "outcome": outcome,
             }
         )  # fmt: skip
-        self._child(self._metrics.requests, endpoint, model, outcome).inc()
+        self._metrics.requests.inc((endpoint, model, outcome))
         self._schedule_write()
 
     def first_token(self, tally: Tally, seconds: float) -> None:
         """A non-streamed answer's time to first token, as llama-server measured it."""
         tally.ttft = seconds
-        self._child(self._metrics.ttft, tally.model).observe(seconds)
+        self._metrics.ttft.observe(tally.model, seconds)
