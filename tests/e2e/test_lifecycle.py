@@ -66,7 +66,9 @@ def test_missing_model_file_fails_start_clearly(tmp_path: Path) -> None:
 
 
 def test_health_and_ready(server: Server) -> None:
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.url + "/health")
+    assert health.json() == {"status": "ok"}
+    assert "server" not in health.headers and "date" in health.headers  # no banner for probes
     ready = httpx.get(server.url + "/ready")
     assert ready.status_code == 200 and ready.json() == {"status": "ready", "models": {MODEL: True}}
 
