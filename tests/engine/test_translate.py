@@ -52,19 +52,21 @@ def test_native_files_go_before_the_prompt_and_images_after() -> None:
     assert [part.type for part in user.content] == ["file", "text", "image_url"]
 
 
-def test_response_ids_are_openai_shaped_and_unique_also_in_a_forked_child() -> None:
+def test_response_ids_are_openai_shaped_random_and_differ_in_a_forked_child() -> None:
     ids = [translate.new_id("chatcmpl") for _ in range(1000)]
     assert len(set(ids)) == 1000
     assert all(re.fullmatch(r"chatcmpl-[0-9a-f]{24}", i) for i in ids)
+    assert len({i[9:15] for i in ids}) > 900  # random, not a counter under a fixed prefix
     read, write = os.pipe()
     with warnings.catch_warnings():  # Python 3.12+ warns of fork() beside threads; the child only writes
         warnings.simplefilter("ignore", DeprecationWarning)
         pid = os.fork()
-    if pid == 0:  # the child draws its own prefix: a forked worker never repeats its parent's ids
+    if pid == 0:  # the child's generator is seeded again: it never repeats its parent's ids
         os.write(write, translate.new_id("chatcmpl").encode())
         os._exit(0)
+    parent = translate.new_id("chatcmpl")
     os.waitpid(pid, 0)
     child = os.read(read, 100).decode()
     os.close(read)
     os.close(write)
-    assert child[9:21] != ids[0][9:21] and child not in ids
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", child) and child != parent and child not in ids

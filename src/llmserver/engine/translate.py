@@ -5,9 +5,7 @@ Only fields we validated are ever sent to llama-server: requests are rebuilt, ne
 
 from __future__ import annotations
 
-import itertools
-import os
-import secrets
+import random
 import time
 from typing import Any
 
@@ -26,29 +24,12 @@ from llmserver.schemas.openai import (
 JSON = dict[str, Any]
 
 
-class _Ids:
-    """Response ids, unique without a random draw each: a random 48-bit prefix per process (drawn again
-    in a forked child) and a counter. os.urandom is a system call that costs several microseconds on a
-    busy VM, once per answer; these are names, not secrets."""
-
-    def __init__(self) -> None:
-        self.reseed()
-        os.register_at_fork(after_in_child=self.reseed)
-
-    def reseed(self) -> None:
-        self.prefix = secrets.token_hex(6)
-        self.counter = itertools.count()
-
-    def next(self) -> str:
-        return f"{self.prefix}{next(self.counter):012x}"
-
-
-_ids = _Ids()
-
-
 def new_id(prefix: str) -> str:
-    """`prefix-` and 24 hex digits, as OpenAI's ids."""
-    return f"{prefix}-{_ids.next()}"
+    """`prefix-` and 24 random hex digits, as OpenAI's ids: from Python's generator (seeded from the
+    system, and again in a forked child), not a system call each (os.urandom costs several µs on a
+    busy VM, once per answer). Names, not secrets; and not a counter, which would tell any caller how
+    many requests the gateway has served."""
+    return f"{prefix}-{random.getrandbits(96):024x}"
 
 
 def head(prefix: str, object_: str, model: str) -> JSON:
