@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, Callable
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -54,34 +55,21 @@ class LlamaServerClient:
         except wire.WireError as exc:
             raise _unreachable(exc) from None
 
-    @asynccontextmanager
-    async def _request(
+    def _request(
         self, method: str, path: str, payload: JSON | None = None, fresh: bool = False
-    ) -> AsyncIterator[wire.Response]:
+    ) -> AbstractAsyncContextManager[wire.Response]:
         """Send once. A connection that drops before any answer (llama-server may close connections
         just after a streamed answer ends) is InstanceUnavailable, which the one retry policy
         (`engine/calls.py`) sends again; `fresh`: on a new connection (a retry: the pool's other
         kept-alive ones may be as stale)."""
-        body = None if payload is None else orjson.dumps(payload)
-        response = await self._pool.send(method, path, body, fresh=fresh)
-        try:
-            yield response
-        finally:
-            # Read to the end, the connection serves again. Left early: closing it is what tells
-            # llama-server to stop generating.
-            self._pool.release(response)
+        return _Sent(self._pool, method, path, None if payload is None else orjson.dumps(payload), fresh)
 
     async def post_json(self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None) -> JSON:
         """POST and read the JSON answer within `timeout` seconds (GatewayTimeout past it); `fresh`:
         on a new connection (a retry)."""
         try:
-            async with asyncio.timeout(timeout):
-                # `_request`'s steps, written out: the one call every non-streamed request makes.
-                response = await self._pool.send("POST", path, orjson.dumps(payload), fresh=fresh)
-                try:
-                    return await _json_or_raise(response)
-                finally:
-                    self._pool.release(response)
+            async with asyncio.timeout(timeout), self._request("POST", path, payload, fresh) as response:
+                return await _json_or_raise(response)
         except wire.WireError as exc:
             raise _unreachable(exc) from None
         except TimeoutError:
@@ -219,6 +207,27 @@ def _raise_error_event(event: Any) -> None:
     """An event that is llama-server's error (not a token whose text says "error")."""
     if isinstance(event, dict) and "error" in event and "choices" not in event:
         raise upstream_error(event, 500)
+
+
+class _Sent(AbstractAsyncContextManager[wire.Response]):
+    """A request sent on entering, its response released on leaving: read to the end, the connection
+    serves again; left early, closing it is what tells llama-server to stop generating. A class, not
+    an @asynccontextmanager generator: every call to an instance goes through it, and a generator's
+    context manager costs a few times as much to enter and leave."""
+
+    __slots__ = ("_body", "_fresh", "_method", "_path", "_pool", "_response")
+
+    def __init__(self, pool: wire.Pool, method: str, path: str, body: bytes | None, fresh: bool) -> None:
+        self._pool, self._method, self._path, self._body, self._fresh = pool, method, path, body, fresh
+
+    async def __aenter__(self) -> wire.Response:
+        self._response = await self._pool.send(self._method, self._path, self._body, fresh=self._fresh)
+        return self._response
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._pool.release(self._response)
 
 
 async def _json_or_raise(response: wire.Response) -> JSON:
