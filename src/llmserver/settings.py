@@ -67,6 +67,14 @@ class ModelConfig(BaseModel):
         default=64, ge=0, le=100_000, description="Requests that may wait for a free slot; 503 beyond."
     )
     parallel: int = Field(default=4, ge=1, le=256, description="Slots per instance: requests decoded together.")
+    instance_queue: int | None = Field(
+        default=None,
+        ge=0,
+        le=1024,
+        description="Requests handed to an instance beyond its slots, once every slot of the model is taken: "
+        "llama-server starts each the moment a slot frees, in its next batch; empty: as many as its slots, "
+        "0: none (requests wait in the gateway's queue only).",
+    )
     ctx_size: int = Field(default=4096, ge=128, le=1_048_576, description="Context window of one request, in tokens.")
     cache_ram_mb: int = Field(
         default=1024, ge=0, description="RAM for llama-server's prompt cache per instance, in MiB (0: off)."
@@ -116,6 +124,11 @@ class ModelConfig(BaseModel):
     # Whether `threads` was shared out by the settings rather than configured: a new set of models
     # (`serve --model …`) shares the CPUs out again.
     _threads_computed: bool = PrivateAttr(default=False)
+
+    @property
+    def most_in_flight(self) -> int:
+        """The most requests an instance is handed at once: its slots and its own queue."""
+        return self.parallel + (self.parallel if self.instance_queue is None else self.instance_queue)
 
     @property
     def vision_capable(self) -> bool:

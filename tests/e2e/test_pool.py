@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support import COUNTING, MODEL, Server, cli, make_key, metric, wait_for
+from tests.support import COUNTING, MODEL, Server, cli, make_key, metric, store_rows, wait_for
 
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -39,8 +39,18 @@ name = "smol-b"
 min_instances = 1
 max_instances = 2
 parallel = 1
+instance_queue = 0
 max_queue = 1
 idle_timeout = 5
+ctx_size = 512
+"""
+# One instance of one slot, which llama-server is handed one more request for (its own queue).
+INSTANCE_QUEUE_CONFIG = f"""
+[[models]]
+name = "{MODEL}"
+parallel = 1
+instance_queue = 1
+max_queue = 1
 ctx_size = 512
 """
 
@@ -175,6 +185,42 @@ def test_full_queue_is_503_and_queueing_scales_up_then_idle_scales_down(pool: Se
     assert wait_for(lambda: len(instances(pool, "smol-b")) == 2, 30)
     # ... which stops again after idle_timeout (5 s) without traffic, back to min_instances = 1.
     assert wait_for(lambda: len(instances(pool, "smol-b")) == 1, 30), instances(pool, "smol-b")
+
+
+def test_a_request_beyond_the_slots_waits_in_the_instances_own_queue(start_server: Callable[..., Server]) -> None:
+    server = start_server(INSTANCE_QUEUE_CONFIG, env={"LLMSERVER_ADMIN_KEY": ADMIN})
+    keys = [make_key(server.data_dir, f"instance-queue-{n}") for n in range(5)]
+    in_flight = lambda: metric(server, ADMIN, "llmserver_in_flight", model=MODEL)  # noqa: E731
+    queued = lambda: metric(server, ADMIN, "llmserver_queue_depth", model=MODEL)  # noqa: E731
+    (record,) = instances(server)
+    assert "--parallel 1 --threads-http 6" in " ".join(psutil.Process(record["pid"]).cmdline())
+    with running_stream(server, keys[0], MODEL), concurrent.futures.ThreadPoolExecutor(2) as executor:
+        # Its one slot is streaming: the next request is handed to llama-server all the same ...
+        at_instance = executor.submit(generate, server, keys[1], MODEL, 8)
+        assert wait_for(lambda: in_flight() == 2, 30)
+        assert queued() == 0
+        # ... and one whose client gives up there gives its place back (llama-server drops it).
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                server.url + "/api/generate",
+                json={"prompt": "Say hi.", "max_tokens": 8},
+                headers={"Authorization": f"Bearer {keys[2]}"},
+                timeout=1.0,
+            )
+        waiting = executor.submit(generate, server, keys[3], MODEL, 8)  # the gateway's queue, of one
+        assert wait_for(lambda: queued() == 1, 30)
+        full = generate(server, keys[4], MODEL, 8)
+        assert full.status_code == 503 and full.json()["error"]["type"] == "overloaded_error"
+        assert in_flight() == 2 and not at_instance.done()  # still waiting for the stream's slot
+    # The stream's client left: its slot goes to the request llama-server held, then to the queue's.
+    assert at_instance.result().status_code == 200 and waiting.result().status_code == 200
+    assert wait_for(lambda: in_flight() == 0, 10)
+    outcomes = lambda: sorted(  # noqa: E731
+        row["outcome"]
+        for row in store_rows(server.data_dir, "SELECT outcome FROM usage_ledger WHERE endpoint = ?", "/api/generate")
+    )
+    assert wait_for(lambda: len(outcomes()) == 4, 10)
+    assert outcomes() == ["client_closed_request", "ok", "ok", "overloaded_error"]
 
 
 def test_start_and_drain_through_the_api(pool: Server) -> None:

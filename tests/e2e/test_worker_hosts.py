@@ -40,6 +40,7 @@ ctx_size = 1024
 threads = 1
 max_instances = 2
 max_queue = 4
+instance_queue = 0  # what these tests count: the slots and the gateways' one queue
 """
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import GatewayTimeout, Overloaded
-from llmserver.pool.instance import Instance, Status, slot_context
+from llmserver.pool.affinity import Candidate, ranked
+from llmserver.pool.instance import Instance, Status, llama_server_args, slot_context
 from llmserver.pool.pool import ModelPool
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import ModelConfig, Settings
@@ -29,9 +30,18 @@ async def ready_instance(model: ModelConfig, port: int) -> Instance:
     return instance
 
 
-def make_pool(max_queue: int = 2, queue_timeout: float = 5.0, parallel: int = 1) -> tuple[ModelPool, list[ModelPool]]:
+async def close(*instances: Instance) -> None:
+    for instance in instances:
+        assert instance.client is not None
+        await instance.client.close()
+
+
+def make_pool(
+    max_queue: int = 2, queue_timeout: float = 5.0, parallel: int = 1, instance_queue: int = 0
+) -> tuple[ModelPool, list[ModelPool]]:
+    """A pool whose instances take no requests beyond their slots, unless `instance_queue` says so."""
     pressured: list[ModelPool] = []
-    config = ModelConfig(name="m", parallel=parallel, max_queue=max_queue)
+    config = ModelConfig(name="m", parallel=parallel, max_queue=max_queue, instance_queue=instance_queue)
     return ModelPool(config, queue_timeout=queue_timeout, on_pressure=pressured.append), pressured
 
 
@@ -57,9 +67,76 @@ def test_least_loaded_instance_then_fifo_queue_then_503() -> None:
         pool.release(a, "k1")
         assert await second is a
         assert pool.queue_depth == 0
-        for instance in (a, b):
-            assert instance.client is not None
-            await instance.client.close()
+        await close(a, b)
+
+    run(scenario)
+
+
+def test_every_slot_first_then_the_instances_own_queues_then_the_gateways() -> None:
+    async def scenario() -> None:
+        pool, pressured = make_pool(max_queue=1, parallel=2, instance_queue=1)
+        a, b = await ready_instance(pool.config, 1), await ready_instance(pool.config, 2)
+        pool.instances += [a, b]
+        for key in ("k1", "k2", "k3", "k4"):  # the four slots, least loaded first: no pressure yet
+            await pool.acquire(key)
+        assert (a.in_flight, b.in_flight, pressured) == (2, 2, [])
+        # Every slot taken: one more request on each instance, which starts it when a slot frees.
+        assert {await pool.acquire("q1"), await pool.acquire("q2")} == {a, b}
+        assert (a.load, b.load, a.status, pool.queue_depth) == (3, 3, Status.BUSY, 0)
+        assert pressured == [pool, pool]  # the supervisor hears of it: another instance may be due
+        waiter = asyncio.create_task(pool.acquire("w1"))  # then the gateway's queue, bounded as before
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 1
+        with pytest.raises(Overloaded):
+            await pool.acquire("w2")
+        pool.release(b, "k2")
+        assert await waiter is b and b.load == 3
+        await close(a, b)
+
+    run(scenario)
+
+
+def test_an_affinity_takes_a_free_slot_elsewhere_before_its_instances_queue() -> None:
+    async def scenario() -> None:
+        pool, _ = make_pool(max_queue=1, parallel=2, instance_queue=2)
+        pool.affinity_margin = 100  # the preferred instance whatever its load, while it has room
+        a, b = await ready_instance(pool.config, 1), await ready_instance(pool.config, 2)
+        pool.instances += [a, b]
+        key = next(
+            f"c{i}"
+            for i in range(100)
+            if ranked(f"c{i}", [Candidate(a.address, 0, 2), Candidate(b.address, 0, 2)])[0].address == a.address
+        )
+        assert await pool.acquire("k", key) is a
+        assert await pool.acquire("k", key) is a
+        assert await pool.acquire("k", key) is b  # a's slots are taken, b has one free
+        assert await pool.acquire("k", key) is b
+        assert await pool.acquire("k", key) is a  # every slot taken: the preferred instance's queue
+        await close(a, b)
+
+    run(scenario)
+
+
+def test_an_instance_holds_its_slots_and_its_queue_by_default() -> None:
+    model = ModelConfig(name="m", parallel=3)
+    assert (model.instance_queue, model.most_in_flight) == (None, 6)
+    assert ModelConfig(name="m", parallel=3, instance_queue=0).most_in_flight == 3
+    # llama-server is given an HTTP thread for each of them, and room for probes (it drops the rest).
+    args = llama_server_args(Path("llama-server"), Path("m.gguf"), model, "127.0.0.1", 8080)
+    assert args[args.index("--threads-http") + 1] == "10"
+
+    async def scenario() -> None:
+        pool = ModelPool(model, queue_timeout=5.0, on_pressure=lambda pool: None)
+        only = await ready_instance(model, 1)
+        pool.instances.append(only)
+        for i in range(6):
+            assert await pool.acquire(f"k{i}") is only
+        waiter = asyncio.create_task(pool.acquire("w"))
+        await asyncio.sleep(0)
+        assert (only.load, pool.queue_depth) == (6, 1)
+        pool.release(only, "k0")
+        assert await waiter is only
+        await close(only)
 
     run(scenario)
 
@@ -79,8 +156,7 @@ def test_queue_wait_times_out_with_504_and_cancelled_waiters_leak_nothing() -> N
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert only.in_flight == 0 and only.status == Status.READY and not only.users
-        assert only.client is not None
-        await only.client.close()
+        await close(only)
 
     run(scenario)
 
@@ -143,9 +219,7 @@ def test_a_retry_avoids_the_instance_it_failed_on_while_another_accepts() -> Non
         assert await pool.acquire("k", avoid=a) is b  # b is busier than a now: still not a
         b.status = Status.FAILED
         assert await pool.acquire("k", avoid=a) is a  # the only one accepting
-        for instance in (a, b):
-            assert instance.client is not None
-            await instance.client.close()
+        await close(a, b)
 
     run(scenario)
 
@@ -178,9 +252,7 @@ def test_other_gateways_requests_count_toward_load_queue_bound_and_fair_share() 
         pool.share = None  # nobody else waits any more
         pool.dispatch()
         assert await held is b
-        for instance in (a, b):
-            assert instance.client is not None
-            await instance.client.close()
+        await close(a, b)
 
     run(scenario)
 
@@ -203,9 +275,7 @@ def test_the_registry_keeps_each_gateways_latest_load_and_drops_gateways_that_st
         assert a.elsewhere == 2
         registry._heard([], complete=True)  # gw-b's key expired: it stopped
         assert (a.elsewhere, a.status, pool.queued_elsewhere, pool.share) == (0, Status.READY, 0, None)
-        for instance in (a, b):
-            assert instance.client is not None
-            await instance.client.close()
+        await close(a, b)
 
     run(scenario)
 

@@ -82,6 +82,9 @@ def llama_server_args(
         "--host", host,
         "--port", str(port),
         "--parallel", str(model.parallel),
+        # llama-server drops connections beyond its HTTP threads: one for each request it may be
+        # handed (slots and its own queue) and room for health probes.
+        "--threads-http", str(model.most_in_flight + 4),
         # Each slot gets the model's full per-request context.
         "--ctx-size", str(model.ctx_size * model.parallel),
         "--threads", str(model.threads or 1),
@@ -264,9 +267,9 @@ class Instance:
             await self.stop()
             self.status = Status.FAILED
             raise
-        # llama-server serves HTTP with parallel + 4 threads (on up to 9 CPUs) and drops connections
-        # beyond them; at most `parallel` requests are leased to an instance, plus health probes.
-        self.client = LlamaServerClient(self.base_url, connections=self.model.parallel + 2, api_key=self.api_key)
+        # At most `most_in_flight` requests are leased to an instance, plus health probes (its HTTP
+        # threads: llama_server_args).
+        self.client = LlamaServerClient(self.base_url, connections=self.model.most_in_flight + 2, api_key=self.api_key)
         self.native_tools = await self.template_has_tools()
         with contextlib.suppress(psutil.Error):
             self._ps = psutil.Process(self.process.pid)

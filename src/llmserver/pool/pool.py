@@ -1,15 +1,20 @@
 """One model's instances and the bounded queue of requests waiting for a free slot.
 
 A request takes a slot on the accepting instance with the fewest requests in flight. When every
-slot is taken it waits, first come first served, in a queue of at most `max_queue`; a full queue
-is 503 at once, and a wait longer than `queue_timeout` is 504. Each released slot, and each
-instance that becomes ready, hands a slot to the longest waiter. Where several gateways route to the
-same instances (nodes' instances, pool/registry.py), an instance's load counts every gateway's
-requests, the queue's bound counts every gateway's waiters, and a gateway whose requests hold more
-than its share of the slots while others' wait lets the next free slot go to them.
+slot is taken, a place in an instance's own queue (`instance_queue` per instance, as many as its
+slots by default): llama-server starts a request it holds the moment a slot frees, in its next
+batch, where one sent only then would miss that batch, having to wait for the answer that freed the
+slot to reach this gateway (short requests under load: 0.82 x direct llama-server's requests a
+second without it, 0.97 x with it, measured on 2 CPUs). When those are taken too, it waits, first
+come first served, in a queue of at most `max_queue`; a full queue is 503 at once, and a wait longer
+than `queue_timeout` is 504. Each released place, and each instance that becomes ready, goes to the
+longest waiter. Where several gateways route to the same instances (nodes' instances,
+pool/registry.py), an instance's load counts every gateway's requests, the queue's bound counts
+every gateway's waiters, and a gateway whose requests hold more than its share of the places while
+others' wait lets the next free one go to them.
 
-The pool's owner (the supervisor) hears of pressure (requests queueing) and of instances that
-requests could not reach through the callbacks it gives.
+The pool's owner (the supervisor) hears of pressure (requests queueing, here or at an instance) and
+of instances that requests could not reach through the callbacks it gives.
 """
 
 from __future__ import annotations
@@ -98,10 +103,15 @@ class ModelPool:
             accepting = [i for i in accepting if i is not avoid]  # a retry goes elsewhere when it can
         if len(accepting) == 1:  # the usual case: nothing to choose
             only = accepting[0]
-            return only if only.load < only.model.parallel else None
+            return only if only.load < only.model.most_in_flight else None
         by_address = {i.address: i for i in accepting}
-        candidates = [Candidate(a, i.load, i.model.parallel) for a, i in by_address.items()]
-        chosen = choose(affinity, candidates, self.affinity_margin)
+        # A free slot if there is one; else a place in an instance's own queue.
+        chosen = choose(
+            affinity, [Candidate(a, i.load, i.model.parallel) for a, i in by_address.items()], self.affinity_margin
+        )
+        if chosen is None:
+            candidates = [Candidate(a, i.load, i.model.most_in_flight) for a, i in by_address.items()]
+            chosen = choose(affinity, candidates, self.affinity_margin)
         return by_address[chosen.address] if chosen is not None else None
 
     async def acquire(self, key_id: str, affinity: str | None = None, avoid: Instance | None = None) -> Instance:
@@ -110,8 +120,7 @@ class ModelPool:
         `avoid` (the instance a retried request just failed on) while another one is accepting."""
         instance = self._free_instance(affinity, avoid)
         if instance is not None and not self._waiters:
-            instance.begin(key_id)
-            self.on_load()
+            self._begin(instance, key_id)
             return instance
         if self.instances and not any(self._coming(i) for i in self.instances):
             # Every instance has failed and been given up: waiting would only end in a timeout.
@@ -177,6 +186,11 @@ class ModelPool:
             if instance is None:
                 return
             self._waiters.popleft()
-            instance.begin(waiter.key_id)
+            self._begin(instance, waiter.key_id)
             waiter.future.set_result(instance)
-            self.on_load()
+
+    def _begin(self, instance: Instance, key_id: str) -> None:
+        instance.begin(key_id)
+        self.on_load()
+        if instance.load > instance.model.parallel:
+            self._on_pressure(self)  # requests queue at the instance: every slot is taken

@@ -385,8 +385,8 @@ class Registry:
                 instance.elsewhere = sum(o["in_flight"].get(instance.id, 0) for o in others)
                 instance.refresh_status()
             busy = [o for o in others if o["queued"].get(name) or ids & o["in_flight"].keys()]
-            slots = sum(i.model.parallel for i in pool.instances if i.accepting)
-            pool.share = max(1, -(-slots // (1 + len(busy)))) if waiting else None
+            places = sum(i.model.most_in_flight for i in pool.instances if i.accepting)
+            pool.share = max(1, -(-places // (1 + len(busy)))) if waiting else None
 
     def unreachable(self, instance: RemoteInstance) -> None:
         """A request could not reach a node's instance: after `CIRCUIT_FAILURES` in a row, stop
@@ -532,7 +532,7 @@ class Registry:
             remote=published,
         )
         instance.client = LlamaServerClient(
-            instance.base_url, connections=pool.config.parallel + 2, api_key=self._api_key
+            instance.base_url, connections=pool.config.most_in_flight + 2, api_key=self._api_key
         )
         instance.native_tools = await instance.template_has_tools()
         return instance
