@@ -139,8 +139,8 @@ def measure(args: argparse.Namespace) -> None:
         f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs): llmserver (SQLite, one",
         "instance: the stand-in for llama-server of bench/instant.py) and the bare pass-through on aiohttp and",
         "on llmserver's own client, all in front of the same stand-in. One at a time: the targets take turns",
-        f"request by request, {args.requests} each. Capacity: {args.clients} clients for {args.seconds:g} s, "
-        f"the median of {args.repeats}",
+        f"{load.BLOCK} requests at a time, {args.requests} each. Capacity: {args.clients} clients for "
+        f"{args.seconds:g} s, the median of {args.repeats}",
         "runs, each target in each place in turn. CPU: the gateway process's own, per request.",
         "",
         f"| target | CPU per request, one at a time | p50 ms | requests/s, {args.clients} clients "

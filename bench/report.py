@@ -168,6 +168,8 @@ def _overhead(results: Results) -> list[str]:
         "",
         "## Gateway overhead on tiny requests (`max_tokens: 1`, non-streamed, one at a time)",
         "",
+        f"The targets take turns {load.BLOCK} requests at a time (bench/load.py `BLOCK`).",
+        "",
         "| | llmserver ms | llama-server ms | added ms | ratio | " + " | ".join(f"{n} ms" for n in others) + " |",
         "|---|---|---|---|---|" + "---|" * len(others),
     ]

@@ -120,7 +120,7 @@ def run(plan: Plan, out: Path, peers: list[str]) -> Results:
         results.rss_idle = sampler.rss()
         with sampler:
             _throughput(plan, targets, results)
-            progress(f"gateway overhead: {plan.overhead_requests} max_tokens=1 requests per target, taking turns")
+            progress(f"gateway overhead: {plan.overhead_requests} max_tokens=1 requests a target, {load.BLOCK} in turn")
             proxied = [t for t in targets if t.name != "llama-cpp-python"]  # llmserver, direct, the floor, LiteLLM
             results.overhead, results.overhead_cpu = asyncio.run(load.overhead(proxied, plan.overhead_requests))
             for concurrency in plan.capacity_levels:

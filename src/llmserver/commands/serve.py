@@ -86,6 +86,9 @@ def serve(
         log_level=settings.log_level,
         access_log=False,  # ours (llmserver.access) leaves out query strings, which may carry keys
         server_header=False,  # no "server: uvicorn" on every answer: nothing a client needs, a banner for probes
+        # Nothing here reads the client's address or scheme (the access log names the key): no layer
+        # rewriting them from X-Forwarded-* on every request.
+        proxy_headers=False,
         timeout_graceful_shutdown=int(settings.drain_timeout),  # in-flight requests get this long
     )
     sockets = [bound_socket(settings.host, settings.port, reuse_port=True)] if number is not None else None
