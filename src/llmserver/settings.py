@@ -231,7 +231,8 @@ class Settings(BaseSettings):
     queue_timeout: float = Field(
         default=60.0,
         gt=0,
-        description="Seconds a request may wait for a free slot (or a cold start) before it fails with 504 (503).",
+        description="Seconds a request may wait in the gateway's queue for a free slot or instance_queue place (or a "
+        "cold start) before it fails with 504 (503); one an instance holds waits there under request_timeout.",
     )
     request_read_timeout: float = Field(
         default=10.0,
