@@ -1,7 +1,7 @@
-"""The SSE response (`api/events.py`) under a real uvicorn on 127.0.0.1: its body is sent a
-DirectWriter after the first chunk, and what the body writes through it reaches the client framed
-and in order with what it yields. Under any other server (here httpx's ASGI transport) it is sent
-nothing and works as a plain stream."""
+"""The SSE response (`api/events.py`) under llmserver's own server on 127.0.0.1 (uvicorn's, with
+`http_protocol.GatewayProtocol`): its body is sent a DirectWriter after the first chunk, and what the
+body writes through it reaches the client framed and in order with what it yields. Under any other
+server (plain uvicorn, httpx's ASGI transport) it is sent nothing and works as a plain stream."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from llmserver.api.events import DirectWriter, EventStream
 from llmserver.engine.generation import Writer
+from llmserver.http_protocol import GatewayProtocol
 
 
 def app_and_seen() -> tuple[object, list[Writer | None]]:
@@ -38,14 +39,14 @@ def app_and_seen() -> tuple[object, list[Writer | None]]:
     return app, seen
 
 
-def test_under_uvicorn_the_body_writes_directly() -> None:
-    app, seen = app_and_seen()
+def served(app: object, http: type[asyncio.Protocol] | str) -> bytes:
+    """What a GET of `app` under uvicorn's server with the protocol `http` answers."""
 
     async def test() -> bytes:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))  # type: ignore[arg-type]
+        server = uvicorn.Server(uvicorn.Config(app, http=http, lifespan="off", log_level="warning"))  # type: ignore[arg-type]
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:  # noqa: ASYNC110 (uvicorn has no event for it)
             await asyncio.sleep(0.01)
@@ -57,7 +58,12 @@ def test_under_uvicorn_the_body_writes_directly() -> None:
             server.should_exit = True
             await serving
 
-    assert asyncio.run(test()) == b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: [DONE]\n\n"
+    return asyncio.run(test())
+
+
+def test_under_llmservers_server_the_body_writes_directly() -> None:
+    app, seen = app_and_seen()
+    assert served(app, GatewayProtocol) == b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: [DONE]\n\n"
     assert len(seen) == 1 and isinstance(seen[0], DirectWriter)
 
 
@@ -70,25 +76,26 @@ def test_elsewhere_it_is_a_plain_stream() -> None:
             return (await client.get("/")).content
 
     assert asyncio.run(test()) == b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: [DONE]\n\n"
-    assert seen == [None]
+    assert served(app, "httptools") == b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: [DONE]\n\n"  # uvicorn's own
+    assert seen == [None, None]
 
 
 class Cycle:
-    """Stand-in for uvicorn's cycle in the two states a real client is slow to produce on demand:
+    """Stand-in for the server's cycle in the two states a real client is slow to produce on demand:
     its connection's buffer full (flow control paused), and the client gone."""
 
     def __init__(self) -> None:
         self.written: list[bytes] = []
         self.transport = type("Transport", (), {"write": self.written.append})()
-        self.flow = type("Flow", (), {"write_paused": False})()
+        self.protocol = type("Protocol", (), {"write_paused": False})()
         self.disconnected = False
 
 
 def test_a_paused_client_still_gets_what_was_given_and_a_gone_one_nothing() -> None:
     cycle = Cycle()
-    writer = DirectWriter(cycle)
+    writer = DirectWriter(cycle)  # type: ignore[arg-type]
     assert writer(b"data: 1\n\n") is True
-    cycle.flow.write_paused = True
+    cycle.protocol.write_paused = True
     assert writer(b"data: 2\n\n") is False  # stop pumping, but this chunk is not lost
     cycle.disconnected = True
     assert writer(b"data: 3\n\n") is False

@@ -1,0 +1,303 @@
+"""llmserver's HTTP/1.1 protocol (`http_protocol.GatewayProtocol`) under uvicorn's server, spoken to
+in raw bytes over real sockets: keep-alive, pipelining, 100-continue, chunked bodies both ways, HEAD,
+flow control, timeouts, disconnects, and what it answers to what is not HTTP or to a failing app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import uvicorn
+
+from llmserver.http_protocol import QuietServer, with_read_timeout
+
+App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+
+
+@asynccontextmanager
+async def serving(app: App, *, read_timeout: float = 10.0, keep_alive: int = 5) -> AsyncIterator[int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        app, http=with_read_timeout(read_timeout), lifespan="off", log_level="warning", timeout_keep_alive=keep_alive
+    )
+    server = QuietServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:  # noqa: ASYNC110 (uvicorn has no event for it)
+        await asyncio.sleep(0.01)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        server._stopping.set()
+        await task
+
+
+async def body_of(receive: Any) -> bytes:
+    body, more = b"", True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
+async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers the method, path, query and body it was sent, with a Content-Length."""
+    body = await body_of(receive)
+    answer = b"%s %s?%s %s" % (scope["method"].encode(), scope["path"].encode(), scope["query_string"], body)
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(answer))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    """One answer: its status line, headers and body (by Content-Length, or chunked)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    status, *lines = head[:-4].split(b"\r\n")
+    headers = {name.lower(): value for name, value in (line.split(b": ", 1) for line in lines)}
+    if b"content-length" in headers:
+        return status, headers, await reader.readexactly(int(headers[b"content-length"]))
+    body = b""
+    if headers.get(b"transfer-encoding") == b"chunked":
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readexactly(2)
+    return status, headers, body
+
+
+@asynccontextmanager
+async def connect(port: int) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+def test_a_kept_alive_connection_answers_one_request_after_another() -> None:
+    async def test() -> None:
+        async with serving(echo) as port, connect(port) as (reader, writer):
+            for n in range(3):
+                writer.write(b"POST /v1/x%d?a=%d HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\nhello" % (n, n))
+                status, headers, body = await read_answer(reader)
+                assert status == b"HTTP/1.1 200 OK"
+                assert body == b"POST /v1/x%d?a=%d hello" % (n, n)
+                assert headers[b"date"].endswith(b" GMT") and b"connection" not in headers
+
+    asyncio.run(test())
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    async def slow_first(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/first":
+            await asyncio.sleep(0.2)  # the second must still wait for it
+        await echo(scope, receive, send)
+
+    async def test() -> None:
+        async with serving(slow_first) as port, connect(port) as (reader, writer):
+            writer.write(
+                b"POST /first HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\n1"
+                b"POST /second HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\n2"
+                b"GET /third HTTP/1.1\r\nHost: t\r\n\r\n"
+            )
+            answers = [(await read_answer(reader))[2] for _ in range(3)]
+            assert answers == [b"POST /first? 1", b"POST /second? 2", b"GET /third? "]
+
+    asyncio.run(test())
+
+
+def test_expect_100_continue_is_answered_when_the_app_reads_the_body_and_not_before() -> None:
+    async def refuses_big(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/big":  # answered from the headers alone: the client need not send the body
+            await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await echo(scope, receive, send)
+
+    async def test() -> None:
+        async with serving(refuses_big) as port:
+            async with connect(port) as (reader, writer):
+                writer.write(b"POST /small HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+                assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+                writer.write(b"ok")
+                assert (await read_answer(reader))[2] == b"POST /small? ok"
+
+            async with connect(port) as (reader, writer):
+                writer.write(b"POST /big HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 999\r\n\r\n")
+                status, _, _ = await read_answer(reader)
+                assert status == b"HTTP/1.1 413 Request Entity Too Large"  # no 100 before it
+
+    asyncio.run(test())
+
+
+def test_a_chunked_request_body_arrives_whole_and_a_large_one_in_pieces() -> None:
+    sizes: list[int] = []
+
+    async def counts(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            sizes.append(len(message["body"]))
+            body += message["body"]
+            more = message["more_body"]
+        answer = b"%d %s" % (len(body), body[-5:])
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(answer))]}
+        )
+        await send({"type": "http.response.body", "body": answer})
+
+    async def test() -> None:
+        async with serving(counts) as port, connect(port) as (reader, writer):
+            writer.write(
+                b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+            )
+            assert (await read_answer(reader))[2] == b"5 abcde"
+            large = b"x" * 3_000_000 + b"12345"  # beyond the 64 KiB at which reading pauses
+            writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(large))
+            writer.write(large)
+            await writer.drain()
+            assert (await read_answer(reader))[2] == b"%d 12345" % len(large)
+
+    asyncio.run(test())
+    assert len(sizes) > 3  # the large body came in several messages
+
+
+def test_an_answer_without_a_length_is_chunked_and_head_gets_no_body() -> None:
+    async def streams(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for part in (b"one ", b"two ", b""):
+            await send({"type": "http.response.body", "body": part, "more_body": bool(part)})
+
+    async def test() -> None:
+        async with serving(streams) as port, connect(port) as (reader, writer):
+            writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            _, headers, body = await read_answer(reader)
+            assert headers[b"transfer-encoding"] == b"chunked" and body == b"one two "
+        async with serving(echo) as port, connect(port) as (reader, writer):
+            writer.write(b"HEAD /h HTTP/1.1\r\nHost: t\r\n\r\nGET /after HTTP/1.1\r\nHost: t\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert b"content-length: 9\r\n" in head  # "HEAD /h? ": the length the app gave
+            _, _, body = await read_answer(reader)  # the next answer follows at once: no body in between
+            assert body == b"GET /after? "
+
+    asyncio.run(test())
+
+
+def test_http_1_0_closes_after_its_answer() -> None:
+    async def test() -> None:
+        async with serving(echo) as port, connect(port) as (reader, writer):
+            writer.write(b"GET /old HTTP/1.0\r\n\r\n")
+            _, headers, body = await read_answer(reader)
+            assert headers[b"connection"] == b"close" and body == b"GET /old? "
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+
+    asyncio.run(test())
+
+
+def test_what_is_not_http_gets_a_400_and_the_connection_closes() -> None:
+    async def test() -> None:
+        async with serving(echo) as port, connect(port) as (reader, writer):
+            writer.write(b"\x16\x03\x01 this is TLS, not HTTP\r\n\r\n")
+            status, _, body = await read_answer(reader)
+            assert status == b"HTTP/1.1 400 Bad Request" and body == b"Invalid HTTP request received."
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+
+    asyncio.run(test())
+
+
+def test_an_app_that_fails_before_answering_gets_a_500_and_its_error_logged(caplog: pytest.LogCaptureFixture) -> None:
+    async def fails(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raise ValueError("the app broke")
+
+    async def test() -> None:
+        async with serving(fails) as port, connect(port) as (reader, writer):
+            # Where uvicorn's own protocol logs it too; its logging config (applied as the server was
+            # made) has it not propagate to the root, where caplog listens.
+            logging.getLogger("uvicorn.error").addHandler(caplog.handler)
+            writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            status, headers, body = await read_answer(reader)
+            assert status == b"HTTP/1.1 500 Internal Server Error" and body == b"Internal Server Error"
+            assert headers[b"connection"] == b"close"
+
+    try:
+        asyncio.run(test())
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(caplog.handler)
+    assert any("Exception in ASGI application" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_header_value_that_would_split_the_answer_is_refused() -> None:
+    async def injects(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = [(b"content-length", b"0"), (b"x-name", b"ok\r\nset-cookie: stolen=1")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    async def test() -> None:
+        async with serving(injects) as port, connect(port) as (reader, writer):
+            writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            received = await asyncio.wait_for(reader.read(), 5)
+            assert b"stolen" not in received  # nothing of it was written: the connection closed
+
+    asyncio.run(test())
+
+
+def test_the_app_hears_of_a_client_that_left_mid_answer() -> None:
+    heard: asyncio.Future[dict[str, Any]] | None = None
+
+    async def waits(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await body_of(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        assert heard is not None
+        heard.set_result(await receive())  # waits until the client is gone
+
+    async def test() -> None:
+        nonlocal heard
+        heard = asyncio.get_running_loop().create_future()
+        async with serving(waits) as port, connect(port) as (reader, writer):
+            writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"first"), 5)
+            writer.close()
+            assert await asyncio.wait_for(heard, 5) == {"type": "http.disconnect"}
+
+    asyncio.run(test())
+
+
+def test_a_request_that_stops_arriving_and_an_idle_connection_are_closed(caplog: pytest.LogCaptureFixture) -> None:
+    async def test() -> tuple[float, float, float]:
+        async with serving(echo, read_timeout=0.5, keep_alive=1) as port:
+            loop = asyncio.get_running_loop()
+            async with connect(port) as (reader, writer):
+                started = loop.time()
+                writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc")  # 7 bytes short
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+                stalled = loop.time() - started
+
+            async with connect(port) as (reader, writer):
+                writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+                await read_answer(reader)
+                answered = loop.time()
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+                idle = loop.time() - answered
+
+            async with connect(port) as (reader, writer):  # sends nothing at all
+                started = loop.time()
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+                return stalled, idle, loop.time() - started
+
+    with caplog.at_level(logging.INFO, logger="llmserver.http_protocol"):
+        stalled, idle, silent = asyncio.run(test())
+    assert 0.4 < stalled < 2, stalled  # read_timeout
+    assert 0.9 < idle < 2.5, idle  # keep-alive between requests (checked at most every read_timeout)
+    assert 0.4 < silent < 2, silent
+    assert sum("its request stopped arriving" in r.getMessage() for r in caplog.records) == 2
