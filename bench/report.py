@@ -233,6 +233,9 @@ def _capacity(results: Results) -> list[str]:
         "",
         "## Tiny requests under load: requests/s and median latency by clients",
         "",
+        f"Each target {results.plan.capacity_seconds:g} s per level, {results.plan.repeats} times in rotating order: "
+        "the medians.",
+        "",
         "| clients | llmserver req/s | llama-server req/s | ratio | llmserver p50 ms | llama-server p50 ms |",
         "|---|---|---|---|---|---|",
     ]

@@ -124,10 +124,15 @@ def run(plan: Plan, out: Path, peers: list[str]) -> Results:
             proxied = [t for t in targets if t.name != "llama-cpp-python"]  # llmserver, direct, the floor, LiteLLM
             results.overhead, results.overhead_cpu = asyncio.run(load.overhead(proxied, plan.overhead_requests))
             for concurrency in plan.capacity_levels:
-                for target in proxied:
-                    progress(f"capacity: {target.name}, {concurrency} clients, {plan.capacity_seconds:g} s")
-                    measured = asyncio.run(load.capacity(target, concurrency, plan.capacity_seconds))
-                    results.capacity.setdefault(target.name, []).append((concurrency, *measured))
+                runs: dict[str, list[tuple[float, float, float]]] = {}
+                for i in range(plan.repeats):  # each target in each place in turn, as for the streams
+                    for target in load.turn(proxied, i):
+                        progress(f"capacity: {target.name}, {concurrency} clients, {plan.capacity_seconds:g} s")
+                        measured = asyncio.run(load.capacity(target, concurrency, plan.capacity_seconds))
+                        runs.setdefault(target.name, []).append(measured)
+                for name, measures in runs.items():
+                    rate, p50, cpu = (statistics.median(values) for values in zip(*measures, strict=True))
+                    results.capacity.setdefault(name, []).append((concurrency, rate, p50, cpu))
         results.rss_peak = sampler.peak
     finally:
         for target in targets:

@@ -301,3 +301,18 @@ def test_a_request_that_stops_arriving_and_an_idle_connection_are_closed(caplog:
     assert 0.9 < idle < 2.5, idle  # keep-alive between requests (checked at most every read_timeout)
     assert 0.4 < silent < 2, silent
     assert sum("its request stopped arriving" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_stalled_pipelined_request_does_not_cut_the_answer_before_it() -> None:
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await asyncio.sleep(1.2)  # longer than read_timeout: a long answer, its request all in
+        await echo(scope, receive, send)
+
+    async def test() -> bytes:
+        async with serving(slow, read_timeout=0.5) as port, connect(port) as (reader, writer):
+            writer.write(b"GET /long HTTP/1.1\r\nHost: t\r\n\r\nGET /next HTTP/1.1\r\nHost: t\r\n")  # 2nd: no end
+            _, _, body = await read_answer(reader)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # then the stalled one is closed
+            return body
+
+    assert asyncio.run(test()) == b"GET /long? "

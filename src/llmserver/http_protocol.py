@@ -333,6 +333,7 @@ class GatewayProtocol(asyncio.Protocol):
     # The parser's callbacks
 
     def on_message_begin(self) -> None:
+        self.reading = True  # (again, when a pipelined request begins in the data that ended one)
         self.url = b""
         self.headers = []
         self.expect = False
@@ -435,7 +436,10 @@ class GatewayProtocol(asyncio.Protocol):
         self.timer = None
         if self.transport.is_closing():
             return
-        if self.running is not None and not self.reading:  # answering: no limit here (request_timeout's)
+        running = self.running
+        if running is not None and not (self.reading and running is self.cycle and running.more_body):
+            # Answering, its body all in (what may be arriving is a pipelined request, read once this
+            # answer is done): no limit here, request_timeout is the app's.
             self.timer = self.loop.call_later(min(self.read_timeout, self.keep_alive_timeout), self._check_timeout)
             return
         limit = self.read_timeout if self.reading else self.keep_alive_timeout
