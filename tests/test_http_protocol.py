@@ -316,3 +316,17 @@ def test_a_stalled_pipelined_request_does_not_cut_the_answer_before_it() -> None
             return body
 
     assert asyncio.run(test()) == b"GET /long? "
+
+
+def test_a_websocket_upgrade_is_answered_as_plain_http() -> None:
+    async def test() -> list[bytes]:
+        async with serving(echo) as port, connect(port) as (reader, writer):
+            writer.write(
+                b"GET /ws HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+            )
+            first = (await read_answer(reader))[2]
+            writer.write(b"GET /after HTTP/1.1\r\nHost: t\r\n\r\n")  # the connection still serves HTTP
+            return [first, (await read_answer(reader))[2]]
+
+    assert asyncio.run(test()) == [b"GET /ws? ", b"GET /after? "]
