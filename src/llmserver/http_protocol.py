@@ -55,6 +55,12 @@ def status_line(status: int) -> bytes:
     return STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status
 
 
+def wake_all(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
+
+
 class Cycle:
     """One request and its answer: the ASGI `receive` and `send` the app is called with."""
 
@@ -97,9 +103,7 @@ class Cycle:
 
     def wake(self) -> None:
         waiters, self.waiters = self.waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        wake_all(waiters)
 
     # ASGI
 
@@ -111,14 +115,13 @@ class Cycle:
         while True:
             if self.disconnected or self.complete:
                 return DISCONNECT
+            self.protocol.resume_reading()
             if self.chunks or (not self.more_body and not self.delivered):
                 body = b"".join(self.chunks) if len(self.chunks) != 1 else self.chunks[0]
                 self.chunks = []
                 self.unread = 0
                 self.delivered = not self.more_body
-                self.protocol.resume_reading()
                 return {"type": "http.request", "body": body, "more_body": self.more_body}
-            self.protocol.resume_reading()
             waiter = asyncio.get_running_loop().create_future()
             self.waiters.append(waiter)
             await waiter
@@ -284,7 +287,6 @@ class GatewayProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last = self.loop.time()
-        self.reading = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -307,9 +309,7 @@ class GatewayProtocol(asyncio.Protocol):
 
     def _drained(self) -> None:
         waiters, self.drained = self.drained, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        wake_all(waiters)
 
     def pause_reading(self) -> None:
         if not self.read_paused:
@@ -333,7 +333,7 @@ class GatewayProtocol(asyncio.Protocol):
     # The parser's callbacks
 
     def on_message_begin(self) -> None:
-        self.reading = True  # (again, when a pipelined request begins in the data that ended one)
+        self.reading = True  # a request began: its first byte came
         self.url = b""
         self.headers = []
         self.expect = False
