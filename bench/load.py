@@ -48,6 +48,7 @@ class LevelResult:
     samples: list[Sample] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the runs, summed
     cpu_seconds: float = 0.0  # a gateway's process CPU time during the runs, summed
+    blocks: list[float] = field(default_factory=list)  # tokens/s of each block, in the order run
 
     @property
     def cpu_ms_per_token(self) -> float:

@@ -62,6 +62,14 @@ def _ratio(value: float, reference: float) -> str:
     return f"{value / reference:.3f}" if reference else "n/a"
 
 
+def _spread(blocks: list[float], references: list[float]) -> str:
+    """The lowest and highest ratio of a target's block to the reference's block of the same round."""
+    ratios = [value / reference for value, reference in zip(blocks, references, strict=False) if reference]
+    if len(ratios) < 2:
+        return "n/a"
+    return f"{min(ratios):.3f} to {max(ratios):.3f}"
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
 
@@ -86,9 +94,9 @@ def render(results: Results) -> str:
         f"- Settings: one instance, `--parallel {plan.parallel}`, `--ctx-size {plan.ctx_size}` per slot, "
         f"`--threads {plan.threads}`; the plain llama-server gets the same arguments",
         f"- Workload: streamed chat, greedy, {plan.max_tokens} output tokens, {len(plan.levels)} levels "
-        f"({', '.join(map(str, plan.levels))} clients), {plan.per_client} requests per client per repeat "
-        f"(at least {plan.min_requests} per level), "
-        f"{plan.repeats} repeat(s) rotating the order of the targets; {plan.overhead_requests} "
+        f"({', '.join(map(str, plan.levels))} clients) in blocks of {plan.per_client} requests per client, "
+        f"the targets taking turns block by block in rotating order, at least {plan.repeats} blocks and "
+        f"{plan.min_requests} requests per target and level; {plan.overhead_requests} "
         f"`max_tokens: 1` requests per target for the overhead; run time {results.seconds:.0f} s",
         "",
         "Ratios are llmserver / direct llama-server from the same run; `added` is llmserver minus direct.",
@@ -97,16 +105,19 @@ def render(results: Results) -> str:
         "",
         "## Throughput (streamed)",
         "",
-        "| clients | llmserver tok/s | llama-server tok/s | ratio | llmserver req/s | ratio "
+        "`blocks` is the spread of the ratio between the two targets' blocks of the same round.",
+        "",
+        "| clients | llmserver tok/s | llama-server tok/s | ratio | blocks | llmserver req/s | ratio "
         "| output tokens (llmserver / direct) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in plan.levels:
         g, d = gateway[c], direct[c]
         lines.append(
             f"| {c} | {g.tokens_per_second:.1f} | {d.tokens_per_second:.1f} | "
-            f"{_ratio(g.tokens_per_second, d.tokens_per_second)} | {g.requests_per_second:.2f} | "
-            f"{_ratio(g.requests_per_second, d.requests_per_second)} | {g.tokens} / {d.tokens} |"
+            f"{_ratio(g.tokens_per_second, d.tokens_per_second)} | {_spread(g.blocks, d.blocks)} | "
+            f"{g.requests_per_second:.2f} | {_ratio(g.requests_per_second, d.requests_per_second)} | "
+            f"{g.tokens} / {d.tokens} |"
         )
     lines += [
         "",
