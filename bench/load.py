@@ -207,10 +207,14 @@ async def overhead(
 
 
 def turn(targets: list[Target], i: int) -> list[Target]:
-    """The i-th order of the targets: rotated by one each time, and every other cycle reversed."""
-    count = len(targets)
-    ordered = targets if (i // count) % 2 == 0 else targets[::-1]
-    return ordered[i % count :] + ordered[: i % count]
+    """The i-th order of the targets, in pairs: the rotation by i // 2, forwards and then backwards.
+    Each pair gives every target the same mean place, so that a drift of the machine's speed over
+    the pair falls alike on all of them (two rotations by one did not: a target first and then last
+    ran at both ends of the drift, the one after it in the middle), and each target takes each
+    place in turn as the pairs go on."""
+    shift = (i // 2) % len(targets)
+    ordered = targets[shift:] + targets[:shift]
+    return ordered if i % 2 == 0 else ordered[::-1]
 
 
 async def capacity(target: Target, concurrency: int, seconds: float) -> tuple[float, float, float]:
