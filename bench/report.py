@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -62,12 +63,26 @@ def _ratio(value: float, reference: float) -> str:
     return f"{value / reference:.3f}" if reference else "n/a"
 
 
-def _spread(blocks: list[float], references: list[float]) -> str:
-    """The lowest and highest ratio of a target's block to the reference's block of the same round."""
-    ratios = [value / reference for value, reference in zip(blocks, references, strict=False) if reference]
+def _block_ratios(level: LevelResult, reference: LevelResult) -> list[float]:
+    """Each block's tokens/s over the reference's block of the same round."""
+    return [value / other for value, other in zip(level.blocks, reference.blocks, strict=False) if other]
+
+
+def _level_ratio(level: LevelResult, reference: LevelResult) -> float:
+    """The tokens/s ratio a target is held to: the median of the rounds' ratios, which one block slowed
+    by the machine (another process's burst) does not move; with a single round, the pooled ratio."""
+    ratios = _block_ratios(level, reference)
+    if len(ratios) < 2:
+        return level.tokens_per_second / reference.tokens_per_second if reference.tokens_per_second else 0.0
+    return statistics.median(ratios)
+
+
+def _spread(level: LevelResult, reference: LevelResult) -> str:
+    """The median ratio of the rounds, and the lowest and highest."""
+    ratios = _block_ratios(level, reference)
     if len(ratios) < 2:
         return "n/a"
-    return f"{min(ratios):.3f} to {max(ratios):.3f}"
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f} to {max(ratios):.3f})"
 
 
 def _ms(seconds: float) -> str:
@@ -105,9 +120,10 @@ def render(results: Results) -> str:
         "",
         "## Throughput (streamed)",
         "",
-        "`blocks` is the spread of the ratio between the two targets' blocks of the same round.",
+        "`ratio` pools all blocks; `by round` is the median (lowest to highest) of the ratios between the two "
+        "targets' blocks of the same round, the figure the targets above are held to.",
         "",
-        "| clients | llmserver tok/s | llama-server tok/s | ratio | blocks | llmserver req/s | ratio "
+        "| clients | llmserver tok/s | llama-server tok/s | ratio | by round | llmserver req/s | ratio "
         "| output tokens (llmserver / direct) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -115,7 +131,7 @@ def render(results: Results) -> str:
         g, d = gateway[c], direct[c]
         lines.append(
             f"| {c} | {g.tokens_per_second:.1f} | {d.tokens_per_second:.1f} | "
-            f"{_ratio(g.tokens_per_second, d.tokens_per_second)} | {_spread(g.blocks, d.blocks)} | "
+            f"{_ratio(g.tokens_per_second, d.tokens_per_second)} | {_spread(g, d)} | "
             f"{g.requests_per_second:.2f} | {_ratio(g.requests_per_second, d.requests_per_second)} | "
             f"{g.tokens} / {d.tokens} |"
         )
@@ -152,8 +168,12 @@ def _targets(results: Results) -> list[str]:
     added_p99 = percentile(g_tiny, 0.99) - percentile(d_tiny, 0.99)
     rows = ["## Targets (docs/performance-targets.md)", "", "| target | measured | met |", "|---|---|---|"]
     for c in plan.levels:
-        ratio = gateway[c].tokens_per_second / direct[c].tokens_per_second
-        rows.append(f"| tokens/s ≥ 0.98 x direct at {c} clients | {ratio:.3f} | {'yes' if ratio >= 0.98 else 'no'} |")
+        ratio = _level_ratio(gateway[c], direct[c])
+        rounds = len(_block_ratios(gateway[c], direct[c]))
+        how = f" (median of {rounds} rounds)" if rounds > 1 else ""
+        rows.append(
+            f"| tokens/s ≥ 0.98 x direct at {c} clients | {ratio:.3f}{how} | {'yes' if ratio >= 0.98 else 'no'} |"
+        )
     rows.append(
         f"| added p50 ≤ 1 ms on `max_tokens: 1` | {added_p50 * 1000:.2f} ms | {'yes' if added_p50 <= 0.001 else 'no'} |"
     )
