@@ -110,7 +110,7 @@ def render(results: Results) -> str:
         f"`--threads {plan.threads}`; the plain llama-server gets the same arguments",
         f"- Workload: streamed chat, greedy, {plan.max_tokens} output tokens, {len(plan.levels)} levels "
         f"({', '.join(map(str, plan.levels))} clients) in blocks of {plan.per_client} requests per client, "
-        f"the targets taking turns block by block in rotating order, at least {plan.repeats} blocks and "
+        f"the targets taking turns block by block in mirrored pairs of orders, at least {plan.repeats} blocks and "
         f"{plan.min_requests} requests per target and level; {plan.overhead_requests} "
         f"`max_tokens: 1` requests per target for the overhead; run time {results.seconds:.0f} s",
         "",
@@ -264,7 +264,7 @@ def _capacity(results: Results) -> list[str]:
         "",
         "## Tiny requests under load: requests/s and median latency by clients",
         "",
-        f"Each target {results.plan.capacity_seconds:g} s per level, {results.plan.repeats} times in rotating order: "
+        f"Each target {results.plan.capacity_seconds:g} s per level, {results.plan.repeats} times in mirrored orders: "
         "the medians.",
         "",
         "| clients | llmserver req/s | llama-server req/s | ratio | llmserver p50 ms | llama-server p50 ms |",
