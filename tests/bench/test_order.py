@@ -1,0 +1,34 @@
+"""The benchmark's order of targets and the ratio its throughput targets are held to."""
+
+from __future__ import annotations
+
+from bench.load import LevelResult, Sample, turn
+from bench.report import _level_ratio
+
+
+def test_each_pair_of_orders_gives_every_target_the_same_mean_place() -> None:
+    targets = list("ABCDE")
+    for pair in range(8):
+        first, second = turn(targets, 2 * pair), turn(targets, 2 * pair + 1)  # type: ignore[arg-type]
+        assert sorted(first) == targets and second == first[::-1]
+        places = {t: first.index(t) + second.index(t) for t in targets}
+        assert set(places.values()) == {len(targets) - 1}
+
+
+def test_each_target_takes_each_place_as_the_pairs_go_on() -> None:
+    targets = list("ABCDE")
+    orders = [turn(targets, i) for i in range(0, 2 * len(targets), 2)]  # type: ignore[arg-type]
+    for place in range(len(targets)):
+        assert sorted(order[place] for order in orders) == targets
+
+
+def test_the_ratio_is_the_median_of_the_rounds_and_one_slow_round_does_not_move_it() -> None:
+    direct = LevelResult("direct", 1, blocks=[100.0, 100.0, 100.0, 100.0, 100.0])
+    gateway = LevelResult("gateway", 1, blocks=[99.0, 100.0, 98.0, 60.0, 101.0])
+    assert _level_ratio(gateway, direct) == 0.99
+
+
+def test_with_one_round_the_ratio_is_the_pooled_one() -> None:
+    direct = LevelResult("direct", 1, [Sample(0.01, [], 10.0, 1000)], seconds=10.0, blocks=[100.0])
+    gateway = LevelResult("gateway", 1, [Sample(0.01, [], 20.0, 1000)], seconds=20.0, blocks=[50.0])
+    assert _level_ratio(gateway, direct) == 0.5
