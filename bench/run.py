@@ -5,7 +5,8 @@ in one run on this machine, with a Markdown report and charts.
     .venv/bin/python -m bench --quick    # under a minute here: a smoke test of the harness
 
 Each concurrency level is run on every target in turn, in blocks of a few requests per client, the
-order rotating between blocks, so that drift in the machine's speed hits all of them alike.
+targets taking turns in mirrored pairs of orders (`load.turn`), so that drift in the machine's speed
+hits all of them alike.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def _throughput(plan: Plan, targets: list[Target], results: Results) -> None:
                 level.blocks.append(tokens / seconds)
                 ttft = statistics.median(s.ttft for s in samples) * 1000
                 per_token = f", gateway CPU {cpu * 1000 / tokens:.3f} ms/token" if target.gateway else ""
-                progress(f"  {tokens / seconds:.1f} tok/s, median TTFT {ttft:.0f} ms{per_token}")
+                progress(f"  {level.blocks[-1]:.1f} tok/s, median TTFT {ttft:.0f} ms{per_token}")
 
 
 def _affinity(plan: Plan, model: ModelConfig, logs: Path, results: Results) -> None:
