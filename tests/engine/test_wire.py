@@ -12,7 +12,7 @@ import pytest
 
 from llmserver.engine import wire
 from llmserver.engine.client import LlamaServerClient
-from llmserver.errors import InstanceUnavailable, UpstreamError
+from llmserver.errors import GatewayTimeout, InstanceUnavailable, UpstreamError
 from tests.support import free_port
 
 Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # the request's head → keep the connection?
@@ -259,6 +259,51 @@ def test_the_client_maps_wire_failures_to_the_envelope() -> None:
             client = LlamaServerClient(f"http://127.0.0.1:{server.port}")
             with pytest.raises(UpstreamError, match="broken response"):  # never sent again
                 await client.post_json("/v1/completions", {})
+            await client.close()
+
+    run(test)
+
+
+def test_a_call_past_its_timeout_is_504_and_its_connection_closed() -> None:
+    """Silent before the headers, or stalled mid-body: either way the deadline's timer ends the call
+    and closes the connection (what stops llama-server); the pool serves the next call."""
+    replied = False
+
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        nonlocal replied
+        if b"/silent" in head:
+            await asyncio.sleep(3600)
+        if b"/stalled" in head:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{")
+            await asyncio.sleep(3600)
+        replied = True
+        return await json_answer()(head, writer)
+
+    async def test() -> None:
+        async with serving(answer, limit=1) as (server, _):
+            client = LlamaServerClient(f"http://127.0.0.1:{server.port}", connections=1)
+            for path in ("/silent", "/stalled"):
+                started = asyncio.get_running_loop().time()
+                with pytest.raises(GatewayTimeout, match="within 0 s"):
+                    await client.post_json(path, {}, timeout=0.3)
+                assert 0.3 <= asyncio.get_running_loop().time() - started < 1.0
+                assert not client._pool._busy and not client._pool._idle  # closed, its slot given back
+            assert await client.post_json("/ok", {}, timeout=5) == {"ok": True}
+            assert replied and server.connections == 3  # one per call: neither timed-out one was reused
+            await client.close()
+
+    run(test)
+
+
+def test_a_call_waiting_for_a_connection_past_its_timeout_is_504() -> None:
+    async def test() -> None:
+        async with serving(json_answer(), limit=1) as (server, _):
+            client = LlamaServerClient(f"http://127.0.0.1:{server.port}", connections=1)
+            held = await client._pool.send("POST", "/held", b"{}")  # the one connection, kept busy
+            with pytest.raises(GatewayTimeout):
+                await client.post_json("/x", {}, timeout=0.2)
+            client._pool.release(held)
+            assert await client.post_json("/x", {}, timeout=5) == {"ok": True}
             await client.close()
 
     run(test)

@@ -97,11 +97,15 @@ def fingerprint(key_hash: str) -> str:
 class KeyService:
     def __init__(self, store: KeyStore, admin_key: str | None = None, cache_seconds: float = 0.0) -> None:
         self._store = store
-        self._admin_hash = hash_key(admin_key) if admin_key else None
-        # Key hash → (its record or None for an unknown key, when the entry expires): a request whose
-        # key was seen within `cache_seconds` skips the store (a thread hop and a query per request).
+        self._admin: tuple[str, Principal] | None = None  # LLMSERVER_ADMIN_KEY's hash and principal
+        if admin_key:
+            admin_hash = hash_key(admin_key)
+            self._admin = admin_hash, Principal(ADMIN_ENV_KEY_ID, "LLMSERVER_ADMIN_KEY", fingerprint(admin_hash), True)
+        # Key hash → (its principal, or None for an unknown or revoked key; when the entry expires): a
+        # request whose key was seen within `cache_seconds` skips the store (a thread hop and a query)
+        # and the principal's making (a principal is immutable: requests share it).
         self._cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[KeyRecord | None, float]] = {}
+        self._cache: dict[str, tuple[Principal | None, float]] = {}
 
     async def create(self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
@@ -135,27 +139,34 @@ class KeyService:
         self._cache.clear()
         return revoked
 
-    async def _record(self, key_hash: str) -> KeyRecord | None:
+    async def _principal(self, key_hash: str) -> Principal | None:
         if self._cache_seconds <= 0:
-            return await self._store.key_by_hash(key_hash)
+            return _principal_of(await self._store.key_by_hash(key_hash))
         now = time.monotonic()
         cached = self._cache.get(key_hash)
         if cached is not None and cached[1] > now:
             return cached[0]
-        record = await self._store.key_by_hash(key_hash)
+        principal = _principal_of(await self._store.key_by_hash(key_hash))
         if len(self._cache) >= CACHE_ENTRIES:  # a flood of made-up keys cannot grow it without bound
             self._cache.clear()
-        self._cache[key_hash] = (record, now + self._cache_seconds)
-        return record
+        self._cache[key_hash] = (principal, now + self._cache_seconds)
+        return principal
 
     async def authenticate(self, presented: str | None) -> Principal:
         """The principal for a presented key; AuthenticationError when missing, unknown or revoked."""
         if not presented:
             raise AuthenticationError()
         key_hash = hash_key(presented)
-        if self._admin_hash is not None and hmac.compare_digest(key_hash, self._admin_hash):
-            return Principal(ADMIN_ENV_KEY_ID, "LLMSERVER_ADMIN_KEY", fingerprint(key_hash), True)
-        record = await self._record(key_hash)
-        if record is None or not record.active:
+        if self._admin is not None and hmac.compare_digest(key_hash, self._admin[0]):
+            return self._admin[1]
+        principal = await self._principal(key_hash)
+        if principal is None:
             raise AuthenticationError()
-        return Principal(record.id, record.name, record.fingerprint, record.is_admin, record.limits)
+        return principal
+
+
+def _principal_of(record: KeyRecord | None) -> Principal | None:
+    """The caller a stored key stands for; None for no key or a revoked one."""
+    if record is None or not record.active:
+        return None
+    return Principal(record.id, record.name, record.fingerprint, record.is_admin, record.limits)

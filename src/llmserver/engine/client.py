@@ -56,24 +56,26 @@ class LlamaServerClient:
             raise _unreachable(exc) from None
 
     def _request(
-        self, method: str, path: str, payload: JSON | None = None, fresh: bool = False
+        self, method: str, path: str, payload: JSON | None = None, fresh: bool = False, deadline: float | None = None
     ) -> AbstractAsyncContextManager[wire.Response]:
         """Send once. A connection that drops before any answer (llama-server may close connections
         just after a streamed answer ends) is InstanceUnavailable, which the one retry policy
         (`engine/calls.py`) sends again; `fresh`: on a new connection (a retry: the pool's other
-        kept-alive ones may be as stale)."""
-        return _Sent(self._pool, method, path, None if payload is None else orjson.dumps(payload), fresh)
+        kept-alive ones may be as stale); `deadline`: the whole answer's (`wire.Pool.send`)."""
+        body = None if payload is None else orjson.dumps(payload)
+        return _Sent(self._pool, method, path, body, fresh, deadline)
 
     async def post_json(self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None) -> JSON:
         """POST and read the JSON answer within `timeout` seconds (GatewayTimeout past it); `fresh`:
         on a new connection (a retry)."""
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout), self._request("POST", path, payload, fresh) as response:
+            async with self._request("POST", path, payload, fresh, deadline) as response:
                 return await _json_or_raise(response)
+        except wire.TimedOut:
+            raise _past(timeout) from None
         except wire.WireError as exc:
             raise _unreachable(exc) from None
-        except TimeoutError:
-            raise _past(timeout) from None
 
     async def stream(
         self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None
@@ -215,13 +217,18 @@ class _Sent(AbstractAsyncContextManager[wire.Response]):
     an @asynccontextmanager generator: every call to an instance goes through it, and a generator's
     context manager costs a few times as much to enter and leave."""
 
-    __slots__ = ("_body", "_fresh", "_method", "_path", "_pool", "_response")
+    __slots__ = ("_body", "_deadline", "_fresh", "_method", "_path", "_pool", "_response")
 
-    def __init__(self, pool: wire.Pool, method: str, path: str, body: bytes | None, fresh: bool) -> None:
-        self._pool, self._method, self._path, self._body, self._fresh = pool, method, path, body, fresh
+    def __init__(
+        self, pool: wire.Pool, method: str, path: str, body: bytes | None, fresh: bool, deadline: float | None
+    ) -> None:
+        self._pool, self._method, self._path, self._body = pool, method, path, body
+        self._fresh, self._deadline = fresh, deadline
 
     async def __aenter__(self) -> wire.Response:
-        self._response = await self._pool.send(self._method, self._path, self._body, fresh=self._fresh)
+        self._response = await self._pool.send(
+            self._method, self._path, self._body, fresh=self._fresh, deadline=self._deadline
+        )
         return self._response
 
     async def __aexit__(

@@ -35,6 +35,10 @@ class Broken(WireError):
     """The answer began and then broke: the connection dropped before its end, or it is not HTTP."""
 
 
+class TimedOut(WireError):
+    """No whole answer by the request's deadline: its connection was closed (llama-server stops)."""
+
+
 class Tap(Protocol):
     """Takes an answer's body pieces as the parser decodes them (`Response.tap`)."""
 
@@ -136,7 +140,7 @@ class Response:
         self._wake()
 
     def _fail(self, error: BaseException) -> None:
-        if self.complete:
+        if self.complete or self._error is not None:  # the first error is the one to tell
             return
         self._error = error
         tap, self._tap = self._tap, None
@@ -155,6 +159,7 @@ class Connection(asyncio.Protocol):
         self.headed: asyncio.Future[None] | None = None  # the status and headers of `response` came
         self.closed = False
         self.reusable = False  # the last answer was whole and the peer keeps the connection open
+        self.expiry: asyncio.TimerHandle | None = None  # the request's deadline, while it has one
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -208,7 +213,10 @@ class Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
 
-    def _broken(self, error: Broken) -> None:
+    def expire(self) -> None:
+        self._broken(TimedOut("no whole answer by the deadline"))
+
+    def _broken(self, error: WireError) -> None:
         self._headed(error)
         if self.response is not None:
             self.response._fail(error)
@@ -260,22 +268,38 @@ class Pool:
         self._slots = asyncio.Semaphore(limit)
         self._busy: set[Connection] = set()
 
-    async def send(self, method: str, path: str, body: bytes | None = None, *, fresh: bool = False) -> Response:
+    async def send(
+        self, method: str, path: str, body: bytes | None = None, *, fresh: bool = False, deadline: float | None = None
+    ) -> Response:
         """Send a request and return its answer once its status and headers came; `fresh`: on a new
         connection. The caller gives the answer back with `release`, whatever happens. Unreachable
-        when the connection cannot be made or drops before the headers; Broken when they are not HTTP."""
-        await self._slots.acquire()
+        when the connection cannot be made or drops before the headers; Broken when they are not HTTP;
+        TimedOut when the whole answer has not come by `deadline` (the loop's clock), from then on.
+
+        The deadline is a timer on the connection, which fails the answer's waits and closes it: an
+        `asyncio.timeout` around the call would cost a few times as much on every request."""
+        loop = asyncio.get_running_loop()
+        if deadline is not None and self._slots.locked():
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise TimedOut("no connection came free by the deadline") from None
+        else:
+            await self._slots.acquire()
         connection = None
         try:
             connection = None if fresh else self._reuse()
             if connection is None:
-                connection = await self._connect()
+                connection = await self._connect(deadline)
             self._busy.add(connection)
             head = f"{method} {path} HTTP/1.1\r\n{self._head_tail}"
             if body is not None:
                 head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            headed = connection.headed = asyncio.get_running_loop().create_future()
+            headed = connection.headed = loop.create_future()
             response = connection.send(head.encode("latin-1") + b"\r\n", body or b"")
+            if deadline is not None:
+                connection.expiry = loop.call_at(deadline, connection.expire)
         except BaseException:
             if connection is not None:
                 self._busy.discard(connection)
@@ -293,6 +317,9 @@ class Pool:
         """The answer is done with: its connection serves again if the whole answer was read and the
         peer keeps it open; else it is closed (what tells llama-server to stop generating)."""
         connection = response._connection
+        if connection.expiry is not None:
+            connection.expiry.cancel()
+            connection.expiry = None
         if connection not in self._busy:
             return
         self._busy.discard(connection)
@@ -316,12 +343,15 @@ class Pool:
                 return connection
         return None
 
-    async def _connect(self) -> Connection:
+    async def _connect(self, deadline: float | None = None) -> Connection:
         loop = asyncio.get_running_loop()
+        give_up = loop.time() + CONNECT_TIMEOUT
         try:
-            async with asyncio.timeout(CONNECT_TIMEOUT):
+            async with asyncio.timeout_at(give_up if deadline is None else min(give_up, deadline)):
                 _, connection = await loop.create_connection(Connection, self.host, self.port)
         except (OSError, TimeoutError) as exc:
+            if deadline is not None and deadline < give_up and loop.time() >= deadline:
+                raise TimedOut("no connection by the deadline") from None
             raise Unreachable(f"could not connect to {self.host}:{self.port}: {exc or 'timed out'}") from None
         return connection
 
