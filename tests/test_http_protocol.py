@@ -14,18 +14,28 @@ from typing import Any
 
 import pytest
 import uvicorn
+from starlette.requests import Request
 
+from llmserver.api.deps import cancel_on_disconnect
+from llmserver.errors import ClientClosedRequest
 from llmserver.http_protocol import QuietServer, with_read_timeout
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
 @asynccontextmanager
-async def serving(app: App, *, read_timeout: float = 10.0, keep_alive: int = 5) -> AsyncIterator[int]:
+async def serving(
+    app: App, *, read_timeout: float = 10.0, keep_alive: int = 5, http: str | None = None
+) -> AsyncIterator[int]:
+    """`app` on llmserver's protocol, or on uvicorn's own `http` one."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(
-        app, http=with_read_timeout(read_timeout), lifespan="off", log_level="warning", timeout_keep_alive=keep_alive
+        app,
+        http=http or with_read_timeout(read_timeout),
+        lifespan="off",
+        log_level="warning",
+        timeout_keep_alive=keep_alive,
     )
     server = QuietServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -269,6 +279,37 @@ def test_the_app_hears_of_a_client_that_left_mid_answer() -> None:
             await asyncio.wait_for(reader.readuntil(b"first"), 5)
             writer.close()
             assert await asyncio.wait_for(heard, 5) == {"type": "http.disconnect"}
+
+    asyncio.run(test())
+
+
+@pytest.mark.parametrize("protocol", ["llmserver", "httptools"])
+def test_work_the_app_marked_useless_without_its_client_is_cancelled_when_it_leaves(protocol: str) -> None:
+    """`cancel_on_disconnect`: on our server the protocol cancels the request's task as the connection
+    is lost (no watcher: `after` is far longer than the test); on another, the watcher does it."""
+    outcome: asyncio.Future[str] | None = None
+
+    async def generates(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert outcome is not None
+        request = Request(scope, receive)
+        after = 60.0 if protocol == "llmserver" else 0.05
+        try:
+            await cancel_on_disconnect(request, asyncio.sleep(3600), after=after)
+        except ClientClosedRequest:
+            outcome.set_result("client closed")
+        except BaseException as exc:
+            outcome.set_result(repr(exc))
+            raise
+
+    async def test() -> None:
+        nonlocal outcome
+        outcome = asyncio.get_running_loop().create_future()
+        async with serving(generates, http=None if protocol == "llmserver" else "httptools") as port:
+            async with connect(port) as (_, writer):
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+            assert await asyncio.wait_for(outcome, 5) == "client closed"
 
     asyncio.run(test())
 

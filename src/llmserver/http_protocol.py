@@ -20,6 +20,11 @@ the client's buffer is full), `http.disconnect` once the client is gone or the a
 Content-Length or chunked answers (chunked when the app gives neither), HEAD without a body, 400 for
 what is not HTTP, 500 for an app that fails before answering. No WebSocket and no TLS: llmserver has
 no WebSocket route, and TLS is the reverse proxy's job.
+
+One extension: work that is useless once the client has gone (a non-streamed generation) is cancelled
+by this server when the connection is lost, without a task of the app's watching for the disconnect
+(`api/deps.cancel_on_disconnect`). The scope's `CANCEL_ON_DISCONNECT` starts False; while the app sets
+it True, losing the connection cancels the request's task and sets it to `CANCELLED`.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ STATUS_LINE = {code.value: b"HTTP/1.1 %d %s\r\n" % (code.value, code.phrase.enco
 INVALID_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 INVALID_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+CANCEL_ON_DISCONNECT = "llmserver.cancel_on_disconnect"  # the scope key (see the module's docstring)
+CANCELLED = "cancelled"
 DISCONNECT = {"type": "http.disconnect"}
 
 
@@ -66,7 +73,8 @@ class Cycle:
 
     __slots__ = (
         "chunked", "chunks", "complete", "delivered", "disconnected", "expect_continue", "head", "is_head",
-        "keep_alive", "length", "more_body", "protocol", "scope", "started", "transport", "unread", "waiters",
+        "keep_alive", "length", "more_body", "protocol", "scope", "started", "task", "transport", "unread",
+        "waiters",
     )  # fmt: skip
 
     def __init__(self, scope: dict[str, Any], protocol: GatewayProtocol, keep_alive: bool, expect: bool) -> None:
@@ -87,6 +95,17 @@ class Cycle:
         self.length = 0  # bytes the Content-Length still expects
         self.head = b""  # a Content-Length answer's status line and headers, written with its body
         self.is_head = scope["method"] == "HEAD"
+        self.task: asyncio.Task[None] | None = None  # the app's, while it answers
+
+    def lost(self) -> None:
+        """The connection is gone: what waits hears it, and work the app marked useless now is cancelled."""
+        if not self.complete:
+            self.disconnected = True
+            scope = self.scope
+            if scope[CANCEL_ON_DISCONNECT] is True and self.task is not None:
+                scope[CANCEL_ON_DISCONNECT] = CANCELLED
+                self.task.cancel()
+        self.wake()
 
     # What the parser hands over
 
@@ -269,9 +288,7 @@ class GatewayProtocol(asyncio.Protocol):
         self.connections.discard(self)
         for cycle in (self.running, self.cycle, *self.pipeline):
             if cycle is not None:
-                if not cycle.complete:
-                    cycle.disconnected = True
-                cycle.wake()
+                cycle.lost()
         self.pipeline.clear()
         self.write_paused = False
         self._drained()
@@ -369,6 +386,7 @@ class GatewayProtocol(asyncio.Protocol):
             "path": self.root_path + path,
             "raw_path": self.root_path.encode("ascii") + raw_path if self.root_path else raw_path,
             "query_string": url.query or b"",
+            CANCEL_ON_DISCONNECT: False,
         }
         cycle = self.cycle = Cycle(scope, self, version != "1.0" and parser.should_keep_alive(), self.expect)
         if self.running is None:
@@ -392,7 +410,7 @@ class GatewayProtocol(asyncio.Protocol):
 
     def _start(self, cycle: Cycle) -> None:
         self.running = cycle
-        task = self.loop.create_task(self._run(cycle))
+        task = cycle.task = self.loop.create_task(self._run(cycle))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -413,6 +431,7 @@ class GatewayProtocol(asyncio.Protocol):
                 app_log.error("ASGI callable returned without completing response.")
                 self.transport.close()
         finally:
+            cycle.task = None
             if self.running is cycle and not cycle.complete:
                 self.running = None  # the connection is closing: nothing follows
 

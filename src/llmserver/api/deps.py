@@ -21,6 +21,7 @@ from llmserver.auth.keys import KeyService, Principal
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied
+from llmserver.http_protocol import CANCEL_ON_DISCONNECT, CANCELLED
 from llmserver.jobs.runner import JobService
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
@@ -256,10 +257,38 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T], after: floa
     """Await `work` in this task, but cancel it if the client goes away first.
 
     Cancelling closes the connection to llama-server, which stops generating and frees the slot:
-    without this, a non-streamed request would run to the end for nobody. The watcher (a task
-    waiting for the disconnect) starts only once `work` has taken `after` seconds: for a quick
-    answer it would cost more than the answer's own work (0.17 ms of CPU a request, measured).
+    without this, a non-streamed request would run to the end for nobody. llmserver's own server
+    (`http_protocol`) cancels the task itself when the connection is lost, at no cost per request;
+    under another server a watcher (a task waiting for the disconnect) starts once `work` has taken
+    `after` seconds: for a quick answer it would cost more than the answer's own work.
     """
+    scope = request.scope
+    if CANCEL_ON_DISCONNECT not in scope:
+        return await _watched(request, work, after)
+    scope[CANCEL_ON_DISCONNECT] = True
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if scope[CANCEL_ON_DISCONNECT] == CANCELLED:
+            _uncancel()
+            raise _client_closed() from None
+        raise
+    finally:
+        if scope[CANCEL_ON_DISCONNECT] is True:  # in the step that ends `work`: no cancelling it after
+            scope[CANCEL_ON_DISCONNECT] = False
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    task.uncancel()
+
+
+def _client_closed() -> ClientClosedRequest:
+    return ClientClosedRequest("The client closed the connection before the answer was ready.")
+
+
+async def _watched(request: Request, work: Awaitable[T], after: float) -> T:
     current = asyncio.current_task()
     assert current is not None
     loop = asyncio.get_running_loop()
@@ -284,7 +313,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T], after: floa
     except asyncio.CancelledError:
         if gone:
             current.uncancel()
-            raise ClientClosedRequest("The client closed the connection before the answer was ready.") from None
+            raise _client_closed() from None
         raise
     finally:
         finished = True  # in the step that ends `work`: the watcher can no longer cancel this task
