@@ -117,6 +117,23 @@ def test_an_affinity_takes_a_free_slot_elsewhere_before_its_instances_queue() ->
     run(scenario)
 
 
+def test_an_affinity_key_is_asked_for_only_where_there_is_a_choice_of_instance() -> None:
+    async def scenario() -> None:
+        pool, _ = make_pool()
+        pool.affinity_margin = 2
+        assert pool.chooses  # no instance yet: the one that starts may not stay alone
+        a = await ready_instance(pool.config, 1)
+        pool.instances.append(a)
+        assert not pool.chooses  # one instance, and max_instances 1: nothing to choose
+        pool.config = pool.config.model_copy(update={"max_instances": 2})
+        assert pool.chooses
+        pool.affinity_margin = -1  # routing = "least_loaded"
+        assert not pool.chooses
+        await close(a)
+
+    run(scenario)
+
+
 def test_an_instance_holds_its_slots_and_its_queue_by_default() -> None:
     model = ModelConfig(name="m", parallel=3)
     assert (model.instance_queue, model.most_in_flight) == (None, 6)

@@ -118,9 +118,8 @@ class GenerationService:
         self._surely_too_long(model, prompt, "messages" if isinstance(request, ChatRequest) else "prompt")
         bound = self._bound(model, prompt, max_tokens)
         keep_alive = check_keep_alive(request.keep_alive, self.max_keep_alive)
-        return await self.admission.admit(
-            principal, endpoint, model, bound, _affinity(model, request, session), keep_alive
-        )
+        affinity = _affinity(model, request, session) if self.admission.routes_by_affinity(model) else None
+        return await self.admission.admit(principal, endpoint, model, bound, affinity, keep_alive)
 
     def _max_tokens(self, request: Request) -> int:
         param, requested = "max_tokens", request.max_tokens

@@ -121,6 +121,10 @@ class Admission:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
 
+    def routes_by_affinity(self, model: str) -> bool:
+        """Whether `model`'s requests need an affinity key (ModelNotFound for a model that does not exist)."""
+        return self._router.pool(model).chooses
+
     def _places(self, principal: Principal) -> int:
         return principal.limits.max_concurrency or self._default_concurrency
 

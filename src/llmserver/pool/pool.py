@@ -87,6 +87,13 @@ class ModelPool:
         return len(self._waiters)
 
     @property
+    def chooses(self) -> bool:
+        """Whether a request's affinity key can decide its instance: affinity routing on, and more than
+        one instance to choose from, now or later (max_instances; nodes' instances come and go). With
+        one for good, the key is not made (hashing the conversation's start: 0.01 ms a request)."""
+        return self.affinity_margin >= 0 and (len(self.instances) != 1 or self.config.max_instances > 1)
+
+    @property
     def ready(self) -> bool:
         return any(i.accepting for i in self.instances)
 
