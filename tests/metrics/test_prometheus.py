@@ -5,10 +5,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserver.metrics.prometheus import Counts, Histogram
+from llmserver.metrics.prometheus import Histogram, RequestCounts
 
 
-def scrape(*collectors: Counts | Histogram) -> dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+def scrape(*collectors: RequestCounts | Histogram) -> dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
     registry = CollectorRegistry()
     for collector in collectors:
         registry.register(collector)
@@ -19,16 +19,29 @@ def scrape(*collectors: Counts | Histogram) -> dict[str, dict[tuple[str, tuple[t
     }
 
 
-def test_counts_are_counters_by_label_values() -> None:
-    requests = Counts("llmserver_requests", "Generation requests", ("endpoint", "model", "status"))
-    requests.inc(("/v1/chat/completions", "m", "ok"))
-    requests.inc(("/v1/chat/completions", "m", "ok"))
-    requests.inc(("/api/generate", "m", "timeout_error"), 3)
-    (family,) = scrape(requests).values()
-    assert family == {
+def test_requests_are_counted_by_endpoint_model_and_outcome_and_their_tokens_by_model() -> None:
+    requests = RequestCounts()
+    requests.add("/v1/chat/completions", "m", "ok", prompt=10, cached=8, completion=5)
+    requests.add("/v1/chat/completions", "m", "ok", prompt=20, completion=7)
+    requests.add("/api/generate", "m", "client_closed", prompt=4, completion=1)
+    requests.add("/api/generate", "m", "timeout_error")
+    requests.add("/v1/completions", "other", "ok", prompt=3, cached=3, completion=2)
+    families = scrape(requests)
+    assert families["llmserver_requests"] == {
         ("llmserver_requests_total", (("endpoint", "/v1/chat/completions"), ("model", "m"), ("status", "ok"))): 2,
-        ("llmserver_requests_total", (("endpoint", "/api/generate"), ("model", "m"), ("status", "timeout_error"))): 3,
+        ("llmserver_requests_total", (("endpoint", "/api/generate"), ("model", "m"), ("status", "client_closed"))): 1,
+        ("llmserver_requests_total", (("endpoint", "/api/generate"), ("model", "m"), ("status", "timeout_error"))): 1,
+        ("llmserver_requests_total", (("endpoint", "/v1/completions"), ("model", "other"), ("status", "ok"))): 1,
     }
+    for family, m, other in (
+        ("llmserver_prompt_tokens", 34, 3),
+        ("llmserver_cached_prompt_tokens", 8, 3),
+        ("llmserver_completion_tokens", 13, 2),
+    ):
+        assert families[family] == {
+            (f"{family}_total", (("model", "m"),)): m,
+            (f"{family}_total", (("model", "other"),)): other,
+        }
 
 
 def test_histogram_buckets_are_cumulative_with_count_and_sum() -> None:

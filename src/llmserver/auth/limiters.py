@@ -81,19 +81,19 @@ class MemoryRateLimiter:
 
 class MemoryConcurrencyLimiter:
     def __init__(self) -> None:
-        self._held: collections.Counter[str] = collections.Counter()
+        self._held: dict[str, int] = {}  # a plain dict: a Counter's missing keys and deletions are Python calls
 
     async def acquire(self, key_id: str, limit: int) -> int | None:
-        held = self._held[key_id]
+        held = self._held.get(key_id, 0)
         if held >= limit:
             return held
         self._held[key_id] = held + 1
         return None
 
     def release(self, key_id: str) -> None:
-        self._held[key_id] -= 1
-        if self._held[key_id] <= 0:
-            del self._held[key_id]
+        left = self._held.pop(key_id, 0) - 1
+        if left > 0:
+            self._held[key_id] = left
 
     async def held(self, key_id: str) -> int:
         return self._held.get(key_id, 0)

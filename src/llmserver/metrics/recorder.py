@@ -167,13 +167,12 @@ class UsageRecorder:
                 "outcome": outcome,
             }
         )
-        metrics = self._metrics
-        metrics.requests.inc((tally.endpoint, tally.model, outcome))
         if charged:
-            model = (tally.model,)
-            metrics.prompt_tokens.inc(model, tally.prompt_tokens)
-            metrics.cached_prompt_tokens.inc(model, tally.cached_tokens)
-            metrics.completion_tokens.inc(model, tally.completion_tokens)
+            self._metrics.requests.add(
+                tally.endpoint, tally.model, outcome, tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens
+            )
+        else:
+            self._metrics.requests.add(tally.endpoint, tally.model, outcome)
         if outcome == "ok":
             increment = self._speed.add(tally.model, tally.completion_tokens, latency)
             if increment is not None:
@@ -189,7 +188,7 @@ class UsageRecorder:
                 "ttft_ms": None, "tokens_per_second": None, "outcome": outcome,
             }
         )  # fmt: skip
-        self._metrics.requests.inc((endpoint, model, outcome))
+        self._metrics.requests.add(endpoint, model, outcome)
         self._schedule_write()
 
     def first_token(self, tally: Tally, seconds: float) -> None:

@@ -124,7 +124,7 @@ class Instance:
     elsewhere: int = 0
     failures: int = 0  # requests in a row that could not reach it (a remote instance's circuit breaker)
     answered_at: float = 0.0  # when it last answered a request (time.monotonic()): alive then, no probe needed
-    users: collections.Counter[str] = field(default_factory=collections.Counter)
+    users: dict[str, int] = field(default_factory=dict)  # key id → its requests in flight here
     crashes: collections.deque[float] = field(default_factory=collections.deque)
     restarting: bool = False
     ram_used_mb: int = 0
@@ -176,15 +176,15 @@ class Instance:
     def begin(self, key_id: str) -> None:
         self.idle.clear()
         self.in_flight += 1
-        self.users[key_id] += 1
+        self.users[key_id] = self.users.get(key_id, 0) + 1
         self.last_activity = time.time()
         self.refresh_status()
 
     def end(self, key_id: str) -> None:
         self.in_flight -= 1
-        self.users[key_id] -= 1
-        if self.users[key_id] <= 0:
-            del self.users[key_id]
+        left = self.users.pop(key_id, 0) - 1
+        if left > 0:
+            self.users[key_id] = left
         if self.in_flight == 0:
             self.idle.set()
         self.last_activity = time.time()
