@@ -84,10 +84,20 @@ def supervisor(request: Request) -> Supervisor:
     return value
 
 
+def header(request: Request, name: bytes) -> str | None:
+    """The value of a request header (`name` in lower case, as ASGI gives them), straight from the
+    scope: `request.headers` builds a case-insensitive mapping and takes three Python calls a read."""
+    headers: list[tuple[bytes, bytes]] = request.scope["headers"]
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
 def bearer_token(request: Request) -> str | None:
-    header = request.headers.get("authorization")
-    if header:
-        scheme, _, token = header.partition(" ")
+    header_value = header(request, b"authorization")
+    if header_value:
+        scheme, _, token = header_value.partition(" ")
         if scheme.lower() == "bearer" and token.strip():
             return token.strip()
     return None
@@ -242,7 +252,7 @@ async def parse(
 
 
 def _large(request: Request) -> bool:
-    length = request.headers.get("content-length")
+    length = header(request, b"content-length")
     return not length or not length.isdigit() or int(length) > GATE_BYTES
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconnect, generation, jobs, parse
+from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconnect, generation, header, jobs, parse
 from llmserver.engine.generation import closed_on_failure
 from llmserver.jobs.runner import JobService
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
@@ -23,7 +23,7 @@ async def generate(request: Request) -> FastJSONResponse:
     service = generation(request)
     principal, body = await parse(request, GenerateRequest, gate=service.admission.precheck)
     key = JobService.client_key(body.key) if body.mode == "async" else None
-    ticket = await service.admit(principal, body, "/api/generate", request.headers.get("x-session-id"))
+    ticket = await service.admit(principal, body, "/api/generate", header(request, b"x-session-id"))
     request.state.tally = ticket.tally  # for the access log
 
     async def work() -> dict[str, Any]:

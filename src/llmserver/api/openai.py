@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconnect, generation, jobs, parse
+from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconnect, generation, header, jobs, parse
 from llmserver.api.events import EventStream
 from llmserver.engine.generation import closed_on_failure
 from llmserver.errors import InvalidRequest
@@ -39,7 +39,7 @@ async def _generate(
         if body.stream:
             raise InvalidRequest("Async mode cannot be combined with stream: true.", param="stream")
         key = JobService.client_key(body.key)
-    ticket = await service.admit(principal, body, endpoint, request.headers.get("x-session-id"))
+    ticket = await service.admit(principal, body, endpoint, header(request, b"x-session-id"))
     request.state.tally = ticket.tally  # for the access log
 
     async def work() -> dict[str, Any]:
