@@ -111,7 +111,8 @@ def render(results: Results) -> str:
         f"- Workload: streamed chat, greedy, {plan.max_tokens} output tokens, {len(plan.levels)} levels "
         f"({', '.join(map(str, plan.levels))} clients) in blocks of {plan.per_client} requests per client, "
         f"the targets taking turns block by block in mirrored pairs of orders, at least {plan.repeats} blocks and "
-        f"{plan.min_requests} requests per target and level; {plan.overhead_requests} "
+        f"{plan.min_requests} requests per target and level, after one uncounted request per client on each "
+        f"target at the level; {plan.overhead_requests} "
         f"`max_tokens: 1` requests per target for the overhead; run time {results.seconds:.0f} s",
         "",
         "Ratios are llmserver / direct llama-server from the same run; `added` is llmserver minus direct.",
