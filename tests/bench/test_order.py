@@ -32,3 +32,29 @@ def test_with_one_round_the_ratio_is_the_pooled_one() -> None:
     direct = LevelResult("direct", 1, [Sample(0.01, [], 10.0, 1000)], seconds=10.0, blocks=[100.0])
     gateway = LevelResult("gateway", 1, [Sample(0.01, [], 20.0, 1000)], seconds=20.0, blocks=[50.0])
     assert _level_ratio(gateway, direct) == 0.5
+
+
+def test_every_target_serves_an_uncounted_request_per_client_before_each_level(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from bench import load, run
+
+    calls: list[tuple[str, int, int, int]] = []
+
+    async def fake_level(target, concurrency, per_client, max_tokens):  # type: ignore[no-untyped-def]
+        calls.append((target.name, concurrency, per_client, max_tokens))
+        return [Sample(0.01, [0.01], 1.0, 10) for _ in range(concurrency * per_client)], 1.0
+
+    monkeypatch.setattr(load, "run_level", fake_level)
+    monkeypatch.setattr(load, "settle", lambda: 0.0)
+    plan = run.FULL
+    targets = [run.Target(name, "http://127.0.0.1:1", None) for name in ("a", "b", "c")]  # type: ignore[arg-type]
+    results = run.Results(plan, [t.name for t in targets])
+    run._throughput(plan, targets, results)
+
+    measured = [call for call in calls if call[3] in (run.WARM_TOKENS, plan.max_tokens)]
+    for concurrency in plan.levels:
+        level = [call for call in measured if call[1] == concurrency]
+        assert level[:3] == [(name, concurrency, 1, run.WARM_TOKENS) for name in ("a", "b", "c")]
+        assert all(call[2:] == (plan.per_client, plan.max_tokens) for call in level[3:])
+        for name in ("a", "b", "c"):  # the counted blocks alone are in the results
+            samples = results.levels[name][concurrency].samples
+            assert len(samples) == run.blocks(plan, concurrency) * concurrency * plan.per_client
