@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserver.api.deps import scope_header
 from llmserver.api.events import RAW_SEND
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService
@@ -110,13 +111,11 @@ class Front:
 
 
 def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
+    value = scope_header(scope, b"content-length")
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
 
 
 def _counting(receive: Receive, limit: int) -> Receive:

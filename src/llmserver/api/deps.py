@@ -84,14 +84,19 @@ def supervisor(request: Request) -> Supervisor:
     return value
 
 
-def header(request: Request, name: bytes) -> str | None:
-    """The value of a request header (`name` in lower case, as ASGI gives them), straight from the
-    scope: `request.headers` builds a case-insensitive mapping and takes three Python calls a read."""
-    headers: list[tuple[bytes, bytes]] = request.scope["headers"]
+def scope_header(scope: Mapping[str, Any], name: bytes) -> bytes | None:
+    """The first value of a request header (`name` in lower case, as ASGI gives them), straight from
+    the scope: Starlette's `Headers` builds a case-insensitive mapping and takes three Python calls a read."""
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
     for key, value in headers:
         if key == name:
-            return value.decode("latin-1")
+            return value
     return None
+
+
+def header(request: Request, name: bytes) -> str | None:
+    value = scope_header(request.scope, name)
+    return None if value is None else value.decode("latin-1")
 
 
 def bearer_token(request: Request) -> str | None:
