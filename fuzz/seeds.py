@@ -79,6 +79,20 @@ def seeds() -> dict[str, dict[str, bytes]]:
             "webp": _image("WEBP"),
             "one_pixel": _image("PNG", "L", (1, 1)),
         },
+        "http_request": {
+            "get": b"GET /v1/models?x=1 HTTP/1.1\r\nHost: t\r\n\r\n",
+            "post": b"POST /api/generate HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\nhello",
+            "chunked": b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+            "pipelined": b"GET /a HTTP/1.1\r\nHost: t\r\n\r\nGET /b HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+            "continue": b"POST / HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\nhi",
+            "http10": b"GET / HTTP/1.0\r\n\r\n",
+            "smuggle": b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"0\r\n\r\n",
+            "many_headers": b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % n for n in range(25)) + b"\r\n",
+            "big_header": b"GET / HTTP/1.1\r\nX: " + b"a" * 5000 + b"\r\n\r\n",
+            "upgrade": b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+            "garbage": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+        },
         "body": {
             "chat": json.dumps(chat).encode(),
             "chat_parts": json.dumps(

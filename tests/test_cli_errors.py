@@ -103,3 +103,13 @@ def test_extract_over_the_file_limit_says_413(tmp_path: Path) -> None:
     big = tmp_path / "big.txt"
     big.write_bytes(b"x" * (15 * 1024 * 1024 + 1))
     one_line(llmserver("extract", str(big), "--data-dir", str(tmp_path)), 1, "big.txt", "(413 request_too_large)")
+
+
+def test_a_node_on_the_network_needs_a_key_and_tls_unless_told_the_network_is_trusted(tmp_path: Path) -> None:
+    # 192.0.2.1 (TEST-NET-1) is never bound: each refusal comes before any instance is started.
+    node = ["node", "--advertise", "192.0.2.1", "--redis-url", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]
+    one_line(llmserver(*node), 2, "without a key", "instance_api_key")
+    keyed = {"LLMSERVER_INSTANCE_API_KEY": "k" * 32}
+    one_line(llmserver(*node, env=keyed), 2, "in clear", "instance_tls_cert", "instance_plain_http")
+    half = {**keyed, "LLMSERVER_INSTANCE_TLS_CERT": str(tmp_path / "cert.pem")}
+    one_line(llmserver(*node, env=half), 2, "instance_tls_cert and instance_tls_key go together")

@@ -1,5 +1,6 @@
 """The SSE response (`api/events.py`) under llmserver's own server on 127.0.0.1 (uvicorn's, with
-`http_protocol.GatewayProtocol`): its body is sent a DirectWriter after the first chunk, and what the
+`http_protocol.GatewayProtocol`): its body is sent the writer the server's `DIRECT_WRITE` extension
+(`asgi_ext`) opens after the first chunk, and what the
 body writes through it reaches the client framed and in order with what it yields. Under any other
 server (plain uvicorn, httpx's ASGI transport) it is sent nothing and works as a plain stream."""
 
@@ -14,9 +15,9 @@ import httpx
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from llmserver.api.events import DirectWriter, EventStream
-from llmserver.engine.generation import Writer
-from llmserver.http_protocol import GatewayProtocol
+from llmserver.api.events import EventStream
+from llmserver.asgi_ext import Writer
+from llmserver.http_protocol import DirectWriter, GatewayProtocol
 
 
 def app_and_seen() -> tuple[object, list[Writer | None]]:
@@ -89,6 +90,7 @@ class Cycle:
         self.transport = type("Transport", (), {"write": self.written.append})()
         self.protocol = type("Protocol", (), {"write_paused": False})()
         self.disconnected = False
+        self.complete = False
 
 
 def test_a_paused_client_still_gets_what_was_given_and_a_gone_one_nothing() -> None:

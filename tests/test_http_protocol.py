@@ -6,33 +6,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import json
 import logging
 import socket
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psutil
 import pytest
 import uvicorn
 from starlette.requests import Request
 
 from llmserver.api.deps import cancel_on_disconnect
 from llmserver.errors import ClientClosedRequest
-from llmserver.http_protocol import QuietServer, with_read_timeout
+from llmserver.http_protocol import GatewayProtocol, Limits, QuietServer, protocol_with
+from llmserver.middleware import Front
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
 @asynccontextmanager
 async def serving(
-    app: App, *, read_timeout: float = 10.0, keep_alive: int = 5, http: str | None = None
+    app: App,
+    *,
+    read_timeout: float = 10.0,
+    keep_alive: int = 5,
+    http: str | type[GatewayProtocol] | None = None,
+    **limits: Any,
 ) -> AsyncIterator[int]:
-    """`app` on llmserver's protocol, or on uvicorn's own `http` one."""
+    """`app` on llmserver's protocol (with these `Limits`), or on uvicorn's own `http` one."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(
         app,
-        http=http or with_read_timeout(read_timeout),
+        http=http or protocol_with(Limits(read_timeout=read_timeout, **limits)),
         lifespan="off",
         log_level="warning",
         timeout_keep_alive=keep_alive,
@@ -219,8 +229,11 @@ def test_what_is_not_http_gets_a_400_and_the_connection_closes() -> None:
     async def test() -> None:
         async with serving(echo) as port, connect(port) as (reader, writer):
             writer.write(b"\x16\x03\x01 this is TLS, not HTTP\r\n\r\n")
-            status, _, body = await read_answer(reader)
-            assert status == b"HTTP/1.1 400 Bad Request" and body == b"Invalid HTTP request received."
+            status, headers, body = await read_answer(reader)
+            assert status == b"HTTP/1.1 400 Bad Request" and headers[b"content-type"] == b"application/json"
+            assert json.loads(body)["error"] == {
+                "message": "Invalid HTTP request received.", "type": "invalid_request_error", "code": 400
+            }  # fmt: skip
             assert await asyncio.wait_for(reader.read(), 5) == b""
 
     asyncio.run(test())
@@ -237,7 +250,12 @@ def test_an_app_that_fails_before_answering_gets_a_500_and_its_error_logged(capl
             logging.getLogger("uvicorn.error").addHandler(caplog.handler)
             writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
             status, headers, body = await read_answer(reader)
-            assert status == b"HTTP/1.1 500 Internal Server Error" and body == b"Internal Server Error"
+            assert status == b"HTTP/1.1 500 Internal Server Error"
+            assert json.loads(body)["error"] == {
+                "message": "Internal Server Error",
+                "type": "server_error",
+                "code": 500,
+            }
             assert headers[b"connection"] == b"close"
 
     try:
@@ -371,3 +389,150 @@ def test_a_websocket_upgrade_is_answered_as_plain_http() -> None:
             return [first, (await read_answer(reader))[2]]
 
     assert asyncio.run(test()) == [b"GET /ws? ", b"GET /after? "]
+
+
+async def answer_of(port: int, request: bytes) -> tuple[bytes, dict[bytes, bytes], bytes, bytes]:
+    """The answer to `request` on a connection of its own, and what follows it (b"": closed)."""
+    async with connect(port) as (reader, writer):
+        writer.write(request)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        status, headers, body = await read_answer(reader)
+        return status, headers, body, await asyncio.wait_for(reader.read(), 5)
+
+
+def test_headers_beyond_the_byte_or_field_limit_are_431_and_the_connection_closes() -> None:
+    big = b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"
+    many = b"GET / HTTP/1.1\r\nHost: t\r\n" + b"".join(b"X-%d: 1\r\n" % n for n in range(100)) + b"\r\n"
+    fits = b"GET / HTTP/1.1\r\nHost: t\r\n" + b"".join(b"X-%d: 1\r\n" % n for n in range(99)) + b"\r\n"
+
+    async def test() -> list[tuple[bytes, dict[bytes, bytes], bytes, bytes]]:
+        async with serving(echo, max_header_bytes=64 * 1024, max_header_count=100) as port:
+            return [await answer_of(port, request) for request in (big, many)] + [
+                await answer_of(port, fits + b"GET /next HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            ]
+
+    big, many, fitting = asyncio.run(test())
+    (big_status, big_headers, big_body, after_big), (many_status, _, many_body, after_many) = big, many
+    assert big_status == many_status == b"HTTP/1.1 431 Request Header Fields Too Large"
+    assert big_headers[b"connection"] == b"close" and big_headers[b"content-type"] == b"application/json"
+    assert json.loads(big_body)["error"] == {
+        "message": "The request's headers are larger than 65536 bytes.", "type": "request_too_large", "code": 431
+    }  # fmt: skip
+    assert json.loads(many_body)["error"]["code"] == 431
+    assert after_big == after_many == b""  # closed
+    assert fitting[0] == b"HTTP/1.1 200 OK" and fitting[3].startswith(b"HTTP/1.1 200 OK")  # 101 fields: served
+
+
+def test_headers_sent_slowly_are_cut_at_the_deadline_however_steadily_they_come() -> None:
+    async def test() -> float:
+        async with serving(echo, read_timeout=0.6) as port, connect(port) as (reader, writer):
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            writer.write(b"GET / HTTP/1.1\r\nHost: t\r\n")
+
+            async def trickle() -> None:
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(100):  # a byte every 0.1 s: never silent for read_timeout
+                        writer.write(b"X-Slow: 1\r\n")
+                        await writer.drain()
+                        await asyncio.sleep(0.1)
+
+            feeding = asyncio.create_task(trickle())
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            feeding.cancel()
+            return loop.time() - started
+
+    assert 0.5 < asyncio.run(test()) < 2.0  # the head's deadline; before, it stayed open as long as bytes came
+
+
+def test_a_body_below_the_minimum_rate_is_cut_and_one_above_it_is_served() -> None:
+    async def test(rate_per_tick: int) -> bytes:
+        async with serving(echo, read_timeout=0.5, min_body_rate=1000.0) as port, connect(port) as (reader, writer):
+            writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 2000\r\n\r\n")
+            sent = 0
+            with contextlib.suppress(ConnectionError):
+                while sent < 2000 and not reader.at_eof():
+                    piece = b"x" * min(rate_per_tick, 2000 - sent)
+                    writer.write(piece)
+                    await writer.drain()
+                    sent += len(piece)
+                    await asyncio.sleep(0.1)
+            return await asyncio.wait_for(reader.read(), 5)
+
+    assert asyncio.run(test(10)) == b""  # 100 bytes/s: closed after the grace, no answer
+    assert asyncio.run(test(400)).startswith(b"HTTP/1.1 200 OK")  # 4,000 bytes/s
+
+
+def test_a_request_beyond_max_connections_is_503_and_the_others_are_served() -> None:
+    async def test() -> tuple[bytes, dict[bytes, bytes], bytes]:
+        async with serving(echo, max_connections=2) as port, connect(port) as _, connect(port) as (reader, writer):
+            writer.write(b"GET /second HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert (await read_answer(reader))[0] == b"HTTP/1.1 200 OK"
+            status, headers, body, after = await answer_of(port, b"GET /third HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert after == b""
+            writer.write(b"GET /second-again HTTP/1.1\r\nHost: t\r\n\r\n")  # the ones within still serve
+            assert (await read_answer(reader))[2] == b"GET /second-again? "
+            return status, headers, body
+
+    status, headers, body = asyncio.run(test())
+    assert status == b"HTTP/1.1 503 Service Unavailable" and headers[b"retry-after"] == b"1"
+    assert json.loads(body)["error"]["type"] == "overloaded_error"
+
+
+def test_an_answer_given_before_the_body_came_closes_the_connection() -> None:
+    async def refuse(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = b'{"error": "too large"}'
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def test() -> tuple[dict[bytes, bytes], bytes]:
+        async with serving(refuse) as port:
+            request = b"POST / HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 100000\r\n\r\n"
+            _, headers, _, after = await answer_of(port, request)
+            return headers, after
+
+    headers, after = asyncio.run(test())
+    # Before, the connection stayed open with no Connection: close, and the client's body (sent after
+    # the answer) was read as its next request.
+    assert headers[b"connection"] == b"close" and after == b""
+
+
+def test_a_closed_connection_is_freed_without_the_garbage_collector() -> None:
+    alive: weakref.WeakSet[GatewayProtocol] = weakref.WeakSet()
+
+    class Tracked(protocol_with(Limits(max_header_bytes=2 * 1024 * 1024))):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            alive.add(self)
+
+    header = b"X-Big: " + b"a" * (1024 * 1024) + b"\r\n"
+
+    async def unexpected(request: Any, exc: Exception) -> Any:
+        raise exc
+
+    # The app's own outermost layer around the echo (it leaves the server's `send` in the scope).
+    app = Front(echo, max_bytes=1024, quota=lambda: None, hot={}, api_error=unexpected, unexpected=unexpected)  # type: ignore[arg-type, return-value]
+
+    async def test() -> tuple[int, int]:
+        async with serving(app, http=Tracked) as port:
+            for _ in range(3):  # warm up
+                await answer_of(port, b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n" + header + b"\r\n")
+            await asyncio.sleep(0.05)
+            before = psutil.Process().memory_info().rss
+            for _ in range(30):
+                await answer_of(port, b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n" + header + b"\r\n")
+            for _ in range(50):  # the server's side of the last connection closes after the client's
+                if not alive:
+                    break
+                await asyncio.sleep(0.02)
+            return len(alive), psutil.Process().memory_info().rss - before
+
+    gc.disable()
+    try:
+        left, grown = asyncio.run(test())
+    finally:
+        gc.enable()
+    assert left == 0  # before: every connection stayed until a full collection (Cycle ↔ protocol)
+    assert grown < 8 * 1024 * 1024, grown  # before: about 1 MB more for each of the 30

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp
 
 from llmserver import __version__, console
 from llmserver.api import embeddings, health, instances, jobs, keys, metrics, models, native, openai
-from llmserver.api.deps import validation_error
+from llmserver.api.deps import direct_routes, validation_error
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
@@ -178,11 +178,7 @@ def create_app(settings: Settings) -> FastAPI:
         stack,
         max_bytes=settings.max_request_bytes,
         quota=lambda: app.state.quota,
-        hot={
-            "/api/generate": native.generate,
-            "/v1/chat/completions": openai.chat_completions,
-            "/v1/completions": openai.completions,
-        },
+        hot=direct_routes(app.routes),
         api_error=_api_error,
         unexpected=_unexpected,
     )
@@ -206,7 +202,7 @@ def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:
     from llmserver.auth.limiters import connect_redis
 
     client = connect_redis(settings.redis_url)
-    return Registry(client, supervisor.pools, settings.instance_key, settings.gateway_name)
+    return Registry(client, supervisor.pools, settings.instance_key, settings.gateway_name, settings.instance_tls())
 
 
 GC_YOUNG_THRESHOLD = 20_000

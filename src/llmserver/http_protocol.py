@@ -32,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http
+import json
 import logging
 import re
 import urllib.parse
 from collections import deque
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -43,6 +45,8 @@ import httptools
 import uvicorn
 from uvicorn.config import Config
 from uvicorn.server import ServerState
+
+from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED, DIRECT_WRITE
 
 log = logging.getLogger(__name__)
 app_log = logging.getLogger("uvicorn.error")  # where uvicorn's own protocol logs a failing app
@@ -53,9 +57,33 @@ STATUS_LINE = {code.value: b"HTTP/1.1 %d %s\r\n" % (code.value, code.phrase.enco
 INVALID_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 INVALID_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-CANCEL_ON_DISCONNECT = "llmserver.cancel_on_disconnect"  # the scope key (see the module's docstring)
-CANCELLED = "cancelled"
 DISCONNECT = {"type": "http.disconnect"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one connection may cost the server (settings: request_read_timeout, max_header_bytes,
+    max_header_count, min_request_body_rate, max_connections)."""
+
+    read_timeout: float = 10.0  # silence while a request arrives; also the whole head's deadline
+    max_header_bytes: int = 64 * 1024  # a request's line and headers, in all (431 beyond)
+    max_header_count: int = 100  # header fields (431 beyond)
+    min_body_rate: float = 1024.0  # bytes a second a body must average after a read_timeout's grace
+    max_connections: int | None = None  # open connections; a request on one beyond is answered 503
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a request that is refused (`status`)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status, self.message = status, message
+
+
+def error_answer(status: int, type_: str, message: str, *extra: tuple[bytes, bytes]) -> list[Any]:
+    """The headers and body of an answer the server gives by itself, in the app's error envelope."""
+    body = json.dumps({"error": {"message": message, "type": type_, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), *extra]
+    return [headers, body]
 
 
 def status_line(status: int) -> bytes:
@@ -72,7 +100,7 @@ class Cycle:
     """One request and its answer: the ASGI `receive` and `send` the app is called with."""
 
     __slots__ = (
-        "chunked", "chunks", "complete", "delivered", "disconnected", "expect_continue", "head", "is_head",
+        "app", "chunked", "chunks", "complete", "delivered", "disconnected", "expect_continue", "head", "is_head",
         "keep_alive", "length", "more_body", "protocol", "scope", "started", "task", "transport", "unread",
         "waiters",
     )  # fmt: skip
@@ -96,6 +124,7 @@ class Cycle:
         self.head = b""  # a Content-Length answer's status line and headers, written with its body
         self.is_head = scope["method"] == "HEAD"
         self.task: asyncio.Task[None] | None = None  # the app's, while it answers
+        self.app: Any = None  # what answers it instead of the server's app (a refusal), if anything
 
     def lost(self) -> None:
         """The connection is gone: what waits hears it, and work the app marked useless now is cancelled."""
@@ -212,6 +241,10 @@ class Cycle:
             names.append(name)
             values.append(value)
             lines += (name, b": ", value, b"\r\n")
+        if self.more_body:
+            # Answered before the request's body was all in (a 413, a 401 before 100 Continue): what
+            # is still to come of it cannot be told from the next request, so the connection ends.
+            self.keep_alive = False
         # One search over all the names and one over all the values (a tab joins them: it is allowed).
         if INVALID_NAME.search(b"".join(names)):
             raise RuntimeError("Invalid HTTP header name.")
@@ -227,18 +260,52 @@ class Cycle:
         lines.append(b"\r\n")
         return b"".join(lines)
 
-    async def send_500(self) -> None:
-        headers = [
-            (b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"), (b"connection", b"close")
-        ]  # fmt: skip
-        await self.send({"type": "http.response.start", "status": 500, "headers": headers})
-        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+    async def send_error(self, status: int, type_: str, message: str, *extra: tuple[bytes, bytes]) -> None:
+        self.keep_alive = False
+        headers, body = error_answer(status, type_, message, *extra)
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
+
+    async def overloaded(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """What answers a request on a connection beyond `max_connections`, instead of the app."""
+        message = "The server has too many open connections; try again shortly."
+        await self.send_error(503, "overloaded_error", message, (b"retry-after", b"1"))
+
+
+def direct_writer(send: Any) -> DirectWriter | None:
+    """The `DIRECT_WRITE` extension (`asgi_ext`): for this server's `send` of a started chunked answer,
+    a writer of its body chunks straight to the connection; None for any other. A function of the
+    module, not of the request: nothing in the scope points back at the connection."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle) is not Cycle or not cycle.started or cycle.chunked is not True or cycle.complete or cycle.is_head:
+        return None
+    return DirectWriter(cycle)
+
+
+class DirectWriter:
+    """Writes a started chunked answer's body chunks straight to the connection's transport, framed
+    as `Cycle.send` frames them, from any callback (the relay's pump). It says False once the client
+    is gone (and writes nothing) or the connection's buffer is full (flow control; what it was given
+    is written all the same): the app then goes back to sending, and awaiting, through `send`."""
+
+    __slots__ = ("_cycle", "_write")
+
+    def __init__(self, cycle: Cycle) -> None:
+        self._cycle = cycle
+        self._write = cycle.transport.write
+
+    def __call__(self, body: bytes) -> bool:
+        cycle = self._cycle
+        if cycle.disconnected or cycle.complete:
+            return False
+        self._write(b"%x\r\n%b\r\n" % (len(body), body))  # written even when paused: nothing is dropped
+        return not cycle.protocol.write_paused
 
 
 class GatewayProtocol(asyncio.Protocol):
     """One client connection (see the module's docstring)."""
 
-    read_timeout: float = 10.0
+    limits: Limits = Limits()
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any], _loop: Any = None) -> None:
         if not config.loaded:
@@ -251,6 +318,8 @@ class GatewayProtocol(asyncio.Protocol):
         self.app_state = app_state
         self.root_path = config.root_path
         self.keep_alive_timeout = float(config.timeout_keep_alive)
+        self.limit_concurrency = config.limit_concurrency  # uvicorn's setting, honoured as uvicorn does
+        self.read_timeout = self.limits.read_timeout
         self.asgi = {"version": config.asgi_version, "spec_version": "2.3"}
         self.parser = httptools.HttpRequestParser(self)
         with contextlib.suppress(AttributeError):  # httptools < 0.6.3
@@ -268,10 +337,17 @@ class GatewayProtocol(asyncio.Protocol):
         self.read_paused = False
         self.write_paused = False
         self.drained: list[asyncio.Future[None]] = []
-        # The one timer: closes a connection whose request stopped arriving (read_timeout) or that sat
+        # The head's bytes and fields, counted before the parser sees them (its cost grows with the
+        # square of a header's size): beyond the limits the request is answered 431 unparsed.
+        self.heading = True  # what arrives is a request's line and headers (or what comes before one)
+        self.head_bytes = 0
+        # The one timer: closes a connection whose request stopped arriving or arrives too slowly
+        # (read_timeout: of silence, for the whole head, then the body's minimum rate), or that sat
         # idle between requests (uvicorn's timeout_keep_alive); it re-arms itself when it fires early.
         self.reading = True  # a new connection waits for its first request
         self.last = 0.0  # when data last came, or the last answer ended
+        self.began = 0.0  # when the request being read began (its first byte, or its body's start)
+        self.body_bytes = 0  # of the request being read, since its head ended
         self.timer: asyncio.TimerHandle | None = None
 
     # The connection
@@ -281,7 +357,7 @@ class GatewayProtocol(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # a stream transport (TCP)
         self.server = _address(transport.get_extra_info("sockname"))
         self.client = _address(transport.get_extra_info("peername"))
-        self.last = self.loop.time()
+        self.last = self.began = self.loop.time()
         self.timer = self.loop.call_later(self.read_timeout, self._check_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -289,6 +365,9 @@ class GatewayProtocol(asyncio.Protocol):
         for cycle in (self.running, self.cycle, *self.pipeline):
             if cycle is not None:
                 cycle.lost()
+        # Nothing of the connection stays referenced from here: its requests (which point back at it)
+        # are let go, so that it is freed at once rather than by the next full garbage collection.
+        self.running = self.cycle = None
         self.pipeline.clear()
         self.write_paused = False
         self._drained()
@@ -305,12 +384,39 @@ class GatewayProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last = self.loop.time()
         try:
+            if self.heading and self.head_bytes + len(data) > self.limits.max_header_bytes:
+                # Only what may still be head goes to the parser; the rest once the head has ended.
+                room = self.limits.max_header_bytes - self.head_bytes
+                self.head_bytes += room
+                self.parser.feed_data(data[:room])
+                if self._heading():  # the parser's callbacks say whether the head ended in it
+                    raise _Refused(431, f"The request's headers are larger than {self.limits.max_header_bytes} bytes.")
+                data = data[room:]
+            elif self.heading:
+                self.head_bytes += len(data)
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             pass  # no WebSocket here: the request is answered as plain HTTP
-        except httptools.HttpParserError:
+        except _Refused as refused:
+            self._refuse(refused)
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _Refused):  # raised in a callback, wrapped by the parser
+                self._refuse(exc.__context__)
+                return
             log.info("answering 400 to %s: what it sent is not an HTTP/1.1 request", self._who())
-            self._send_400("Invalid HTTP request received.")
+            self._send_error(400, "invalid_request_error", "Invalid HTTP request received.")
+
+    @property
+    def scope(self) -> dict[str, Any] | None:
+        """The scope of the request read last (as uvicorn's protocols have it)."""
+        return None if self.cycle is None else self.cycle.scope
+
+    def _heading(self) -> bool:
+        return self.heading
+
+    def _refuse(self, refused: _Refused) -> None:
+        log.info("answering %d to %s: %s", refused.status, self._who(), refused.message)
+        self._send_error(refused.status, "request_too_large", refused.message)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -351,6 +457,7 @@ class GatewayProtocol(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.reading = True  # a request began: its first byte came
+        self.began = self.loop.time()
         self.url = b""
         self.headers = []
         self.expect = False
@@ -363,8 +470,13 @@ class GatewayProtocol(asyncio.Protocol):
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect = True
         self.headers.append((name, value))
+        if len(self.headers) > self.limits.max_header_count:
+            raise _Refused(431, f"The request has more than {self.limits.max_header_count} header fields.")
 
     def on_headers_complete(self) -> None:
+        self.heading = False
+        self.began = self.loop.time()  # from here the body's rate counts
+        self.body_bytes = 0
         parser = self.parser
         version = parser.get_http_version()
         url = httptools.parse_url(self.url)
@@ -389,6 +501,12 @@ class GatewayProtocol(asyncio.Protocol):
             CANCEL_ON_DISCONNECT: False,
         }
         cycle = self.cycle = Cycle(scope, self, version != "1.0" and parser.should_keep_alive(), self.expect)
+        scope["extensions"] = {DIRECT_WRITE: direct_writer}
+        limit, uvicorns = self.limits.max_connections, self.limit_concurrency
+        if (limit is not None and len(self.connections) > limit) or (
+            uvicorns is not None and (len(self.connections) >= uvicorns or len(self.tasks) >= uvicorns)
+        ):
+            cycle.app = cycle.overloaded
         if self.running is None:
             self._start(cycle)
         else:
@@ -396,12 +514,15 @@ class GatewayProtocol(asyncio.Protocol):
             self.pipeline.append(cycle)
 
     def on_body(self, body: bytes) -> None:
+        self.body_bytes += len(body)
         cycle = self.cycle
         if cycle is not None and not cycle.complete:
             cycle.body_received(body)
 
     def on_message_complete(self) -> None:
         self.reading = False
+        self.heading = True
+        self.head_bytes = 0
         cycle = self.cycle
         if cycle is not None and not cycle.complete:
             cycle.ended()
@@ -416,17 +537,21 @@ class GatewayProtocol(asyncio.Protocol):
 
     async def _run(self, cycle: Cycle) -> None:
         try:
-            await self.app(cycle.scope, cycle.receive, cycle.send)
+            returned = await (cycle.app or self.app)(cycle.scope, cycle.receive, cycle.send)
         except BaseException as exc:
             app_log.error("Exception in ASGI application\n", exc_info=exc)
             if not cycle.started:
-                await cycle.send_500()
+                await cycle.send_error(500, "server_error", "Internal Server Error")
             else:
                 self.transport.close()
         else:
-            if not cycle.started and not cycle.disconnected:
+            if returned is not None:  # not an ASGI application: what else it did is not to be trusted
+                app_log.error("ASGI callable should return None, but returned '%s'.", returned)
+                if not self.transport.is_closing():
+                    self.transport.close()
+            elif not cycle.started and not cycle.disconnected:
                 app_log.error("ASGI callable returned without starting response.")
-                await cycle.send_500()
+                await cycle.send_error(500, "server_error", "Internal Server Error")
             elif not cycle.complete and not cycle.disconnected:
                 app_log.error("ASGI callable returned without completing response.")
                 self.transport.close()
@@ -456,27 +581,41 @@ class GatewayProtocol(asyncio.Protocol):
         if self.transport.is_closing():
             return
         running = self.running
-        if running is not None and not (self.reading and running is self.cycle and running.more_body):
+        receiving_body = running is not None and running is self.cycle and running.more_body and self.reading
+        if running is not None and not receiving_body:
             # Answering, its body all in (what may be arriving is a pipelined request, read once this
             # answer is done): no limit here, request_timeout is the app's.
             self.timer = self.loop.call_later(min(self.read_timeout, self.keep_alive_timeout), self._check_timeout)
             return
+        now = self.loop.time()
         limit = self.read_timeout if self.reading else self.keep_alive_timeout
-        waited = self.loop.time() - self.last
-        if waited < limit:
-            self.timer = self.loop.call_later(limit - waited, self._check_timeout)
+        waited = now - self.last
+        # The whole head within read_timeout of its first byte; the body at min_body_rate on average
+        # after a read_timeout's grace. Silence for read_timeout ends either.
+        if not self.reading:
+            deadline = self.last + limit
+        elif receiving_body:
+            deadline = min(self.last + limit, self.began + limit + self.body_bytes / self.limits.min_body_rate)
+        else:
+            deadline = min(self.last + limit, self.began + limit)
+        if now < deadline:
+            self.timer = self.loop.call_later(deadline - now, self._check_timeout)
             return
         if self.reading:
-            log.info("closing the connection from %s: its request stopped arriving %.0f s ago", self._who(), waited)
+            what = "stopped arriving" if waited >= limit else "arrives too slowly"
+            log.info("closing the connection from %s: its request %s (%.0f s)", self._who(), what, now - self.began)
         self.transport.close()
 
-    def _send_400(self, message: str) -> None:
-        lines = [status_line(400)]
-        for name, value in self.server_state.default_headers:
+    def _send_error(self, status: int, type_: str, message: str) -> None:
+        """An answer of the server's own, before any app saw the request; the connection closes."""
+        if self.running is not None:  # an answer is being written: nothing may cut into it
+            self.transport.close()
+            return
+        headers, body = error_answer(status, type_, message, (b"connection", b"close"))
+        lines = [status_line(status)]
+        for name, value in (*self.server_state.default_headers, *headers):
             lines += (name, b": ", value, b"\r\n")
-        body = message.encode("ascii")
-        lines.append(b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n" % len(body))
-        lines += (b"connection: close\r\n\r\n", body)
+        lines += (b"\r\n", body)
         self.transport.write(b"".join(lines))
         self.transport.close()
 
@@ -490,8 +629,9 @@ def _address(value: Any) -> tuple[str, int] | None:
     return None
 
 
-def with_read_timeout(seconds: float) -> type[GatewayProtocol]:
-    return type("GatewayProtocol", (GatewayProtocol,), {"read_timeout": seconds})
+def protocol_with(limits: Limits) -> type[GatewayProtocol]:
+    """The protocol class for uvicorn's `http` setting, with these limits."""
+    return type("GatewayProtocol", (GatewayProtocol,), {"limits": limits})
 
 
 class QuietServer(uvicorn.Server):

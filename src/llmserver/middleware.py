@@ -7,12 +7,12 @@ endpoints' lane past FastAPI.
 - Streams (`api/events.EventStream`) send their start and end through this layer and each chunk of
   the body straight to the server's `send`, which is left in the scope under `RAW_SEND`: nothing here
   acts on a body chunk, and a token's wake-up resumes no frame of ours or Starlette's above the stream.
-- The generation endpoints (POST `/v1/chat/completions`, `/v1/completions`, `/api/generate`) are
-  called directly, past Starlette's error middleware, FastAPI's exception and exit-stack middleware,
-  the route table and FastAPI's request handler: they take nothing from FastAPI (they read their own
-  bodies, see `api/deps.parse`). Their errors are rendered by the app's own handlers (`errors`: the one
-  envelope). They stay registered with FastAPI too, where the OpenAPI document and any other method on
-  their paths find them.
+- The generation endpoints (POST `/v1/chat/completions`, `/v1/completions`, `/api/generate`, marked
+  `api/deps.direct` in FastAPI's one route table) are called directly, past Starlette's error
+  middleware, FastAPI's exception and exit-stack middleware, the route matching and FastAPI's request
+  handler: they take nothing from FastAPI (they read their own bodies, see `api/deps.parse`). Their
+  errors are rendered by the app's own handlers, the ones FastAPI calls for every other endpoint (the
+  one envelope).
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class Front:
             else:
                 await self._call(endpoint, scope, receive, front_send)
         finally:
+            del scope[RAW_SEND]  # the server's `send` points at its connection: nothing keeps it past here
             if logged:
                 _log_access(scope, status, started)
 

@@ -7,9 +7,11 @@ README's configuration table is generated from it (`llmserver config --markdown`
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
+import ssl
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +30,14 @@ from llmserver.store import is_postgres
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
 MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one."""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
 
 
 def default_threads() -> int:
@@ -206,6 +216,22 @@ class Settings(BaseSettings):
         description="The key llama-server instances demand (--api-key), shared by nodes and gateways; required for "
         "instances on a non-loopback address.",
     )
+    instance_tls_cert: Path | None = Field(
+        default=None,
+        description="Certificate (PEM) a node's instances serve HTTPS with on a non-loopback instance_host, with "
+        "instance_tls_key: the instance key never crosses a network in clear. Loopback stays plain HTTP.",
+    )
+    instance_tls_key: Path | None = Field(default=None, description="The private key (PEM) of instance_tls_cert.")
+    instance_tls_ca: Path | None = Field(
+        default=None,
+        description="CA certificate (PEM) gateways and nodes verify instances' certificates with; empty: the "
+        "system's trusted authorities.",
+    )
+    instance_plain_http: bool = Field(
+        default=False,
+        description="Let a node's instances serve plain HTTP on a non-loopback address (the instance key then "
+        "crosses the network in clear): only on a private network you trust.",
+    )
     instance_base_port: int = Field(
         default=8001,
         ge=1024,
@@ -237,7 +263,29 @@ class Settings(BaseSettings):
     request_read_timeout: float = Field(
         default=10.0,
         gt=0,
-        description="Seconds a request may stop arriving (headers or body) before its connection is closed.",
+        description="Seconds a request may stop arriving (headers or body) before its connection is closed; also "
+        "the most its line and headers may take in all.",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="Largest request line and headers, in bytes (431 and the connection closed beyond).",
+    )
+    max_header_count: int = Field(
+        default=100, ge=10, le=10_000, description="Most header fields a request may have (431 beyond)."
+    )
+    min_request_body_rate: float = Field(
+        default=1024.0,
+        gt=0,
+        description="Bytes per second a request body must average after a request_read_timeout's grace, or its "
+        "connection is closed (slow uploads that hold a connection forever).",
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="Most client connections open at once; a request on one beyond is answered 503. The open-file "
+        "limit is raised to fit at start.",
     )
     max_keep_alive: float = Field(
         default=3600.0, ge=0, description="Most seconds a request's keep_alive may keep its instance from idling out."
@@ -408,6 +456,8 @@ class Settings(BaseSettings):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
+        if (self.instance_tls_cert is None) != (self.instance_tls_key is None):
+            raise ValueError("instance_tls_cert and instance_tls_key go together")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens cannot exceed max_tokens_limit")
         if self.workers > 1 and (self.role != "gateway" or not is_postgres(self.store_url)):
@@ -423,6 +473,20 @@ class Settings(BaseSettings):
     @property
     def store_url(self) -> str:
         return self.database_url or f"sqlite:///{self.db_path}"
+
+    def instance_tls(self) -> ssl.SSLContext:
+        """The context instances' certificates are verified with (instance_tls_ca, else the system's)."""
+        cafile = str(self.instance_tls_ca) if self.instance_tls_ca is not None else None
+        return ssl.create_default_context(cafile=cafile)
+
+    def own_instance_tls(self) -> ssl.SSLContext:
+        """The context a node verifies its own instances with: instance_tls_ca if set, else the very
+        certificate they serve (trusted as it is, without its issuer)."""
+        if self.instance_tls_ca is not None or self.instance_tls_cert is None:
+            return self.instance_tls()
+        context = ssl.create_default_context(cafile=str(self.instance_tls_cert))
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+        return context
 
     @property
     def instance_key(self) -> str | None:

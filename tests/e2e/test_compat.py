@@ -428,6 +428,15 @@ def test_embeddings_differ_and_have_the_model_dimension(sdk: openai.OpenAI) -> N
     assert result.model == EMBED
 
 
+def test_an_embeddings_answer_of_over_a_megabyte_comes_whole(sdk: openai.OpenAI) -> None:
+    """120 inputs: llama-server's answer is about 1.5 MB, past the instance client's 1 MiB pause
+    threshold, where a whole-body read once stalled until the request's timeout (504)."""
+    inputs = [f"Sentence number {n} is about the weather on day {n}." for n in range(120)]
+    result = sdk.embeddings.create(model=EMBED, input=inputs, timeout=120)
+    assert [item.index for item in result.data] == list(range(120))
+    assert all(len(item.embedding) == 576 for item in result.data)
+
+
 def test_embeddings_as_base64_are_the_same_floats(compat: Server, key: str) -> None:
     floats = post(compat, key, "/v1/embeddings", {"model": EMBED, "input": "hello"}).json()["data"][0]["embedding"]
     encoded = post(compat, key, "/v1/embeddings", {"model": EMBED, "input": "hello", "encoding_format": "base64"})

@@ -1,7 +1,8 @@
 """Worker hosts on one machine: network namespaces joined by a bridge, a real `llmserver node` in each
-(the embedded model, its instances bound to the namespace's address with an API key), Redis on the
-bridge, and a gateway of role `gateway` that routes to whatever the nodes publish. A node killed with
--9 or cut off (`ip link set … down`) leaves the registry within its 3-second lease; back, it rejoins."""
+(the embedded model, its instances bound to the namespace's address with an API key, over HTTPS with a
+certificate of a private CA that the gateways verify), Redis on the bridge, and a gateway of role
+`gateway` that routes to whatever the nodes publish. A node killed with -9 or cut off
+(`ip link set … down`) leaves the registry within its 3-second lease; back, it rejoins."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -23,7 +25,7 @@ import httpx
 import pytest
 
 from tests.services import Postgres, Redis
-from tests.support import COUNTING, MODEL, Server, cli, metric, spawn, wait_for
+from tests.support import COUNTING, MODEL, Server, cli, metric, spawn, tls_certificates, wait_for
 
 # Four hosts, nodes killed and restarted, about 90 s: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -73,8 +75,10 @@ class Node:
         data = self.root / f"node{self.index}"
         data.mkdir(exist_ok=True)
         (data / "config.toml").write_text(CONFIG)
+        _, cert, key = tls_files(self.root)
         env = {**os.environ, "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_INSTANCE_BASE_PORT": "8101",
-               "LLMSERVER_NODE_ID": f"worker-{self.index}"}  # fmt: skip
+               "LLMSERVER_NODE_ID": f"worker-{self.index}", "LLMSERVER_INSTANCE_TLS_CERT": str(cert),
+               "LLMSERVER_INSTANCE_TLS_KEY": str(key)}  # fmt: skip
         self.process = spawn(
             ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", "node",
              "--config", str(data / "config.toml"), "--data-dir", str(data), "--advertise", self.address,
@@ -126,6 +130,7 @@ class Hosts:
         return {
             "LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": self.redis.url, "LLMSERVER_INSTANCE_API_KEY": SECRET,
             "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_DATABASE_URL": self.database_url, "LLMSERVER_ROUTING": routing,
+            "LLMSERVER_INSTANCE_TLS_CA": str(tls_files(self.root)[0]),
         }  # fmt: skip
 
     def start_gateways(self, routing: str) -> None:
@@ -149,6 +154,15 @@ class Hosts:
         answer = httpx.get(self.gateway.url + "/api/usage", headers={"Authorization": f"Bearer {key}"})
         assert answer.status_code == 200, answer.text
         return dict(answer.json())
+
+
+def tls_files(root: Path) -> tuple[Path, Path, Path]:
+    """The test CA, and the one certificate (with its key) every worker's instances serve HTTPS with."""
+    folder = root / "tls"
+    if not (folder / "key.pem").exists():
+        tls_certificates(folder, [f"{NET}.{10 + index}" for index in WORKERS])
+    paths = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
+    return paths
 
 
 def add_host(index: int, namespace: str) -> None:
@@ -234,13 +248,19 @@ def test_both_worker_hosts_serve_through_both_gateways(hosts: Hosts) -> None:
         assert record["node"] in ("worker-1", "worker-2") and record["status"] in ("ready", "busy")
 
 
-def test_instances_on_a_worker_refuse_requests_without_the_key(hosts: Hosts) -> None:
+def test_instances_on_a_worker_take_only_tls_and_refuse_requests_without_the_key(hosts: Hosts) -> None:
     body = {"prompt": "hi", "n_predict": 1}
-    refused = httpx.post(f"http://{NET}.11:8101/completion", json=body, timeout=10)
+    ca = ssl.create_default_context(cafile=str(tls_files(hosts.root)[0]))
+    with pytest.raises(httpx.TransportError):  # no plain HTTP: the key would cross the network in clear
+        httpx.post(f"http://{NET}.11:8101/completion", json=body, headers={"Authorization": f"Bearer {SECRET}"})
+    with pytest.raises(httpx.ConnectError):  # a certificate the system does not trust: refused
+        httpx.post(f"https://{NET}.11:8101/completion", json=body, timeout=10)
+    refused = httpx.post(f"https://{NET}.11:8101/completion", json=body, timeout=10, verify=ca)
     assert refused.status_code == 401
     allowed = httpx.post(
-        f"http://{NET}.11:8101/completion", json=body, headers={"Authorization": f"Bearer {SECRET}"}, timeout=30
-    )
+        f"https://{NET}.11:8101/completion", json=body, headers={"Authorization": f"Bearer {SECRET}"}, timeout=30,
+        verify=ca,
+    )  # fmt: skip
     assert allowed.status_code == 200
 
 

@@ -5,15 +5,17 @@ and the real llama-server for the calls the gateway makes."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 
 from llmserver.engine import wire
 from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import GatewayTimeout, InstanceUnavailable, UpstreamError
-from tests.support import free_port
+from tests.support import free_port, tls_certificates
 
 Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # the request's head → keep the connection?
 
@@ -313,5 +315,105 @@ def test_addresses() -> None:
     pool = wire.pool_for("http://[::1]:8081", limit=1)
     assert (pool.host, pool.port) == ("::1", 8081)
     assert "Host: [::1]:8081\r\n" in pool._head_tail
-    with pytest.raises(ValueError, match="plain-HTTP"):
-        wire.pool_for("https://example.com:443", limit=1)
+    secure = wire.pool_for("https://example.com:443", limit=1)
+    assert (secure.host, secure.port) == ("example.com", 443) and secure.tls is not None
+    assert secure.tls.verify_mode == ssl.CERT_REQUIRED and secure.tls.check_hostname
+    with pytest.raises(ValueError, match="not an HTTP address"):
+        wire.pool_for("ftp://example.com:21", limit=1)
+
+
+def test_a_whole_answer_three_times_the_pause_threshold_is_read_without_a_stall() -> None:
+    body = bytes(range(256)) * (3 * wire.PAUSE_BYTES // 256)
+
+    async def test() -> None:
+        async with serving(json_answer(body)) as (server, pool):
+            deadline = asyncio.get_running_loop().time() + 10
+            response = await pool.send("POST", "/big", b"{}", deadline=deadline)
+            try:
+                assert await response.read() == body  # stalled until the deadline before (TimedOut)
+            finally:
+                pool.release(response)
+            assert await exchange(pool) is not None and server.connections == 1  # read whole: reused
+
+    run(test)
+
+
+def test_a_large_chunked_answer_is_read_whole_too() -> None:
+    piece = bytes(range(256)) * 1024  # 256 KiB a chunk, 12 of them: three times the pause threshold
+
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(12):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    async def test() -> None:
+        async with serving(answer) as (_, pool):
+            response = await pool.send("GET", "/big", deadline=asyncio.get_running_loop().time() + 10)
+            try:
+                assert await response.read() == piece * 12
+            finally:
+                pool.release(response)
+
+    run(test)
+
+
+def test_repeated_header_fields_are_joined_not_overwritten() -> None:
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nVary: a\r\nvary: b\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        return True
+
+    async def test() -> None:
+        async with serving(answer) as (_, pool):
+            response = await pool.send("GET", "/h")
+            await response.read()
+            pool.release(response)
+            assert response.headers[b"vary"] == b"a, b"
+
+    run(test)
+
+
+def test_an_idle_connection_past_its_time_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "IDLE_SECONDS", 0.05)
+
+    async def test() -> None:
+        async with serving(json_answer()) as (server, pool):
+            assert await exchange(pool) == (200, b'{"ok":true}')
+            assert await exchange(pool) == (200, b'{"ok":true}')
+            assert server.connections == 1  # reused while fresh
+            await asyncio.sleep(0.1)  # the idle connection's time passes (what is tested is a time)
+            assert await exchange(pool) == (200, b'{"ok":true}')
+            assert server.connections == 2
+            await asyncio.wait_for(server.closed.wait(), 2)  # the stale one was closed, not leaked
+
+    run(test)
+
+
+def test_https_verifies_the_instance_certificate_and_refuses_an_unknown_one(tmp_path: Path) -> None:
+    ca, cert, key = tls_certificates(tmp_path / "ok", ["127.0.0.1"])
+    other_ca, _, _ = tls_certificates(tmp_path / "other", ["127.0.0.1"])
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+
+    async def test() -> None:
+        server = Server(json_answer())
+        listener = await asyncio.start_server(server._serve, "127.0.0.1", 0, ssl=served)
+        url = f"https://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+        trusted = wire.pool_for(url, limit=2, tls=ssl.create_default_context(cafile=str(ca)))
+        stranger = wire.pool_for(url, limit=2, tls=ssl.create_default_context(cafile=str(other_ca)))
+        try:
+            assert await exchange(trusted) == (200, b'{"ok":true}')
+            assert await exchange(trusted) == (200, b'{"ok":true}')
+            assert server.connections == 1  # kept alive over TLS too
+            with pytest.raises(wire.Unreachable, match="CERTIFICATE_VERIFY_FAILED"):
+                await exchange(stranger)
+        finally:
+            await trusted.close()
+            await stranger.close()
+            listener.close()
+            await listener.wait_closed()
+
+    run(test)

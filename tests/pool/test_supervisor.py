@@ -4,8 +4,10 @@ not llama-server: when an instance is taken out of service, restarted, or given 
 from __future__ import annotations
 
 import asyncio
+import http.server
 import logging
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -135,3 +137,43 @@ def test_an_instance_that_answers_requests_is_not_probed() -> None:
                 assert await until(lambda: instance.status == Status.FAILED, timeout=5)  # no answers: probed
 
     asyncio.run(scenario())
+
+
+def test_a_probe_is_timed_outside_the_event_loop_so_a_stalled_loop_does_not_fail_it() -> None:
+    """The instance answers its /health in 0.3 s, within the probe's 0.5 s, while the gateway's event
+    loop is stalled for 1.5 s (as 48 MB headers once stalled it): the probe still counts as answered.
+    Timed on the loop, it was a miss, and misses in a row killed a healthy instance."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(0.3)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def scenario() -> bool:
+        instance = Instance(model=ModelConfig(name="m"), host="127.0.0.1", port=server.server_port, log_path=Path("x"))
+        instance.process = subprocess.Popen(["sleep", "30"])  # noqa: ASYNC220
+        client = instance.client = LlamaServerClient(instance.base_url)
+        try:
+            probing = asyncio.create_task(instance.probe(timeout=0.5))
+            await asyncio.sleep(0.05)  # the probe is under way
+            time.sleep(1.5)  # noqa: ASYNC251 (the stall is the point)
+            return await probing
+        finally:
+            instance.process.kill()
+            instance.process.wait()
+            await client.close()
+
+    try:
+        assert asyncio.run(scenario()) is True
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -9,19 +9,21 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
+from starlette.routing import BaseRoute
 
+from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED
 from llmserver.auth.keys import KeyService, Principal
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied
-from llmserver.http_protocol import CANCEL_ON_DISCONNECT, CANCELLED
 from llmserver.jobs.runner import JobService
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
@@ -32,6 +34,26 @@ from llmserver.store import Store
 
 Model = TypeVar("Model", bound=BaseModel)
 T = TypeVar("T")
+
+
+Endpoint = TypeVar("Endpoint", bound=Callable[..., Awaitable[Response]])
+
+
+def direct(endpoint: Endpoint) -> Endpoint:
+    """Marks a POST endpoint that takes the Request alone and reads its own body: `middleware.Front`
+    calls it straight from FastAPI's route table (`direct_routes`), past Starlette's routing and
+    exception middleware, with the app's own error handlers."""
+    endpoint.direct = True  # type: ignore[attr-defined]
+    return endpoint
+
+
+def direct_routes(routes: Sequence[BaseRoute]) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+    """path → endpoint, for the POST routes marked `direct`."""
+    return {
+        route.path: route.endpoint
+        for route in routes
+        if isinstance(route, APIRoute) and "POST" in (route.methods or ()) and getattr(route.endpoint, "direct", False)
+    }
 
 
 def settings(request: Request) -> Settings:

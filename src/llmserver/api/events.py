@@ -4,10 +4,10 @@ Starlette's StreamingResponse runs each stream in an anyio task group beside a s
 listens for the disconnect, and every chunk passes through each middleware's `send` wrapper. This
 response sends its start (and its end) through the middleware stack, where the access log and the
 quota headers see them (`middleware.Front`), and the body's chunks past it: the first through the
-server's own `send`, which `Front` leaves in the scope, and the rest, where the server is llmserver's
-own (`http_protocol`), through a `DirectWriter` the body is sent (`asend`): the relay
-(`engine/generation.py`) then shapes and writes each batch of tokens in the callback of the
-connection it came in on, no task woken for it.
+server's own `send`, which `Front` leaves in the scope, and the rest, where the server offers the
+`DIRECT_WRITE` extension (`asgi_ext`; llmserver's own server does), through the writer it opens, which
+the body is sent (`asend`): the relay (`engine/generation.py`) then shapes and writes each batch of
+tokens in the callback of the connection it came in on, no task woken for it.
 One watcher task per stream waits for the client to leave and then cancels the stream's task: the
 body generator is closed at once, which closes the connection to llama-server (it stops generating)
 and the request's ticket.
@@ -22,8 +22,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from llmserver.engine.generation import Writer
-from llmserver.http_protocol import Cycle
+from llmserver.asgi_ext import DIRECT_WRITE, OpenWriter, Writer
 
 RAW_SEND = "llmserver.send"  # the scope key of the server's own `send`
 
@@ -57,7 +56,8 @@ class EventStream(Response):
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         watcher = asyncio.get_running_loop().create_task(watch())
         body = self.body_iterator
-        writer = DirectWriter.of(direct)
+        opener: OpenWriter | None = scope.get("extensions", {}).get(DIRECT_WRITE)
+        writer: Writer | None = opener(direct) if opener is not None else None
         try:
             chunk = await anext(body, None)
             while chunk is not None:
@@ -77,33 +77,3 @@ class EventStream(Response):
             await body.aclose()
         if self.background is not None:
             await self.background()
-
-
-class DirectWriter:
-    """Writes body chunks of a started response straight to the connection's transport, framed as its
-    `send` frames them (HTTP/1.1 chunked), for a body that pumps its chunks from a callback (the relay,
-    `engine/generation.py`). It says False once the client is gone (and writes nothing) or its
-    connection's buffer is full (flow control; what it was given is written all the same): the body
-    then goes back to being sent, and awaited, through `send`."""
-
-    __slots__ = ("_cycle", "_write")
-
-    def __init__(self, cycle: Cycle) -> None:
-        self._cycle = cycle
-        self._write = cycle.transport.write
-
-    @classmethod
-    def of(cls, send: Send) -> DirectWriter | None:
-        """For llmserver's server's own `send` of a chunked response (an SSE stream is one); None for
-        any other (another server's, a test transport's)."""
-        cycle = getattr(send, "__self__", None)
-        if type(cycle) is not Cycle or cycle.chunked is not True or cycle.complete:
-            return None
-        return cls(cycle)
-
-    def __call__(self, body: bytes) -> bool:
-        cycle = self._cycle
-        if cycle.disconnected:
-            return False  # nobody to read it (the watcher is cancelling the stream)
-        self._write(b"%x\r\n%b\r\n" % (len(body), body))  # written even when paused: nothing is dropped
-        return not cycle.protocol.write_paused

@@ -6,7 +6,16 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconnect, generation, header, jobs, parse
+from llmserver.api.deps import (
+    FastJSONResponse,
+    body_schema,
+    cancel_on_disconnect,
+    direct,
+    generation,
+    header,
+    jobs,
+    parse,
+)
 from llmserver.engine.generation import closed_on_failure
 from llmserver.jobs.runner import JobService
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
@@ -19,6 +28,7 @@ router = APIRouter()
     responses={200: {"model": GenerateResponse}},
     openapi_extra=body_schema(GenerateRequest),
 )
+@direct
 async def generate(request: Request) -> FastJSONResponse:
     service = generation(request)
     principal, body = await parse(request, GenerateRequest, gate=service.admission.precheck)

@@ -6,7 +6,16 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from llmserver.api.deps import FastJSONResponse, body_schema, cancel_on_disconnect, generation, header, jobs, parse
+from llmserver.api.deps import (
+    FastJSONResponse,
+    body_schema,
+    cancel_on_disconnect,
+    direct,
+    generation,
+    header,
+    jobs,
+    parse,
+)
 from llmserver.api.events import EventStream
 from llmserver.engine.generation import closed_on_failure
 from llmserver.errors import InvalidRequest
@@ -20,11 +29,13 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest), response_model=None)
+@direct
 async def chat_completions(request: Request) -> FastJSONResponse | EventStream:
     return await _generate(request, ChatRequest, "/v1/chat/completions")
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest), response_model=None)
+@direct
 async def completions(request: Request) -> FastJSONResponse | EventStream:
     return await _generate(request, CompletionRequest, "/v1/completions")
 

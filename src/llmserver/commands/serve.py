@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import resource
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from llmserver.commands import check_model_files, load, models_from_args, open_checked_store, remember, settings_options
+from llmserver.settings import Settings
+
+if TYPE_CHECKING:
+    from llmserver.http_protocol import Limits
+
+log = logging.getLogger(__name__)
 
 
 @click.command()
@@ -52,7 +60,7 @@ def serve(
 
     from llmserver.app import create_app
     from llmserver.commands.workers import bound_socket, supervise, worker_number
-    from llmserver.http_protocol import QuietServer, with_read_timeout
+    from llmserver.http_protocol import QuietServer, protocol_with
 
     given = {"data_dir": data_dir, "host": host, "port": port, "log_level": log_level, "workers": workers}
     settings = load(config_file, **given)
@@ -80,7 +88,7 @@ def serve(
         signal.signal(stop_signal, _stopped)
     config = uvicorn.Config(
         create_app(settings),
-        http=with_read_timeout(settings.request_read_timeout),
+        http=protocol_with(connection_limits(settings)),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -97,6 +105,35 @@ def serve(
         server.run(sockets=sockets)
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the app or the socket failed to start
+
+
+def connection_limits(settings: Settings) -> Limits:
+    """The client connections' limits, with the open-file limit raised to hold max_connections."""
+    from llmserver.http_protocol import Limits
+
+    _raise_open_files(settings.max_connections + 256)  # instances, the store, Redis, logs
+    return Limits(
+        read_timeout=settings.request_read_timeout,
+        max_header_bytes=settings.max_header_bytes,
+        max_header_count=settings.max_header_count,
+        min_body_rate=settings.min_request_body_rate,
+        max_connections=settings.max_connections,
+    )
+
+
+def _raise_open_files(wanted: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= wanted or soft == resource.RLIM_INFINITY:
+        return
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        log.warning(
+            "the open-file limit (%d) is below what max_connections needs (%d): connections beyond it are refused "
+            "by the system, not answered 503; raise it (LimitNOFILE=, ulimit -n) or lower max_connections",
+            target, wanted,
+        )  # fmt: skip
 
 
 def _stopped(signum: int, frame: object) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import AsyncGenerator, Callable
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
@@ -30,12 +31,14 @@ JSON = dict[str, Any]
 
 
 class LlamaServerClient:
-    def __init__(self, base_url: str, *, connections: int = 8, api_key: str | None = None) -> None:
+    def __init__(
+        self, base_url: str, *, connections: int = 8, api_key: str | None = None, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.base_url = base_url
         # An instance on a worker host answers only to the key that gateways and its node share.
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         # No timeout on a whole answer here: callers bound whole generations themselves.
-        self._pool = wire.pool_for(base_url, limit=connections, headers=headers)
+        self._pool = wire.pool_for(base_url, limit=connections, headers=headers, tls=tls)
 
     async def close(self) -> None:
         await self._pool.close()

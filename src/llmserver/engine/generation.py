@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, TypeVar
 
+from llmserver.asgi_ext import Writer  # bytes straight to a stream's client; False: no more for now
 from llmserver.auth.keys import Principal
 from llmserver.engine import shapes, translate
 from llmserver.engine.calls import InstanceCalls
@@ -43,8 +44,6 @@ from llmserver.settings import Settings
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
-# Writes bytes straight to a stream's client (`api/events.py`); False: it cannot take more for now.
-Writer = Callable[[bytes], bool]
 Request = GenerateRequest | ChatRequest | CompletionRequest
 T = TypeVar("T")
 # Room around an untemplated prompt (a BOS token and the like).

@@ -1,7 +1,8 @@
 """HTTP/1.1 to llama-server on kept-alive connections: the least a gateway needs, and no more.
 
-llama-server is a known peer on a plain-HTTP address: one request at a time per connection, a
-JSON or an event-stream answer, with a length or chunked. aiohttp's client spends about 0.3 ms of
+llama-server is a known peer: one request at a time per connection, a JSON or an event-stream
+answer, with a length or chunked; on loopback in plain HTTP, on another host over TLS with its
+certificate verified (the instance key is in every request's headers). aiohttp's client spends about 0.3 ms of
 CPU a request on what this one does not need (URL objects, header multidicts, cookies, tracing,
 per-request timers); on a 2-core machine that is taken from the model's threads. Here a connection
 is an asyncio protocol with httptools' parser (uvicorn's, already installed) and an answer is
@@ -9,17 +10,24 @@ delivered by its callbacks: a whole body with one wake-up, a stream as its piece
 piece straight to a `Tap` (the relay's pump) from the callback itself.
 
 A pool holds at most `limit` connections, busy or idle: llama-server serves a fixed number of
-HTTP threads and an idle kept-alive connection holds one of them.
+HTTP threads and an idle kept-alive connection holds one of them. An idle one is not reused after
+`IDLE_SECONDS`. A whole-body `read` takes the body as it arrives, so any size flows; a stream read
+piece by piece pauses the socket while more than `PAUSE_BYTES` wait unread (flow control).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
+import time
 from typing import Protocol, cast
 
 import httptools
 
 CONNECT_TIMEOUT = 5.0
+# An idle kept-alive connection is not reused after this long: llama-server (cpp-httplib) closes its
+# side after 5 s idle, and a request written into a connection it is closing is lost.
+IDLE_SECONDS = 4.0
 PAUSE_BYTES = 1 << 20  # an answer buffered past this (a slow reader) stops reading from the socket
 
 
@@ -67,10 +75,16 @@ class Response:
         return self.complete and not self._chunks
 
     async def read(self) -> bytes:
-        """The whole body."""
+        """The whole body. What arrives is taken as it comes, so that a body larger than `PAUSE_BYTES`
+        never leaves the socket paused with nobody left to resume it."""
+        parts: list[bytes] = []
         while not self.complete:
-            await self._wait()
-        return self._take()
+            if self._chunks:
+                parts.append(self._take())
+            else:
+                await self._wait()
+        parts.append(self._take())
+        return parts[-1] if len(parts) == 1 else b"".join(parts)
 
     async def readany(self) -> bytes:
         """What has arrived of the body since the last read, waiting for some; b"" at its end."""
@@ -160,6 +174,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.reusable = False  # the last answer was whole and the peer keeps the connection open
         self.expiry: asyncio.TimerHandle | None = None  # the request's deadline, while it has one
+        self.idle_since = 0.0  # time.monotonic() when it was last given back to its pool
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -233,8 +248,12 @@ class Connection(asyncio.Protocol):
     # httptools' callbacks.
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.response is not None:
-            self.response.headers[name.lower()] = value
+        response = self.response
+        if response is not None:
+            name = name.lower()
+            known = response.headers.get(name)
+            # A repeated field is one list (RFC 9110 5.3): no value overwrites another.
+            response.headers[name] = value if known is None else known + b", " + value
 
     def on_headers_complete(self) -> None:
         if self.response is None:
@@ -258,10 +277,20 @@ class Connection(asyncio.Protocol):
 
 
 class Pool:
-    """Connections to one llama-server (`host:port`), at most `limit` of them at once."""
+    """Connections to one llama-server (`host:port`), at most `limit` of them at once; over TLS with
+    `tls` (a context that verifies the server's certificate: the instance key travels in the headers)."""
 
-    def __init__(self, host: str, port: int, *, limit: int, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        limit: int,
+        headers: dict[str, str] | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.host, self.port = host, port
+        self.tls = tls
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._head_tail = "".join(f"{k}: {v}\r\n" for k, v in {"Host": authority, **(headers or {})}.items())
         self._idle: list[Connection] = []  # the most recently used last: the likeliest still open
@@ -326,6 +355,7 @@ class Pool:
         connection.response = None
         connection.headed = None
         if connection.reusable and not connection.closed and response.at_eof():
+            connection.idle_since = time.monotonic()
             self._idle.append(connection)
         else:
             connection.close()
@@ -337,8 +367,15 @@ class Pool:
         self._idle.clear()
 
     def _reuse(self) -> Connection | None:
-        while self._idle:
-            connection = self._idle.pop()
+        idle = self._idle
+        while idle:
+            connection = idle.pop()
+            if time.monotonic() - connection.idle_since > IDLE_SECONDS:
+                # The most recent is too old: so is every one before it.
+                for stale in (connection, *idle):
+                    stale.close()
+                idle.clear()
+                return None
             if not connection.closed and connection.transport is not None and not connection.transport.is_closing():
                 return connection
         return None
@@ -348,18 +385,27 @@ class Pool:
         give_up = loop.time() + CONNECT_TIMEOUT
         try:
             async with asyncio.timeout_at(give_up if deadline is None else min(give_up, deadline)):
-                _, connection = await loop.create_connection(Connection, self.host, self.port)
-        except (OSError, TimeoutError) as exc:
+                if self.tls is None:
+                    _, connection = await loop.create_connection(Connection, self.host, self.port)
+                else:
+                    _, connection = await loop.create_connection(
+                        Connection, self.host, self.port, ssl=self.tls, server_hostname=self.host
+                    )
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError (a certificate refused) is an OSError
             if deadline is not None and deadline < give_up and loop.time() >= deadline:
                 raise TimedOut("no connection by the deadline") from None
             raise Unreachable(f"could not connect to {self.host}:{self.port}: {exc or 'timed out'}") from None
         return connection
 
 
-def pool_for(base_url: str, *, limit: int, headers: dict[str, str] | None = None) -> Pool:
-    """A pool for an `http://host:port` address."""
+def pool_for(
+    base_url: str, *, limit: int, headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None
+) -> Pool:
+    """A pool for an `http://host:port` or `https://host:port` address; https verifies the server's
+    certificate with `tls`, else with the system's trusted authorities."""
     scheme, _, address = base_url.partition("://")
-    if scheme != "http" or not address:
-        raise ValueError(f"not a plain-HTTP address: {base_url}")
+    if scheme not in ("http", "https") or not address:
+        raise ValueError(f"not an HTTP address: {base_url}")
     host, _, port = address.rstrip("/").rpartition(":")
-    return Pool(host.strip("[]"), int(port), limit=limit, headers=headers)
+    context = None if scheme == "http" else tls or ssl.create_default_context()
+    return Pool(host.strip("[]"), int(port), limit=limit, headers=headers, tls=context)

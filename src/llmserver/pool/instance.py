@@ -6,11 +6,13 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import http.client
 import logging
 import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Callable
@@ -30,6 +32,25 @@ from llmserver.settings import ModelConfig
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+PROBE_TIMEOUT = 2.0  # seconds for a health probe's connect, and again for its answer
+
+
+def probe_health(host: str, port: int, api_key: str | None, timeout: float, tls: ssl.SSLContext | None) -> bool:
+    """GET /health, blocking (in a thread): True when it answers 200 within `timeout` seconds."""
+    connection = (
+        http.client.HTTPConnection(host, port, timeout=timeout)
+        if tls is None
+        else http.client.HTTPSConnection(host, port, timeout=timeout, context=tls)
+    )
+    try:
+        connection.request("GET", "/health", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        response = connection.getresponse()
+        response.read()
+        return response.status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
 
 
 class Status(StrEnum):
@@ -66,7 +87,13 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def llama_server_args(
-    binary: Path, model_file: Path, model: ModelConfig, host: str, port: int, mmproj: Path | None = None
+    binary: Path,
+    model_file: Path,
+    model: ModelConfig,
+    host: str,
+    port: int,
+    mmproj: Path | None = None,
+    tls_files: tuple[Path, Path] | None = None,
 ) -> list[str]:
     vision = ["--mmproj", str(mmproj)] if mmproj is not None else []
     # An input is embedded in one batch: let a batch hold a whole context.
@@ -93,6 +120,7 @@ def llama_server_args(
         "--cache-ram", str(model.cache_ram_mb),
         "--no-webui",
         "--jinja",
+        *(("--ssl-cert-file", str(tls_files[0]), "--ssl-key-file", str(tls_files[1])) if tls_files else ()),
         *vision,
         *embedding,
         *template,
@@ -134,6 +162,8 @@ class Instance:
     native_tools: bool = False
     keep_until: float = 0.0  # a request's keep_alive: not stopped for idleness before this (time.time())
     api_key: str | None = None  # llama-server's --api-key (instance_api_key): for instances other hosts reach
+    tls: ssl.SSLContext | None = None  # reached over HTTPS, its certificate verified with this
+    tls_files: tuple[Path, Path] | None = None  # the certificate and key it serves HTTPS with (a node's)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     _ps: psutil.Process | None = None
 
@@ -151,7 +181,7 @@ class Instance:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'http' if self.tls is None else 'https'}://{self.host}:{self.port}"
 
     @property
     def load(self) -> int:
@@ -235,7 +265,7 @@ class Instance:
         self.status = Status.STARTING
         self.cpu_percent = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        args = llama_server_args(binary, model_file, self.model, self.host, self.port, mmproj)
+        args = llama_server_args(binary, model_file, self.model, self.host, self.port, mmproj, self.tls_files)
         # The key goes in llama-server's environment (its --api-key reads LLAMA_API_KEY), not on the
         # command line, which any user of the host can read in /proc.
         env = {**os.environ, "LLAMA_API_KEY": self.api_key} if self.api_key else None
@@ -269,7 +299,9 @@ class Instance:
             raise
         # At most `most_in_flight` requests are leased to an instance, plus health probes (its HTTP
         # threads: llama_server_args).
-        self.client = LlamaServerClient(self.base_url, connections=self.model.most_in_flight + 2, api_key=self.api_key)
+        self.client = LlamaServerClient(
+            self.base_url, connections=self.model.most_in_flight + 2, api_key=self.api_key, tls=self.tls
+        )
         self.native_tools = await self.template_has_tools()
         with contextlib.suppress(psutil.Error):
             self._ps = psutil.Process(self.process.pid)
@@ -303,10 +335,17 @@ class Instance:
                         f"llama-server for {self.model.name!r} exited with code {self.process.returncode} "
                         f"while starting; see {self.log_path}"
                     )
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with session.get(self.base_url + "/health") as response:
+                try:
+                    async with session.get(self.base_url + "/health", ssl=self.tls or True) as response:
                         if response.status == 200:
                             return
+                except aiohttp.ClientConnectorCertificateError as exc:  # waiting will not change it
+                    raise InstanceStartError(
+                        f"llama-server for {self.model.name!r} serves a certificate this node does not trust "
+                        f"({exc.certificate_error}): check instance_tls_cert and instance_tls_ca"
+                    ) from None
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
                 if time.monotonic() > deadline:
                     raise InstanceStartError(
                         f"llama-server for {self.model.name!r} did not become healthy within {timeout:.0f} s; "
@@ -314,11 +353,13 @@ class Instance:
                     )
                 await asyncio.sleep(0.1)
 
-    async def probe(self) -> bool:
-        """A real health probe: True when the process answers /health with 200 in time."""
+    async def probe(self, timeout: float = PROBE_TIMEOUT) -> bool:
+        """A real health probe: True when the process answers /health with 200 in time. It runs in a
+        thread, on its own socket and clock: an event loop stalled by other work (a request's huge
+        headers) delays the verdict but never makes a healthy instance miss its probe."""
         if self.client is None or self.exited:
             return False
-        return await self.client.healthy()
+        return await asyncio.to_thread(probe_health, self.host, self.port, self.api_key, timeout, self.tls)
 
     async def stop(self, grace: float = 10.0) -> None:
         """terminate → wait → kill, and close the HTTP client."""

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import secrets
+import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ def record(instance: Instance, node_id: str, incarnation: str, in_flight: int = 
         "in_flight": in_flight,  # through every gateway, from their loads
         "node": node_id,
         "incarnation": incarnation,
+        "scheme": "http" if instance.tls is None else "https",
     }
 
 
@@ -213,11 +215,17 @@ class Registry:
     """A gateway's side: its pools' remote instances, in step with the registry."""
 
     def __init__(
-        self, client: redis.asyncio.Redis, pools: Mapping[str, ModelPool], api_key: str | None, gateway: str
+        self,
+        client: redis.asyncio.Redis,
+        pools: Mapping[str, ModelPool],
+        api_key: str | None,
+        gateway: str,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._redis = client
         self._pools = pools
         self._api_key = api_key
+        self._tls = tls  # verifies the certificates of instances published with https
         self._load_key = LOAD_KEY + gateway
         self._probes: set[asyncio.Task[None]] = set()
         self._gateway = gateway
@@ -530,9 +538,10 @@ class Registry:
             node=published["node"],
             incarnation=published["incarnation"],
             remote=published,
+            tls=(self._tls or ssl.create_default_context()) if published.get("scheme") == "https" else None,
         )
         instance.client = LlamaServerClient(
-            instance.base_url, connections=pool.config.most_in_flight + 2, api_key=self._api_key
+            instance.base_url, connections=pool.config.most_in_flight + 2, api_key=self._api_key, tls=instance.tls
         )
         instance.native_tools = await instance.template_has_tools()
         return instance

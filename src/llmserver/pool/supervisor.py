@@ -35,7 +35,7 @@ from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamEr
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
 from llmserver.pool.pool import ModelPool
 from llmserver.pool.registry import Registry, RemoteInstance
-from llmserver.settings import Settings
+from llmserver.settings import Settings, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class Supervisor:
         self._probe_misses: dict[str, int] = {}
         self._last_probe = self._last_sample = 0.0
         self._stopping = False
+        self._loopback = is_loopback(settings.instance_host)  # instances there stay plain HTTP
         self.remote: Registry | None = None  # a gateway of role `gateway`: the nodes' instances
 
     # Lifecycle
@@ -161,6 +162,10 @@ class Supervisor:
             log_path=self.settings.log_dir / f"{pool.name}-{port}.log",
             api_key=self.settings.instance_key,
         )
+        settings = self.settings
+        if settings.instance_tls_cert is not None and settings.instance_tls_key is not None and not self._loopback:
+            instance.tls_files = (settings.instance_tls_cert, settings.instance_tls_key)
+            instance.tls = settings.own_instance_tls()
         pool.instances.append(instance)
         return instance
 

@@ -1,0 +1,35 @@
+"""llmserver's harness for uvicorn's own protocol tests (its `tests/protocols/test_http.py`): written
+as `conftest.py` beside that file in the copy taken from uvicorn's source package at test time
+(tests/peer/test_uvicorn_suite.py). Nothing of uvicorn's is copied into this repository.
+
+- The suite's `http_protocol_cls` fixture names one protocol: the one llmserver ships.
+- The suite's `MockLoop` has no clock and its `MockTask` cannot be cancelled; the protocol uses
+  both (one timer per connection, re-armed from the loop's clock; cancel-on-disconnect). The clock
+  stands still at 0: the suite moves time by firing timers (`run_later`), not by a clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from llmserver.http_protocol import GatewayProtocol, Limits, protocol_with
+from tests.protocols import test_http as suite
+
+
+def _time(self: Any) -> float:
+    return 0.0
+
+
+def _cancel(self: Any, msg: Any = None) -> bool:
+    return False
+
+
+suite.MockLoop.time = _time  # type: ignore[attr-defined]
+suite.MockTask.cancel = _cancel  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def http_protocol_cls() -> type[GatewayProtocol]:
+    return protocol_with(Limits())
