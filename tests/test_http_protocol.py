@@ -536,3 +536,17 @@ def test_a_closed_connection_is_freed_without_the_garbage_collector() -> None:
         gc.enable()
     assert left == 0  # before: every connection stayed until a full collection (Cycle ↔ protocol)
     assert grown < 8 * 1024 * 1024, grown  # before: about 1 MB more for each of the 30
+
+
+def test_a_client_still_sending_a_huge_head_reads_its_431_rather_than_a_reset() -> None:
+    async def test() -> bytes:
+        async with serving(echo) as port, connect(port) as (reader, writer):
+            writer.write(b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: ")
+            with contextlib.suppress(ConnectionError):
+                for _ in range(32):  # 32 MB, most of it sent after the server has answered
+                    writer.write(b"a" * (1024 * 1024))
+                    await writer.drain()
+            return await asyncio.wait_for(reader.read(), 10)
+
+    answer = asyncio.run(test())
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")

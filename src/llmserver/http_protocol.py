@@ -58,6 +58,7 @@ INVALID_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 INVALID_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 DISCONNECT = {"type": "http.disconnect"}
+LINGER = 2.0  # seconds a connection answered mid-request reads and drops what still comes, before it closes
 
 
 @dataclass(frozen=True)
@@ -341,6 +342,7 @@ class GatewayProtocol(asyncio.Protocol):
         # square of a header's size): beyond the limits the request is answered 431 unparsed.
         self.heading = True  # what arrives is a request's line and headers (or what comes before one)
         self.head_bytes = 0
+        self.discarding = False  # answered mid-request: what comes is dropped until the close
         # The one timer: closes a connection whose request stopped arriving or arrives too slowly
         # (read_timeout: of silence, for the whole head, then the body's minimum rate), or that sat
         # idle between requests (uvicorn's timeout_keep_alive); it re-arms itself when it fires early.
@@ -382,6 +384,8 @@ class GatewayProtocol(asyncio.Protocol):
         pass  # a half-closed client still gets its answer (the transport closes once it is written)
 
     def data_received(self, data: bytes) -> None:
+        if self.discarding:
+            return  # an answer was given and the connection is closing (`_linger`)
         self.last = self.loop.time()
         try:
             if self.heading and self.head_bytes + len(data) > self.limits.max_header_bytes:
@@ -617,7 +621,23 @@ class GatewayProtocol(asyncio.Protocol):
             lines += (name, b": ", value, b"\r\n")
         lines += (b"\r\n", body)
         self.transport.write(b"".join(lines))
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after an answer given mid-request: our side is shut once the answer is written, and
+        what the client still sends is read and dropped for up to `LINGER` seconds (or until it closes).
+        Closing at once with its bytes unread would reset the connection, and a client still sending
+        (a 48 MB header) would never read the answer."""
+        try:
+            half_close = self.transport.can_write_eof()
+        except (AttributeError, NotImplementedError):  # a transport that cannot (a test's stand-in)
+            half_close = False
+        if not half_close:
+            self.transport.close()
+            return
+        self.discarding = True
+        self.transport.write_eof()
+        self.loop.call_later(LINGER, self.transport.close)
 
     def _who(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
