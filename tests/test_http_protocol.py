@@ -550,3 +550,29 @@ def test_a_client_still_sending_a_huge_head_reads_its_431_rather_than_a_reset() 
 
     answer = asyncio.run(test())
     assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+
+
+def test_large_answers_reach_a_slow_reader_whole_with_the_app_held_back_meanwhile() -> None:
+    piece = bytes(range(256)) * 32768  # 8 MiB: more than the sockets on both sides buffer
+    waited: list[float] = []
+
+    async def large(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        streamed = scope["path"] == "/stream"
+        headers = [] if streamed else [(b"content-length", b"%d" % (3 * len(piece)))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for n in range(3):
+            started = asyncio.get_running_loop().time()
+            await send({"type": "http.response.body", "body": piece, "more_body": n < 2})
+            waited.append(asyncio.get_running_loop().time() - started)
+
+    async def test() -> list[bytes]:
+        bodies = []
+        async with serving(large) as port, connect(port) as (reader, writer):
+            for path in (b"/stream", b"/whole"):
+                writer.write(b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n" % path)
+                await asyncio.sleep(0.3)  # reads nothing meanwhile: the app's sends must wait
+                bodies.append((await read_answer(reader))[2])
+        return bodies
+
+    assert asyncio.run(test()) == [piece * 3, piece * 3]  # chunked, then with a Content-Length
+    assert max(waited) >= 0.2  # a send waited for the client's buffer to drain (flow control)

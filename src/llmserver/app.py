@@ -170,15 +170,16 @@ def create_app(settings: Settings) -> FastAPI:
         title="llmserver", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )  # fmt: skip
-    for module in (native, openai, embeddings, models, jobs, instances, keys, metrics, health):
-        app.include_router(module.router)
+    routers = [module.router for module in (native, openai, embeddings, models, jobs, instances, keys, metrics, health)]
+    for router in routers:
+        app.include_router(router)
     console.install(app)
     _install_error_handlers(app)
     app.front = lambda stack: Front(
         stack,
         max_bytes=settings.max_request_bytes,
         quota=lambda: app.state.quota,
-        hot=direct_routes(app.routes),
+        hot=direct_routes([route for router in routers for route in router.routes]),
         api_error=_api_error,
         unexpected=_unexpected,
     )

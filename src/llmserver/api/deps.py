@@ -48,7 +48,8 @@ def direct(endpoint: Endpoint) -> Endpoint:
 
 
 def direct_routes(routes: Sequence[BaseRoute]) -> dict[str, Callable[[Request], Awaitable[Response]]]:
-    """path → endpoint, for the POST routes marked `direct`."""
+    """path → endpoint, for the POST routes marked `direct` among the routers' own routes (included in
+    the app without a prefix: FastAPI's `app.routes` nests them in objects of its own)."""
     return {
         route.path: route.endpoint
         for route in routes
