@@ -80,11 +80,12 @@ class _Refused(Exception):
         self.status, self.message = status, message
 
 
-def error_answer(status: int, type_: str, message: str, *extra: tuple[bytes, bytes]) -> list[Any]:
+def error_answer(
+    status: int, type_: str, message: str, *extra: tuple[bytes, bytes]
+) -> tuple[list[tuple[bytes, bytes]], bytes]:
     """The headers and body of an answer the server gives by itself, in the app's error envelope."""
     body = json.dumps({"error": {"message": message, "type": type_, "code": status}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), *extra]
-    return [headers, body]
+    return [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), *extra], body
 
 
 def status_line(status: int) -> bytes:

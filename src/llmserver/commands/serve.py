@@ -86,6 +86,7 @@ def serve(
     # stay in TMPDIR) and reports "killed by SIGTERM" to the init system. A finished stop is exit 0.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, _stopped)
+    _raise_open_files(settings.max_connections + 256)  # and the instances, the store, Redis, logs
     config = uvicorn.Config(
         create_app(settings),
         http=protocol_with(connection_limits(settings)),
@@ -108,10 +109,9 @@ def serve(
 
 
 def connection_limits(settings: Settings) -> Limits:
-    """The client connections' limits, with the open-file limit raised to hold max_connections."""
+    """The client connections' limits, from the settings."""
     from llmserver.http_protocol import Limits
 
-    _raise_open_files(settings.max_connections + 256)  # instances, the store, Redis, logs
     return Limits(
         read_timeout=settings.request_read_timeout,
         max_header_bytes=settings.max_header_bytes,
@@ -122,6 +122,7 @@ def connection_limits(settings: Settings) -> Limits:
 
 
 def _raise_open_files(wanted: int) -> None:
+    """The soft open-file limit raised towards `wanted` (as far as the hard limit allows)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft >= wanted or soft == resource.RLIM_INFINITY:
         return
