@@ -246,6 +246,9 @@ class Settings(BaseSettings):
     )
     default_max_tokens: int = Field(default=256, ge=1, description="max_tokens when a request gives none.")
     max_tokens_limit: int = Field(default=4096, ge=1, description="Largest max_tokens a request may ask for.")
+    max_messages: int = Field(
+        default=2048, ge=1, description="Messages one chat request may carry (400 beyond; OpenAI's own limit)."
+    )
     max_request_bytes: int = Field(
         default=128 * 1024 * 1024,
         ge=1024,

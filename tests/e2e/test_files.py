@@ -149,3 +149,19 @@ def test_refusals_before_extraction(client: httpx.Client) -> None:
         *[part] * 6, mode="async", key=documents.data_uri(bytes(32))[len("data:application/octet-stream;base64,") :]
     )
     assert_error(client.post("/v1/chat/completions", json=async_body), 400, "invalid_request_error")
+
+
+def test_a_stored_zip_with_a_pdf_inside_is_read_whole(server: Server, tmp_path: Path) -> None:
+    """Python's zipfile stores by default: the PDF's header sits at byte 0x84, and the upload was read
+    as that PDF alone (issue 39, row 5)."""
+    import zipfile
+
+    members = {"t.csv": b"animal,count\nwalrus,42\n", "n.md": b"# Notes\n\nOtters juggle.\n"}
+    archive = documents.make_zip({**members, "report.pdf": documents.make_pdf()}, compression=zipfile.ZIP_STORED)
+    assert b"%PDF-" in archive[:1024]
+    output = extracted_by_cli(server, tmp_path, {"bundle.zip": archive})
+    assert '<file name="bundle.zip" format="ZIP archive">' in output
+    for name in ("t.csv", "n.md", "report.pdf"):
+        assert f"--- {name} ---" in output
+    assert "walrus" in output and "Otters juggle" in output
+    assert documents.MARKERS["pdf"] in " ".join(output.split())

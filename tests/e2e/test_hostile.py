@@ -125,3 +125,22 @@ def test_a_request_that_stops_arriving_is_closed(start_server: Callable[..., Ser
     assert answered == b""
     assert "ClientDisconnect" not in server.log() and "Traceback" not in server.log()
     assert "its request stopped arriving" in server.log()
+
+
+def test_an_integer_of_over_4300_digits_is_400_naming_its_place(server: Server, api_key: str) -> None:
+    """Python refuses to convert such a literal (ValueError): it was a 500, even without a key; now a
+    400 naming the field, and without a key the 401 every bad key gets whatever the body."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"7" * 5000 + b"}"
+    headers = {"Authorization": f"Bearer {api_key}"}
+    answer = httpx.post(server.url + "/v1/chat/completions", content=body, headers=headers, timeout=30)
+    error = assert_error(answer, 400, "invalid_request_error", "seed")
+    assert "4300 digits" in str(error["message"])
+    anonymous = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30)
+    assert_error(anonymous, 401, "authentication_error")
+
+
+def test_more_messages_than_max_messages_is_400(client: httpx.Client) -> None:
+    """40,000 messages took 18 to 22 s of llama-server time before its 400; now the gateway refuses at once."""
+    messages = [{"role": "user", "content": "hi"}] * 2049  # max_messages: 2,048 by default
+    error = assert_error(client.post("/v1/chat/completions", json={"messages": messages}), 400, "invalid_request_error")
+    assert error["param"] == "messages" and "2048" in str(error["message"])

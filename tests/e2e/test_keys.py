@@ -43,3 +43,19 @@ def test_keys_never_reach_the_log(server: Server, api_key: str) -> None:
     log = server.log()
     assert "GET /v1/models 200" in log
     assert api_key not in log
+
+
+def test_an_admin_key_travels_like_any_key(server: Server) -> None:
+    """The README's rule holds for admin endpoints too: header, query string, or `api_key` in the body."""
+    admin = create_key(server.data_dir, "admin-anywhere", admin=True)
+    made = httpx.post(server.url + "/api/keys", json={"name": "made-with-body-key", "api_key": admin})
+    assert made.status_code == 201, made.text
+    assert made.json()["name"] == "made-with-body-key" and "api_key" not in made.json()
+    changed = httpx.patch(server.url + f"/api/keys/{made.json()['id']}", json={"rpm": 7, "api_key": admin})
+    assert changed.status_code == 200 and changed.json()["rpm"] == 7
+    assert httpx.get(server.url + "/api/keys", params={"api_key": admin}).status_code == 200
+    # A key that is not an admin key is still refused wherever it travels.
+    user = create_key(server.data_dir, "not-admin")
+    refused = httpx.post(server.url + "/api/keys", json={"name": "x", "api_key": user})
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+    assert httpx.post(server.url + "/api/keys", json={"name": "x"}).status_code == 401

@@ -134,3 +134,45 @@ def test_an_entry_with_an_empty_name_is_read_as_unnamed() -> None:
         archive.writestr("b.txt", b"named text")
     result = extract("bundle.zip", out.getvalue())
     assert result.text == "--- (unnamed) ---\nnameless text\n\n--- b.txt ---\nnamed text"
+
+
+CSV = b"animal,count\nwalrus,42\n"
+PDF = documents.make_pdf()
+MEMBERS_FIRST = {
+    "pdf": {"report.pdf": documents.make_pdf(), "t.csv": CSV, "n.md": documents.MARKERS["txt"].encode()},
+    "csv": {"t.csv": CSV, "n.md": documents.MARKERS["txt"].encode(), "report.pdf": PDF},
+    "docx": {"letter.docx": documents.make_docx(), "report.pdf": PDF},
+    "xlsx": {"book.xlsx": documents.make_xlsx(), "deck.pptx": documents.make_pptx(), "report.pdf": PDF},
+    "png": {"photo.png": documents.PNG, "report.pdf": documents.make_pdf(), "n.md": documents.MARKERS["txt"].encode()},
+}
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED], ids=["stored", "deflated"])
+@pytest.mark.parametrize("first", list(MEMBERS_FIRST))
+def test_a_zip_is_a_zip_whatever_its_members_bytes_look_like(first: str, compression: int) -> None:
+    """A stored ZIP holds its members' bytes as they are: a PDF's header in its first kilobyte made the
+    whole upload read as that PDF, and the other members were dropped."""
+    members = MEMBERS_FIRST[first]
+    archive = documents.make_zip(members, compression=compression)
+    result = extract("upload.bin", archive)
+    assert result.format == "ZIP archive"
+    readable = [name for name in members if not name.endswith(".png")]
+    for name in readable:
+        assert f"--- {name} ---" in result.text
+    if "t.csv" in members:
+        assert "walrus" in result.text
+    marker_of = {"pdf": "pdf", "docx": "docx", "xlsx": "xlsx", "pptx": "pptx", "md": "txt"}
+    for name in readable:
+        kind = name.rsplit(".", 1)[1]
+        if kind in marker_of:
+            assert documents.MARKERS[marker_of[kind]] in result.text, name
+    assert result.skipped == [f"{name} (PNG image)" for name in members if name.endswith(".png")]
+
+
+def test_a_zip_after_other_bytes_is_still_read_as_a_zip() -> None:
+    """Whatever comes before it (a stub, a PDF's bytes), a ZIP is known by its directory at the end."""
+    archive = documents.make_zip({"n.md": documents.MARKERS["txt"].encode()}, compression=zipfile.ZIP_STORED)
+    result = extract("upload.bin", documents.make_pdf() + archive)
+    assert result.format == "ZIP archive" and documents.MARKERS["txt"] in result.text
+    # A PDF alone stays a PDF.
+    assert extract("upload.bin", documents.make_pdf()).format == "PDF document"

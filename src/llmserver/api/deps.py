@@ -184,13 +184,20 @@ def parse_json(raw: bytes) -> dict[str, Any]:
             if isinstance(body, dict):
                 return body
     try:
-        body = json.loads(raw) if raw else None
+        body = json.loads(raw, parse_int=_integer) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidRequest("The request body nests arrays or objects too deeply.") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    if TOO_LONG_INTEGER.search(raw):
+        where = path_of(body, lambda value: isinstance(value, _TooLong))
+        if where is not None:
+            raise InvalidRequest(
+                f"{where or 'body'}: an integer literal of more than {INTEGER_DIGITS} digits; no parameter takes one",
+                param=where or None,
+            )
     if SURROGATE_ESCAPE.search(raw):  # only then can a string hold a lone surrogate: look for one
         where = lone_surrogate(body)
         if where is not None:
@@ -204,23 +211,46 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 LONG_INTEGER = re.compile(rb"[0-9]{19}")
+# Python converts integer literals of up to this many digits (sys.get_int_max_str_digits); json raises
+# ValueError beyond, so they are read as `_TooLong` and refused naming their place.
+INTEGER_DIGITS = 4300
+TOO_LONG_INTEGER = re.compile(rb"[0-9]{%d}" % (INTEGER_DIGITS + 1))
+
+
+class _TooLong:
+    __slots__ = ()
+
+
+def _integer(text: str) -> int | _TooLong:
+    return int(text) if len(text) <= INTEGER_DIGITS else _TooLong()
 
 
 def lone_surrogate(value: Any, path: str = "") -> str | None:
     """The dotted path of the first string holding a lone surrogate, if any ("" for the top)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
+    return path_of(value, _unencodable, path)
+
+
+def _unencodable(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def path_of(value: Any, found: Callable[[Any], bool], path: str = "") -> str | None:
+    """The dotted path of the first value (or object key) for which `found` is true ("" for the top)."""
+    if found(value):
+        return path
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        if isinstance(key, str) and lone_surrogate(key) is not None:
+        if isinstance(key, str) and found(key):
             return f"{path}.{key!r}".lstrip(".")
-        found = lone_surrogate(item, f"{path}.{key}".lstrip("."))
-        if found is not None:
-            return found
+        inner = path_of(item, found, f"{path}.{key}".lstrip("."))
+        if inner is not None:
+            return inner
     return None
 
 
@@ -284,11 +314,26 @@ def _large(request: Request) -> bool:
     return not length or not length.isdigit() or int(length) > GATE_BYTES
 
 
-async def require_admin(request: Request) -> Principal:
-    principal = await authenticate(request)
+async def require_admin(request: Request, body: dict[str, Any] | None = None) -> Principal:
+    principal = await authenticate(request, body)
     if not principal.is_admin:
         raise PermissionDenied("This endpoint needs an admin key.")
     return principal
+
+
+async def admin_body(request: Request) -> dict[str, Any]:
+    """An admin endpoint's JSON body, once its key (in the header, the query string or the body's
+    `api_key`, as everywhere) is an admin key; `api_key` itself is taken out of the body."""
+    try:
+        body: dict[str, Any] | None = await json_body(request)
+        problem: APIError | None = None
+    except APIError as exc:
+        body, problem = None, exc
+    await require_admin(request, body)
+    if problem is not None or body is None:
+        raise problem or InvalidRequest("The request body must be a JSON object.")
+    body.pop("api_key", None)
+    return body
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T], after: float = 0.05) -> T:

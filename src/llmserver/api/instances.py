@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from llmserver.api.deps import json_body, require_admin, speed, supervisor, validate
+from llmserver.api.deps import admin_body, require_admin, speed, supervisor, validate
 
 router = APIRouter()
 
@@ -46,8 +46,7 @@ async def get_instance(request: Request, instance_id: str) -> dict[str, Any]:
 @router.post("/api/instances", status_code=201, response_model=None)
 async def start_instance(request: Request) -> JSONResponse:
     """Start one more instance of a model; answers once it is ready (201) or has failed (502)."""
-    await require_admin(request)
-    body = validate(StartInstance, await json_body(request))
+    body = validate(StartInstance, await admin_body(request))
     instance = await supervisor(request).start_instance(body.model, body.node)
     return JSONResponse(instance.describe(), status_code=201)
 

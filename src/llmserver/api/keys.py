@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserver.api.deps import authenticate, json_body, keys, recorder, require_admin, settings, store, validate
+from llmserver.api.deps import admin_body, authenticate, keys, recorder, require_admin, settings, store, validate
 from llmserver.auth.keys import Principal, describe, limit_fields
 from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, summarise
@@ -47,8 +47,7 @@ async def list_keys(request: Request) -> dict[str, Any]:
 
 @router.post("/api/keys", status_code=201, response_model=None)
 async def create_key(request: Request) -> JSONResponse:
-    await require_admin(request)
-    body = validate(CreateKey, await json_body(request))
+    body = validate(CreateKey, await admin_body(request))
     try:
         record, key = await keys(request).create(body.name, admin=body.admin, limits=body.limits())
     except ValueError as exc:
@@ -59,8 +58,7 @@ async def create_key(request: Request) -> JSONResponse:
 @router.patch("/api/keys/{key_id}")
 async def update_key(request: Request, key_id: str) -> dict[str, Any]:
     """Change the limits the body names (null clears one); the others stay as they are."""
-    await require_admin(request)
-    body = validate(Limits, await json_body(request))
+    body = validate(Limits, await admin_body(request))
     current = await keys(request).get(key_id)
     if current is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")

@@ -29,6 +29,7 @@ from llmserver.auth.keys import Principal
 from llmserver.engine import shapes, translate
 from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.client import Sink, parse_event
+from llmserver.engine.schemas import check_schema
 from llmserver.engine.tools import ToolPlan, added_prompt, check_request, json_schema_format
 from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, ServerError
 from llmserver.inputs.documents import native_file_parts
@@ -89,6 +90,7 @@ class GenerationService:
         self.embedding_models = {model.name for model in settings.models if model.embedding}
         self.default_max_tokens = settings.default_max_tokens
         self.max_tokens_limit = settings.max_tokens_limit
+        self.max_messages = settings.max_messages
         self.max_keep_alive = settings.max_keep_alive
         # A request's prompt and completion together never exceed its slot's context.
         self._context = {model.name: slot_context(model) for model in settings.models}
@@ -104,6 +106,12 @@ class GenerationService:
             )
         max_tokens = self._max_tokens(request)
         if isinstance(request, ChatRequest):
+            if len(request.messages) > self.max_messages:
+                raise InvalidRequest(
+                    f"messages: {len(request.messages)} messages; this server takes at most {self.max_messages} "
+                    "in one request",
+                    param="messages",
+                )
             check_request(request)
             prompt = self.inputs.bound(request.messages) + text_bound(added_prompt(request))
         elif isinstance(request, CompletionRequest):
@@ -113,6 +121,7 @@ class GenerationService:
                 raise InvalidRequest(
                     "Images need the chat template: they cannot be sent with raw: true.", param="images"
                 )
+            check_schema(native_schema(request), "format")
             prompt = self.inputs.bound(_native_messages(request))
         self._surely_too_long(model, prompt, "messages" if isinstance(request, ChatRequest) else "prompt")
         bound = self._bound(model, prompt, max_tokens)

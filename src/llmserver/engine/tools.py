@@ -20,8 +20,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserver.engine.schemas import check_schema
 from llmserver.engine.translate import content_message, message_text
-from llmserver.errors import InvalidRequest
 from llmserver.schemas.openai import (
     ChatMessage,
     ChatRequest,
@@ -54,26 +54,6 @@ def response_schema(request: ChatRequest) -> JSON | None:
     if isinstance(form, JSONSchemaResponseFormat):
         return form.json_schema.schema_ or {"type": "object"}
     return None
-
-
-def check_schema(schema: Any, param: str, where: str = "#") -> None:
-    """Refuse what llama.cpp's grammar would quietly not enforce: a `pattern` that is not anchored
-    with ^ and $ (llama.cpp then accepts any string). Other unsupported schemas llama-server refuses
-    itself, naming the place."""
-    if isinstance(schema, dict):
-        pattern = schema.get("pattern")
-        if isinstance(pattern, str) and not (pattern.startswith("^") and pattern.endswith("$")):
-            raise InvalidRequest(
-                f"{param}: the pattern {pattern!r} at {where} is not anchored with ^ and $; "
-                "llama.cpp can only enforce anchored patterns",
-                param=param,
-            )
-        for key, value in schema.items():
-            if key not in ("enum", "const", "default", "examples"):
-                check_schema(value, param, f"{where}/{key}")
-    elif isinstance(schema, list):
-        for index, value in enumerate(schema):
-            check_schema(value, param, f"{where}/{index}")
 
 
 def check_request(request: ChatRequest) -> None:

@@ -79,10 +79,12 @@ class Sniffed:
 def sniff(data: bytes) -> Sniffed:
     """The file's family and format from its leading bytes (and, for ZIP containers, its directory)."""
     head = data[:SNIFF_BYTES]
+    # A ZIP first, by its structure: a stored ZIP holds its members' bytes as they are, so a PDF's
+    # header may sit anywhere in the first kilobyte of one.
+    if head.startswith(_ZIP) or has_zip_directory(data):
+        return _sniff_zip(data)
     if b"%PDF-" in head[:1024]:
         return Sniffed("document", "PDF document")
-    if head.startswith(_ZIP):
-        return _sniff_zip(data)
     if head.startswith(_CFB):
         if "EncryptedPackage".encode("utf-16-le") in data:
             return Sniffed("encrypted", "password-protected Office document")
@@ -105,6 +107,22 @@ def sniff(data: bytes) -> Sniffed:
     if _looks_like_text(head):
         return Sniffed("text", "text")
     return Sniffed("binary", "binary data")
+
+
+def has_zip_directory(data: bytes) -> bool:
+    """Whether the bytes end as a ZIP does: an end-of-central-directory record whose directory (just
+    before it) starts with a central directory entry. Data before the archive (a self-extracting
+    stub, another file's bytes) does not matter, as for every ZIP reader."""
+    end = data.rfind(b"PK\x05\x06", max(0, len(data) - 65_557))
+    if end < 0 or end + 22 > len(data):
+        return False
+    size = int.from_bytes(data[end + 12 : end + 16], "little")
+    if size == 0xFFFFFFFF:  # ZIP64: let zipfile find the directory
+        try:
+            return zipfile.is_zipfile(io.BytesIO(data))
+        except (zipfile.BadZipFile, ValueError, EOFError):  # a multi-disk archive, a broken ZIP64 record
+            return False
+    return size > 0 and data[end - size : end - size + 4] == b"PK\x01\x02"
 
 
 def _sniff_riff(head: bytes) -> Sniffed | None:

@@ -1,0 +1,78 @@
+"""Schemas that would make llama.cpp's grammar hang an instance are refused before admission, each a
+400 naming the parameter and the JSON pointer; the instance keeps serving (issue 39, rows 1 and 7)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.test_errors import assert_error
+
+HANGS = "^((a{0,99}){0,99}){0,99}$"  # held llama-server's main thread for over 11 minutes
+OPTIONAL_REPEATED = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^(a?){0,1000}$"}}}
+
+
+def chat_with_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": "Say a."}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+
+
+def nested(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "pointer"),
+    [
+        ("/v1/chat/completions", chat_with_schema({"pattern": HANGS}), "response_format", "#/pattern"),
+        (
+            "/v1/chat/completions",
+            chat_with_schema(OPTIONAL_REPEATED),
+            "response_format",
+            "#/properties/code/pattern",
+        ),
+        (
+            "/api/generate",
+            {"prompt": "Say a.", "max_tokens": 4, "format": {"type": "string", "pattern": HANGS}},
+            "format",
+            "#/pattern",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Say a."}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                    "type": "object", "properties": {"x": {"type": "string", "pattern": HANGS}}}}}],
+            },
+            "tools",
+            "#/properties/x/pattern",
+        ),
+        ("/v1/chat/completions", chat_with_schema(nested(300)), "response_format", "#/properties/a"),
+        ("/api/generate", {"prompt": "hi", "format": nested(300)}, "format", "#/properties/a"),
+        ("/v1/chat/completions", chat_with_schema({"type": "string", "maxLength": 10**9}), "response_format", "#"),
+    ],
+    ids=["nested-repetition", "optional-repeated", "native-format", "tool-parameters", "deep", "deep-native", "count"],
+)  # fmt: skip
+def test_a_schema_too_costly_for_the_grammar_is_400(
+    client: httpx.Client, path: str, body: dict[str, Any], param: str, pointer: str
+) -> None:
+    error = assert_error(client.post(path, json=body), 400, "invalid_request_error", param)
+    assert pointer in str(error["message"])
+
+
+def test_a_pattern_within_the_bound_is_served(client: httpx.Client) -> None:
+    """The issue's own example of a fine pattern (0.2 s) is served, and the instance answers after the refusals."""
+    answer = client.post(
+        "/v1/chat/completions", json=chat_with_schema({"type": "string", "pattern": "^(a{0,30}){0,30}$"})
+    )
+    assert answer.status_code == 200, answer.text
+    content = answer.json()["choices"][0]["message"]["content"]
+    assert set(content.strip('"')) <= {"a"}
