@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from bench.targets import Target, free_port, migrated_database, model_config, mo
 from tests.services import Postgres, Redis
 
 LEVELS = (1, 4, 16)
+INSTANCE_KEY = secrets.token_urlsafe(16)  # the node's instances demand it, from the gateways and this benchmark
 
 
 def tree_cpu_seconds(target: Target) -> float:
@@ -44,18 +46,19 @@ def tree_cpu_seconds(target: Target) -> float:
 
 
 def start_node(config: str, redis_url: str, logs: Path) -> tuple[subprocess.Popen[bytes], Target]:
-    """`llmserver node` and its instance, as a target of its own (the engine, on loopback: no key)."""
+    """`llmserver node` and its instance, as a target of its own (the engine, reached with the instance key)."""
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-node-"))
     (data_dir / "config.toml").write_text(config)
     port = free_port()
-    env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(port), "LLMSERVER_NODE_ID": "bench-node"}
+    env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(port), "LLMSERVER_NODE_ID": "bench-node",
+           "LLMSERVER_INSTANCE_API_KEY": INSTANCE_KEY}  # fmt: skip
     with (logs / "node.log").open("ab") as log:
         node = subprocess.Popen(
             [sys.executable, "-m", "llmserver", "node", "--config", str(data_dir / "config.toml"),
              "--data-dir", str(data_dir), "--redis-url", redis_url],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-    instance = Target("llama-server", f"http://127.0.0.1:{port}", node)
+    instance = Target("llama-server", f"http://127.0.0.1:{port}", node, {"Authorization": f"Bearer {INSTANCE_KEY}"})
     return node, wait_ready(instance, "/health")
 
 
@@ -78,6 +81,7 @@ def main() -> None:
             env = {
                 "LLMSERVER_DATABASE_URL": url, "LLMSERVER_REDIS_URL": redis.url, "LLMSERVER_ROLE": "gateway",
                 "LLMSERVER_WORKERS": str(workers), "LLMSERVER_GATEWAY_ID": f"bench-{workers}w",
+                "LLMSERVER_INSTANCE_API_KEY": INSTANCE_KEY,
             }  # fmt: skip
             gateways.append(start_llmserver(model, logs, name=f"{workers} worker{'s' * (workers > 1)}", env=env))
         targets = [instance, *gateways]

@@ -12,6 +12,7 @@ import atexit
 import ctypes
 import hashlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -177,6 +178,9 @@ class Server:
     log_path: Path | None = None
     host: str = "127.0.0.1"
     namespace: str | None = None  # a network namespace (a test host) to run in, listening on `host`
+    # The key its instances demand (instance_api_key), so that tests may call llama-server directly;
+    # without it a server makes a random one (tests/e2e/test_instance_access.py).
+    instance_key: str = field(default_factory=lambda: secrets.token_urlsafe(16))
 
     @property
     def url(self) -> str:
@@ -185,6 +189,15 @@ class Server:
     @property
     def instance_url(self) -> str:
         return f"http://127.0.0.1:{self.instance_port}"
+
+    @property
+    def instance_headers(self) -> dict[str, str]:
+        """What a direct call to its instances needs."""
+        return {"Authorization": f"Bearer {self.env.get('LLMSERVER_INSTANCE_API_KEY', self.instance_key)}"}
+
+    def instance_post(self, path: str, body: object) -> Any:
+        """A direct call to its first instance (llama-server's own API): the answer's JSON."""
+        return httpx.post(self.instance_url + path, json=body, headers=self.instance_headers, timeout=60).json()
 
     def start(self, timeout: float = 180.0) -> Server:
         self.port = free_port()
@@ -198,7 +211,8 @@ class Server:
             config_path.write_text(self.config)
             args += ["--config", str(config_path)]
         ports = {"LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port)}
-        env = {**os.environ, **ports, **state_env(self.data_dir), **self.env}
+        key = {"LLMSERVER_INSTANCE_API_KEY": self.instance_key} if self.instance_key else {}
+        env = {**os.environ, **ports, **key, **state_env(self.data_dir), **self.env}
         self.log_path = self.data_dir / "gateway.log"
         self.process = spawn(args, self.log_path, env)
         deadline = time.monotonic() + timeout
@@ -243,7 +257,8 @@ class Server:
 
 def busy_slots(server: Server) -> int:
     """Slots of the server's first instance that are generating now (llama-server's own /slots)."""
-    return sum(slot["is_processing"] for slot in httpx.get(server.instance_url + "/slots").json())
+    slots = httpx.get(server.instance_url + "/slots", headers=server.instance_headers).json()
+    return sum(slot["is_processing"] for slot in slots)
 
 
 def pids_of_children_named(name: str, parent: int) -> list[int]:

@@ -109,6 +109,9 @@ def test_a_node_on_the_network_needs_a_key_and_tls_unless_told_the_network_is_tr
     # 192.0.2.1 (TEST-NET-1) is never bound: each refusal comes before any instance is started.
     node = ["node", "--advertise", "192.0.2.1", "--redis-url", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]
     one_line(llmserver(*node), 2, "without a key", "instance_api_key")
+    # On loopback too: its gateways reach its instances with the key, and no other local process may.
+    loopback = ["node", "--redis-url", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]
+    one_line(llmserver(*loopback), 2, "on 127.0.0.1 without a key", "instance_api_key")
     keyed = {"LLMSERVER_INSTANCE_API_KEY": "k" * 32}
     one_line(llmserver(*node, env=keyed), 2, "in clear", "instance_tls_cert", "instance_plain_http")
     half = {**keyed, "LLMSERVER_INSTANCE_TLS_CERT": str(tmp_path / "cert.pem")}

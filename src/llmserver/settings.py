@@ -213,8 +213,8 @@ class Settings(BaseSettings):
     )
     instance_api_key: SecretStr | None = Field(
         default=None,
-        description="The key llama-server instances demand (--api-key), shared by nodes and gateways; required for "
-        "instances on a non-loopback address.",
+        description="The key llama-server instances demand (--api-key), shared by nodes and gateways; required by "
+        "`llmserver node`. Unset, `serve` gives its own instances a random key: only it can use them.",
     )
     instance_tls_cert: Path | None = Field(
         default=None,

@@ -339,7 +339,7 @@ def test_logit_bias_and_penalties_reach_the_sampler(compat: Server, sdk: openai.
         return reply.choices[0].logprobs.content[0].token  # type: ignore[index, union-attr]
 
     greedy = first_token()
-    token_id = httpx.post(compat.instance_url + "/tokenize", json={"content": greedy}).json()["tokens"][0]
+    token_id = compat.instance_post("/tokenize", {"content": greedy})["tokens"][0]
     assert first_token(logit_bias={str(token_id): -100}) != greedy
     assert first_token(
         presence_penalty=1.0, frequency_penalty=1.0, extra_body={"min_p": 0.05, "top_k": 20, "repeat_penalty": 1.1}

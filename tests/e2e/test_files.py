@@ -31,8 +31,8 @@ def extracted_by_cli(server: Server, tmp_path: Path, files: dict[str, bytes]) ->
 
 def prompt_tokens_of(server: Server, content: str) -> int:
     messages = [{"role": "user", "content": content}]
-    templated = httpx.post(server.instance_url + "/apply-template", json={"messages": messages}).json()["prompt"]
-    tokens = httpx.post(server.instance_url + "/tokenize", json={"content": templated, "add_special": True}).json()
+    templated = server.instance_post("/apply-template", {"messages": messages})["prompt"]
+    tokens = server.instance_post("/tokenize", {"content": templated, "add_special": True})
     return len(tokens["tokens"])
 
 

@@ -70,8 +70,8 @@ def test_prompt_tokens_match_the_tokenizer_and_survive_the_prompt_cache(server: 
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is the capital of France?"},
     ]
-    templated = httpx.post(server.instance_url + "/apply-template", json={"messages": messages}).json()["prompt"]
-    tokens = httpx.post(server.instance_url + "/tokenize", json={"content": templated, "add_special": True}).json()
+    templated = server.instance_post("/apply-template", {"messages": messages})["prompt"]
+    tokens = server.instance_post("/tokenize", {"content": templated, "add_special": True})
     assert first["prompt_tokens"] == len(tokens["tokens"])
 
 
@@ -79,7 +79,7 @@ def test_completion_tokens_match_the_tokenizer(server: Server, client: httpx.Cli
     data = client.post(
         "/api/generate", json={"prompt": "Name three colors.", "max_tokens": 12, "temperature": 0}
     ).json()
-    tokens = httpx.post(server.instance_url + "/tokenize", json={"content": data["response"]}).json()["tokens"]
+    tokens = server.instance_post("/tokenize", {"content": data["response"]})["tokens"]
     # A detokenized text can re-tokenize one token differently at a boundary, never by more.
     assert abs(len(tokens) - data["completion_tokens"]) <= 1
 
@@ -87,7 +87,7 @@ def test_completion_tokens_match_the_tokenizer(server: Server, client: httpx.Cli
 def test_raw_prompt_skips_the_template(client: httpx.Client, server: Server) -> None:
     prompt = "The capital of France is"
     data = client.post("/api/generate", json={"prompt": prompt, "raw": True, "max_tokens": 3, "temperature": 0}).json()
-    tokens = httpx.post(server.instance_url + "/tokenize", json={"content": prompt, "add_special": True}).json()
+    tokens = server.instance_post("/tokenize", {"content": prompt, "add_special": True})
     assert data["prompt_tokens"] == len(tokens["tokens"])
     assert data["completion_tokens"] == 3
 

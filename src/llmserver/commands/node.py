@@ -30,18 +30,21 @@ def node(config_file: Path | None, data_dir: Path | None, advertise: str | None,
     settings = load(config_file, data_dir=data_dir, log_level=log_level, **overrides)
     if not settings.redis_url:
         raise click.UsageError("a node publishes its instances in Redis: set --redis-url (or LLMSERVER_REDIS_URL)")
-    if not is_loopback(settings.instance_host):
-        if settings.instance_api_key is None:
-            raise click.UsageError(
-                f"instances would listen on {settings.instance_host} without a key: set instance_api_key "
-                "(LLMSERVER_INSTANCE_API_KEY), the key gateways use to reach them"
-            )
-        if settings.instance_tls_cert is None and not settings.instance_plain_http:
-            raise click.UsageError(
-                f"instances on {settings.instance_host} would take the instance key in clear over the network: set "
-                "instance_tls_cert and instance_tls_key (their HTTPS certificate, which gateways verify with "
-                "instance_tls_ca), or instance_plain_http = true on a private network you trust"
-            )
+    if settings.instance_api_key is None:
+        raise click.UsageError(
+            f"instances would listen on {settings.instance_host} without a key: set instance_api_key "
+            "(LLMSERVER_INSTANCE_API_KEY), the key gateways use to reach them"
+        )
+    if (
+        not is_loopback(settings.instance_host)
+        and settings.instance_tls_cert is None
+        and not settings.instance_plain_http
+    ):
+        raise click.UsageError(
+            f"instances on {settings.instance_host} would take the instance key in clear over the network: set "
+            "instance_tls_cert and instance_tls_key (their HTTPS certificate, which gateways verify with "
+            "instance_tls_ca), or instance_plain_http = true on a private network you trust"
+        )
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_model_files(settings)
     asyncio.run(_run(settings))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from pathlib import Path
 
@@ -68,6 +69,10 @@ class Supervisor:
         self._last_probe = self._last_sample = 0.0
         self._stopping = False
         self._loopback = is_loopback(settings.instance_host)  # instances there stay plain HTTP
+        # Every instance demands a key, so that only this gateway can use it: any local process could
+        # otherwise call its /completion past quotas and the ledger, or read /slots. Without
+        # instance_api_key (shared with other gateways for a node's instances), a random one.
+        self.instance_key = settings.instance_key or secrets.token_urlsafe(32)
         self.remote: Registry | None = None  # a gateway of role `gateway`: the nodes' instances
 
     # Lifecycle
@@ -160,7 +165,7 @@ class Supervisor:
             host=self.settings.instance_host,
             port=port,
             log_path=self.settings.log_dir / f"{pool.name}-{port}.log",
-            api_key=self.settings.instance_key,
+            api_key=self.instance_key,
         )
         settings = self.settings
         if settings.instance_tls_cert is not None and settings.instance_tls_key is not None and not self._loopback:
