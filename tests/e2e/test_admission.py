@@ -16,7 +16,7 @@ import pytest
 
 from tests import documents
 from tests.e2e.test_errors import assert_error
-from tests.support import MODEL, Server, create_key, make_key_record, metric, use_total_quota
+from tests.support import MODEL, Server, create_key, make_key_record, metric, use_total_quota, wait_for
 
 # This module starts a server of its own (the default 128 MiB body limit): selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -135,3 +135,40 @@ def test_text_that_outgrows_its_bound_is_refused_after_extraction(gateway: tuple
     usage = httpx.get(server.url + "/api/usage", headers=headers).json()
     assert usage["by_outcome"] == {"insufficient_quota": 1} and usage["total_tokens"] == 0
     assert httpx.get(server.url + "/v1/models", headers=headers).headers["x-ratelimit-remaining-tokens"] == "700"
+
+
+def test_one_key_saturating_a_model_does_not_starve_another(gateway: tuple[Server, str]) -> None:
+    """Key A sends 8 long requests to a model of 2 slots and 2 instance-queue places: 4 handed to the
+    instance, 4 waiting. Key B's short request then takes the first place that frees, ahead of A's
+    backlog: it starts once 3 of A's requests have ended (the one whose end freed the place, and the
+    two ahead of it in llama-server's own queue), and its 2 tokens are done before A's fifth ends.
+    First come first served, B waited for A's whole backlog to be handed over first: it started after
+    A's seventh ended (issue 39, row 2)."""
+    import threading
+
+    server, admin = gateway
+    heavy, light = create_key(server.data_dir, "heavy"), create_key(server.data_dir, "light")
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def send(key: str, name: str, max_tokens: int) -> None:
+        body = {"prompt": "1, 2, 3, 4,", "max_tokens": max_tokens, "temperature": 0}
+        answer = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                            timeout=300)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        with lock:
+            done.append(name)
+
+    backlog = [threading.Thread(target=send, args=(heavy, f"A{n}", 160)) for n in range(8)]
+    for thread in backlog:
+        thread.start()
+
+    def waiting() -> float:
+        records = httpx.get(server.url + "/api/instances", headers={"Authorization": f"Bearer {admin}"}).json()
+        return float(records["models"][0]["queue_depth"])
+
+    assert wait_for(lambda: waiting() == 4, 60)
+    send(light, "B", 2)
+    for thread in backlog:
+        thread.join()
+    assert done.index("B") <= 4, done

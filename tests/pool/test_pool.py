@@ -361,3 +361,40 @@ def test_a_freed_slot_reaches_redis_before_the_request_ends(redis_server: Redis)
 
     redis_server.flush()
     run(scenario)
+
+
+def test_a_freed_place_goes_to_the_waiting_key_holding_the_fewest() -> None:
+    """One key's backlog does not stand in front of another key's request (issue 39, row 2): first come
+    first served was the order, and a short request behind 16 long streams waited 60 s for a 504."""
+
+    async def scenario() -> None:
+        pool, _ = make_pool(max_queue=16, parallel=2)
+        instance = await ready_instance(pool.config, 1)
+        pool.instances.append(instance)
+        assert await pool.acquire("heavy") is instance
+        assert await pool.acquire("heavy") is instance
+        backlog = [asyncio.create_task(pool.acquire("heavy")) for _ in range(4)]
+        await asyncio.sleep(0)
+        light = asyncio.create_task(pool.acquire("light"))
+        other = asyncio.create_task(pool.acquire("other"))
+        await asyncio.sleep(0)
+        pool.release(instance, "heavy")  # the first free place: the light key, though it came after the backlog
+        await asyncio.sleep(0)
+        assert light.done() and not other.done() and not any(t.done() for t in backlog)
+        pool.release(instance, "heavy")  # then the other key (it holds none, as heavy holds none now either,
+        await asyncio.sleep(0)  # but heavy was served more recently)
+        assert other.done() and not any(t.done() for t in backlog)
+        pool.release(instance, "light")
+        await asyncio.sleep(0)
+        assert backlog[0].done() and not any(t.done() for t in backlog[1:])  # a key's own requests: in order
+        pool.release(instance, "other")
+        await asyncio.sleep(0)
+        assert backlog[1].done()
+        for _ in range(2):
+            pool.release(instance, "heavy")
+            await asyncio.sleep(0)
+        assert all(t.done() for t in backlog)
+        assert pool._served == {"heavy": pool._served["heavy"]}  # only keys holding places are remembered
+        await close(instance)
+
+    run(scenario)

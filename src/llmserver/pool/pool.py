@@ -5,13 +5,15 @@ slot is taken, a place in an instance's own queue (`instance_queue` per instance
 slots by default): llama-server starts a request it holds the moment a slot frees, in its next
 batch, where one sent only then would miss that batch, having to wait for the answer that freed the
 slot to reach this gateway (short requests under load: 0.82 x direct llama-server's requests a
-second without it, 0.97 x with it, measured on 2 CPUs). When those are taken too, it waits, first
-come first served, in a queue of at most `max_queue`; a full queue is 503 at once, and a wait longer
-than `queue_timeout` is 504. Each released place, and each instance that becomes ready, goes to the
-longest waiter. Where several gateways route to the same instances (nodes' instances,
-pool/registry.py), an instance's load counts every gateway's requests, the queue's bound counts
-every gateway's waiters, and a gateway whose requests hold more than its share of the places while
-others' wait lets the next free one go to them.
+second without it, 0.97 x with it, measured on 2 CPUs). When those are taken too, it waits in a
+queue of at most `max_queue`; a full queue is 503 at once, and a wait longer than `queue_timeout` is
+504. Each released place, and each instance that becomes ready, goes to the waiting key that holds
+the fewest of the model's places, then to the key served longest ago (round robin), first come first
+served among a key's own requests: one key sending many long requests waits behind its own work, not
+in front of everyone else's (inputs/fair.py shares extraction slots the same way). Where several
+gateways route to the same instances (nodes' instances, pool/registry.py), an instance's load counts
+every gateway's requests, the queue's bound counts every gateway's waiters, and a gateway whose
+requests hold more than its share of the places while others' wait lets the next free one go to them.
 
 The pool's owner (the supervisor) hears of pressure (requests queueing, here or at an instance) and
 of instances that requests could not reach through the callbacks it gives.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -59,6 +62,8 @@ class ModelPool:
         self._on_pressure = on_pressure
         self._on_failure = on_failure
         self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._served: dict[str, int] = {}  # key id → when it last got a place (for round robin)
+        self._grants = itertools.count()
         # After an instance fails to start, automatic starts wait (doubling) before trying again.
         self.start_backoff = 0.0
         self.next_start_at = 0.0
@@ -175,28 +180,55 @@ class ModelPool:
 
     def release(self, instance: Instance, key_id: str) -> None:
         instance.end(key_id)
+        if key_id not in instance.users and not self._holds_or_waits(key_id):
+            self._served.pop(key_id, None)  # bounded: only keys holding or waiting are remembered
         self.dispatch()
         self.on_load()
+
+    def _holds_or_waits(self, key_id: str) -> bool:
+        return any(key_id in i.users for i in self.instances) or any(w.key_id == key_id for w in self._waiters)
 
     def report_failure(self, instance: Instance) -> None:
         """A request could not reach this instance: the pool's owner decides whether it died."""
         self._on_failure(instance)
 
     def dispatch(self) -> None:
-        """Hand free slots to the longest waiters (after a release, or when an instance became ready)."""
+        """Hand free places to waiters, the fairest first (after a release, or when an instance became ready)."""
         while self._waiters:
-            waiter = self._waiters[0]
+            waiter = self._next_waiter()
             if waiter.future.done():  # timed out or cancelled meanwhile
-                self._waiters.popleft()
+                self._waiters.remove(waiter)
                 continue
             instance = self._free_instance(waiter.affinity, waiter.avoid)
             if instance is None:
                 return
-            self._waiters.popleft()
+            self._waiters.remove(waiter)
             self._begin(instance, waiter.key_id)
             waiter.future.set_result(instance)
 
+    def _next_waiter(self) -> _Waiter:
+        """The oldest request of the waiting key that holds the fewest places here, the key served longest
+        ago among equals: one key's backlog never stands in front of another key's request."""
+        first = self._waiters[0]
+        if len(self._waiters) == 1 or all(w.key_id == first.key_id for w in self._waiters):
+            return first
+        held: dict[str, int] = {}
+        for instance in self.instances:
+            for key_id, count in instance.users.items():
+                held[key_id] = held.get(key_id, 0) + count
+        best, rank = first, (held.get(first.key_id, 0), self._served.get(first.key_id, -1))
+        seen = {first.key_id}
+        for waiter in self._waiters:
+            if waiter.key_id in seen:
+                continue
+            seen.add(waiter.key_id)
+            candidate = (held.get(waiter.key_id, 0), self._served.get(waiter.key_id, -1))
+            if candidate < rank:
+                best, rank = waiter, candidate
+        return best
+
     def _begin(self, instance: Instance, key_id: str) -> None:
+        self._served[key_id] = next(self._grants)
         instance.begin(key_id)
         self.on_load()
         if instance.load > instance.model.parallel:
