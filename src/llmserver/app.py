@@ -110,7 +110,12 @@ def create_app(settings: Settings) -> FastAPI:
             timeout=settings.image_fetch_timeout, limits=settings.image_limits, allow_hosts=settings.fetch_allow_hosts
         )
         inputs = InputService(images, documents, [m.name for m in settings.models if m.vision_capable])
-        calls = InstanceCalls(admission, attempts=settings.instance_attempts, timeout=settings.request_timeout)
+        calls = InstanceCalls(
+            admission,
+            attempts=settings.instance_attempts,
+            timeout=settings.request_timeout,
+            isolate_keys=settings.cache_isolation == "key",
+        )
         job_service = JobService(settings, store, store, store)
 
         app.state.settings = settings

@@ -300,6 +300,12 @@ class Settings(BaseSettings):
         description="Times one request may be sent to an instance: again only if it could not be reached or "
         "dropped the connection before answering.",
     )
+    cache_isolation: Literal["key", "shared"] = Field(
+        default="key",
+        description="`key`: a request reuses a slot's cached prompt only if its own key put it there (no key can "
+        "learn from cached_tokens or timing whether another key sent a prompt; instances get no RAM prompt cache, "
+        "and nodes' instances shared with other gateways reuse none); `shared`: any key's prompt is reused.",
+    )
     routing: Literal["affinity", "least_loaded"] = Field(
         default="affinity",
         description="How a model's instances are chosen: `affinity` keeps a conversation (X-Session-Id, `user`, "

@@ -34,7 +34,10 @@ BRIDGE = "llms-br0"
 NET = "10.79.0"
 SECRET = "instance-secret-0123456789abcdef"
 ADMIN = "worker-hosts-admin-key-0123456789"
+# One tenant here: the prompt cache of nodes' instances is shared (under the default "key", instances
+# that several gateways use reuse no cached prompt: tests/e2e/test_cache_isolation.py).
 CONFIG = f"""
+cache_isolation = "shared"
 [[models]]
 name = "{MODEL}"
 parallel = 2

@@ -398,3 +398,23 @@ def test_a_freed_place_goes_to_the_waiting_key_holding_the_fewest() -> None:
         await close(instance)
 
     run(scenario)
+
+
+def test_a_slot_is_reused_only_by_the_key_whose_prompt_it_holds() -> None:
+    async def scenario() -> None:
+        instance = await ready_instance(ModelConfig(name="m", parallel=2), 1)
+        assert instance.take_slot("victim", 7) == (0, False)  # nobody's prompt yet
+        instance.give_slot(0)
+        assert instance.take_slot("attacker", 7) == (1, False)  # the other idle slot, never the victim's reuse
+        instance.give_slot(1)
+        assert instance.take_slot("victim", 7) == (0, True)  # its own prompt, same start
+        assert instance.take_slot("victim", 7) == (1, False)  # slot 0 is busy: the attacker's slot, no reuse
+        assert instance.take_slot("other", 9) == (0, False)  # every slot busy: the least held, no reuse
+        for slot in (0, 1, 0):
+            instance.give_slot(slot)
+        # Slot 0 ran a victim's and then another key's request: its owner is unknown, reused by none.
+        assert instance.take_slot("victim", 7) == (1, True)  # slot 1: the victim's last, idle
+        assert instance.take_slot("other", 9) == (0, False)
+        await close(instance)
+
+    run(scenario)

@@ -16,6 +16,8 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import orjson
+
 from llmserver.engine.client import LlamaServerClient, Sink
 from llmserver.errors import ContextLengthExceeded, InstanceUnavailable, UpstreamError
 from llmserver.pool.admission import Admission, Ticket
@@ -27,16 +29,31 @@ PROMPT_PARAM = {"/v1/chat/completions": "messages", "/v1/embeddings": "input"}
 
 
 class InstanceCalls:
-    def __init__(self, admission: Admission, *, attempts: int, timeout: float) -> None:
+    def __init__(self, admission: Admission, *, attempts: int, timeout: float, isolate_keys: bool = True) -> None:
         self._admission = admission
         self.attempts = attempts
         self.timeout = timeout
+        self.isolate_keys = isolate_keys  # cache_isolation = "key"
+
+    def _isolated(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
+        """The payload, pinned to a slot whose cached prompt it may reuse only if that prompt is its own
+        key's (cache_isolation = "key"): no key learns from `cached_tokens`, or from how fast its prompt
+        was read, whether another key sent the same start. A node's instance, which other gateways also
+        use, is never reused across requests then."""
+        if not self.isolate_keys or path == "/v1/embeddings":
+            return payload
+        pinned = ticket.lease.pin(_prompt_start(payload))
+        if pinned is None:
+            return {**payload, "cache_prompt": False}
+        slot, reuse = pinned
+        return {**payload, "id_slot": slot, "cache_prompt": reuse}
 
     async def call(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
         """One non-streamed call's JSON answer."""
         for attempt in range(1, self.attempts + 1):
             try:
-                answer = await _client(ticket).post_json(path, payload, fresh=attempt > 1, timeout=self.timeout)
+                sent = self._isolated(ticket, path, payload)
+                answer = await _client(ticket).post_json(path, sent, fresh=attempt > 1, timeout=self.timeout)
                 _answered(ticket)
                 return answer
             except ContextLengthExceeded as exc:
@@ -54,7 +71,8 @@ class InstanceCalls:
         for attempt in range(1, self.attempts + 1):
             # A generator that raised is finished: nothing to close but on success.
             try:
-                events = _client(ticket).stream(path, payload, fresh=attempt > 1, timeout=self.timeout)
+                sent = self._isolated(ticket, path, payload)
+                events = _client(ticket).stream(path, sent, fresh=attempt > 1, timeout=self.timeout)
                 first = await anext(events)
                 _answered(ticket)
                 return first, events
@@ -83,6 +101,16 @@ class InstanceCalls:
         if not again:
             raise InstanceUnavailable("The model instance could not be reached or closed the connection.")
         await self._admission.take_slot(ticket)
+
+
+def _prompt_start(payload: JSON) -> int:
+    """A hash of how the prompt begins (its first two messages, or its first 4,096 characters): which of
+    a key's conversations a slot holds."""
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        return hash(orjson.dumps(messages[:2]))
+    prompt = payload.get("prompt")
+    return hash(prompt[:4096]) if isinstance(prompt, str) else 0
 
 
 def _name_prompt(exc: ContextLengthExceeded, ticket: Ticket) -> None:

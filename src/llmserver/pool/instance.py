@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import psutil
@@ -94,6 +94,7 @@ def llama_server_args(
     port: int,
     mmproj: Path | None = None,
     tls_files: tuple[Path, Path] | None = None,
+    ram_cache: bool = True,
 ) -> list[str]:
     vision = ["--mmproj", str(mmproj)] if mmproj is not None else []
     # An input is embedded in one batch: let a batch hold a whole context.
@@ -116,8 +117,9 @@ def llama_server_args(
         "--ctx-size", str(model.ctx_size * model.parallel),
         "--threads", str(model.threads or 1),
         "--threads-batch", str(model.threads or 1),
-        # llama-server's default prompt cache may grow to 8 GiB per process: bound it per model.
-        "--cache-ram", str(model.cache_ram_mb),
+        # llama-server's default prompt cache may grow to 8 GiB per process: bound it per model. Off
+        # under cache_isolation = "key": a slot may load any key's prompt from it.
+        "--cache-ram", str(model.cache_ram_mb if ram_cache else 0),
         "--no-webui",
         "--jinja",
         *(("--ssl-cert-file", str(tls_files[0]), "--ssl-key-file", str(tls_files[1])) if tls_files else ()),
@@ -203,6 +205,46 @@ class Instance:
         if self.status in (Status.READY, Status.BUSY):
             self.status = Status.BUSY if self.load >= self.model.parallel else Status.READY
 
+    # Prompt-cache isolation between keys (cache_isolation = "key"): which key's prompt each slot's
+    # cache holds (None: not known), how many requests this gateway has pinned to it, when it was last
+    # taken. Only a key's own request on an idle slot whose cache holds its own prompt may reuse it.
+    ram_cache: bool = True  # llama-server's RAM prompt cache (off under cache_isolation = "key")
+    shared: ClassVar[bool] = False  # other gateways send to it too (a node's instance): owners unknowable
+    _slot_owner: list[str | None] = field(default_factory=list, repr=False)
+    _slot_holds: list[int] = field(default_factory=list, repr=False)
+    _slot_taken: list[int] = field(default_factory=list, repr=False)
+    _slot_start: list[int] = field(default_factory=list, repr=False)  # a hash of its prompt's start
+    _slot_clock: int = field(default=0, repr=False)
+
+    def take_slot(self, key_id: str, start: int) -> tuple[int, bool]:
+        """A slot for `key_id`'s request whose prompt begins as `start` (a hash), and whether it may reuse
+        the slot's cached prompt: an idle slot holding this key's prompt of the same start (reuse), else
+        the idle slot taken longest ago (reuse if its prompt is this key's), else the least held one; a
+        slot with requests of its own keeps none for reuse (whose prompt it ends with is not known)."""
+        if not self._slot_owner:
+            size = self.model.parallel
+            self._slot_owner, self._slot_holds, self._slot_taken = [None] * size, [0] * size, [0] * size
+            self._slot_start = [0] * size
+        idle = [slot for slot, holds in enumerate(self._slot_holds) if holds == 0]
+        same = [slot for slot in idle if self._slot_owner[slot] == key_id and self._slot_start[slot] == start]
+        if same:
+            slot = same[0]
+        elif idle:
+            slot = min(idle, key=self._slot_taken.__getitem__)
+        else:
+            slot = min(range(len(self._slot_holds)), key=self._slot_holds.__getitem__)
+        reuse = self._slot_holds[slot] == 0 and self._slot_owner[slot] == key_id
+        self._slot_owner[slot] = key_id if not self._slot_holds[slot] else None
+        self._slot_start[slot] = start
+        self._slot_holds[slot] += 1
+        self._slot_clock += 1
+        self._slot_taken[slot] = self._slot_clock
+        return slot, reuse
+
+    def give_slot(self, slot: int) -> None:
+        if slot < len(self._slot_holds) and self._slot_holds[slot] > 0:
+            self._slot_holds[slot] -= 1
+
     def begin(self, key_id: str) -> None:
         self.idle.clear()
         self.in_flight += 1
@@ -265,7 +307,9 @@ class Instance:
         self.status = Status.STARTING
         self.cpu_percent = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        args = llama_server_args(binary, model_file, self.model, self.host, self.port, mmproj, self.tls_files)
+        args = llama_server_args(
+            binary, model_file, self.model, self.host, self.port, mmproj, self.tls_files, self.ram_cache
+        )
         # The key goes in llama-server's environment (its --api-key reads LLAMA_API_KEY), not on the
         # command line, which any user of the host can read in /proc.
         env = {**os.environ, "LLAMA_API_KEY": self.api_key} if self.api_key else None

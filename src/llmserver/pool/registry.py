@@ -44,7 +44,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import APIError, GatewayTimeout, InvalidRequest, NotFound
@@ -185,6 +185,7 @@ class Publisher:
 class RemoteInstance(Instance):
     """An instance a node runs on another host, as a gateway sees it."""
 
+    shared: ClassVar[bool] = True
     node: str = ""
     incarnation: str = ""
     remote: dict[str, Any] = field(default_factory=dict)

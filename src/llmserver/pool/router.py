@@ -26,6 +26,7 @@ class Lease:
         self.keep_alive = keep_alive  # seconds its instance is kept from idling out after this request
         self.instance: Instance | None = None
         self.failed_on: Instance | None = None  # the instance its last attempt failed on
+        self.slot: int | None = None  # the slot its call is pinned to (cache_isolation = "key")
 
     async def acquire(self) -> Instance:
         """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout)."""
@@ -38,6 +39,7 @@ class Lease:
     def release(self) -> None:
         if self.instance is not None:
             instance, self.instance = self.instance, None
+            self._unpin(instance)
             instance.failures = 0  # it was reached
             self.pool.release(instance, self.key_id)
 
@@ -45,10 +47,28 @@ class Lease:
         """The instance could not be reached: report it to its pool, give the slot back."""
         if self.instance is not None:
             instance, self.instance = self.instance, None
+            self._unpin(instance)
             self.failed_on = instance
             instance.failures += 1
             self.pool.report_failure(instance)
             self.pool.release(instance, self.key_id)
+
+    def pin(self, start: int) -> tuple[int, bool] | None:
+        """Pin this request (its prompt's start hashed as `start`) to a slot of its instance: the slot, and
+        whether it may reuse the slot's cached prompt (only its own key's); None for an instance other
+        gateways also use."""
+        instance = self.instance
+        if instance is None or instance.shared:
+            return None
+        if self.slot is not None:
+            instance.give_slot(self.slot)
+        self.slot, reuse = instance.take_slot(self.key_id, start)
+        return self.slot, reuse
+
+    def _unpin(self, instance: Instance) -> None:
+        if self.slot is not None:
+            instance.give_slot(self.slot)
+            self.slot = None
 
 
 class Router:

@@ -166,6 +166,7 @@ class Supervisor:
             port=port,
             log_path=self.settings.log_dir / f"{pool.name}-{port}.log",
             api_key=self.instance_key,
+            ram_cache=self.settings.cache_isolation == "shared",
         )
         settings = self.settings
         if settings.instance_tls_cert is not None and settings.instance_tls_key is not None and not self._loopback:
