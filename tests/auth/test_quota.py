@@ -62,7 +62,9 @@ def test_reserve_settle_and_day_rollover(database_url: str) -> None:
             await quota.reserve(who, 50)  # 60 reserved + 50 > 100, whatever the first one will really use
         assert caught.value.status == 429 and "2026-03-02T00:00:00+00:00" in caught.value.message
         assert "may use up to 50 tokens and 40 are left" in caught.value.message
-        assert caught.value.headers["Retry-After"] == "60"
+        # What blocks it is the first request's hold, not what was used: a retry may succeed once it ends.
+        assert "60 of them are held by this key's requests in flight" in caught.value.message
+        assert caught.value.headers["Retry-After"] == "1"
         await settle(store, quota, first, 30)  # the real count: 30 charged, 30 released
         await settle(store, quota, first, 30)  # settling twice changes nothing
         assert (await quota.headers(who))["x-ratelimit-remaining-tokens"] == "70"
@@ -130,6 +132,15 @@ def test_total_quota_never_resets_and_keys_without_quota(database_url: str) -> N
         with pytest.raises(InsufficientQuota) as caught:
             await quota.reserve(who, 1)
         assert "does not reset" in caught.value.message and "Retry-After" not in caught.value.headers
+        # A total quota blocked by a hold says when to retry, never "does not reset" (issue 39, row 6).
+        other = Principal("key_t2", "t2", "tttttttt", False, KeyLimits(quota_tokens=100, quota_period="total"))
+        held = await quota.reserve(other, 90)
+        with pytest.raises(InsufficientQuota) as caught:
+            await quota.reserve(other, 20)
+        assert "does not reset" not in caught.value.message and "retry when one has finished" in caught.value.message
+        assert caught.value.headers["Retry-After"] == "1"
+        await settle(store, quota, held, 12)
+        await quota.reserve(other, 20)
         assert await quota.reserve(principal(), 10**9) is None and await quota.headers(principal()) == {}
 
     with_store(database_url, test)

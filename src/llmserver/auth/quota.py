@@ -90,17 +90,26 @@ class QuotaService:
         )
         if not grant.granted:
             held = reservation.amount
-            raise self._refusal(reservation, held + more, grant.used + grant.reserved - held)
+            raise self._refusal(reservation, held + more, grant.used + grant.reserved - held, grant.reserved - held)
         reservation.amount += more
 
-    def _refusal(self, reservation: Reservation, wanted: int, taken: int) -> InsufficientQuota:
+    def _refusal(self, reservation: Reservation, wanted: int, taken: int, held: int = 0) -> InsufficientQuota:
         left = max(0, reservation.limit - taken)
         message = (
             f"This API key's token quota ({reservation.limit} per {reservation.period}) cannot cover this "
             f"request: it may use up to {wanted} tokens and {left} are left"
         )
-        headers = {}
         resets_at = reservation.window.resets_at
+        if held > 0 and wanted <= reservation.limit - (taken - held):
+            # What blocks it is held by the key's requests in flight, settled (most of it given back) as
+            # they end: a retry then may well succeed, whatever the period.
+            message += (
+                f"; {held} of them are held by this key's requests in flight until they end (each holds what it "
+                "may use and is charged what it used): retry when one has finished"
+            )
+            resets = f" (the quota resets at {resets_at.isoformat()})" if resets_at is not None else ""
+            return InsufficientQuota(f"{message}{resets}.", headers={"Retry-After": "1"})
+        headers = {}
         if resets_at is not None:
             message += f"; the quota resets at {resets_at.isoformat()}."
             headers["Retry-After"] = str(max(1, int(resets_at.timestamp() - self._clock())))

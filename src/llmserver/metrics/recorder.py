@@ -18,7 +18,7 @@ from llmserver.errors import StateUnavailable
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.outage import Outage
-from llmserver.store import UsageBatch, UsageStore
+from llmserver.store import Settlement, UsageBatch, UsageStore
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class Tally:
     ttft: float | None = None
     last_token_at: float | None = None
     closed: bool = False
+    settlement: Settlement | None = None  # its quota settlement, until written
 
 
 WRITE_DELAY = 0.2  # seconds
@@ -107,6 +108,26 @@ class UsageRecorder:
             self._unwritten.recovered("usage rows and quota settlements are written again")
             self._writing = UsageBatch()
 
+    async def settle(self, tally: Tally) -> None:
+        """Write a closed request's quota settlement now, before its client hears the end: the next
+        request of the key, through any gateway sharing the store, then sees the true balance rather
+        than this one's whole reservation. While the store cannot be reached it stays queued (written
+        when it answers again) and the answer is not held back."""
+        settlement, tally.settlement = tally.settlement, None
+        if settlement is None or self._unwritten.down:
+            return
+        if settlement in self._writing.settlements and self._writer is not None:
+            await asyncio.wait({self._writer}, timeout=1.0)  # being written with a batch
+            return
+        if settlement not in self._batch.settlements:
+            return
+        self._batch.settlements.remove(settlement)
+        try:
+            await self._store.record(UsageBatch(settlements=[settlement]))
+        except Exception:
+            self._batch.settlements.insert(0, settlement)  # the writer keeps trying (and logs why)
+            self._schedule_write()
+
     def opened(self, tally: Tally) -> None:
         """A request that holds a quota reservation started: counted in `produced()` until it closes."""
         if tally.reservation is not None:
@@ -151,6 +172,7 @@ class UsageRecorder:
         settlement = self._quota.settlement(tally.reservation, charged)
         if settlement is not None:
             self._batch.settlements.append(settlement)
+            tally.settlement = settlement
         speed = tally.completion_tokens / latency if latency > 0 and tally.completion_tokens else None
         self._batch.rows.append(
             {

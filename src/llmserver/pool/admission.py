@@ -51,9 +51,12 @@ class Ticket:
         self.admission.finish(self, outcome)
 
     async def shared(self) -> None:
-        """Once closed, before the client hears the end: wait until the other gateways have been
-        told the slot is free (role `gateway`), so that a next turn sent at once to any of them
-        finds its conversation's instance free rather than one request busier."""
+        """Once closed, before the client hears the end: wait until its quota settlement is written
+        and the other gateways have been told the slot is free (role `gateway`), so that a next turn
+        sent at once to any of them sees the key's true balance and finds its conversation's
+        instance free rather than one request busier."""
+        if self.tally.settlement is not None:
+            await self.admission.settle(self)
         if (load_shared := self.lease.pool.load_shared) is not None:
             await load_shared()
 
@@ -194,6 +197,9 @@ class Admission:
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
+
+    async def settle(self, ticket: Ticket) -> None:
+        await self._recorder.settle(ticket.tally)
 
     def finish(self, ticket: Ticket, outcome: str) -> None:
         tally = ticket.tally
