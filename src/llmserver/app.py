@@ -68,6 +68,7 @@ def create_app(settings: Settings) -> FastAPI:
         metrics = Metrics(supervisor)
         quota = QuotaService(store, gateway)
         speed = RollingSpeed(store)
+        supervisor.speed_of = speed.average
         await speed.load()
         recorder = UsageRecorder(store, quota, speed, metrics)
         rate, concurrency, shared = open_limiters(settings.redis_url, gateway)

@@ -354,6 +354,19 @@ class Settings(BaseSettings):
         gt=0,
         description="Longest wait before restarting a crashed instance (the wait doubles from 0.5 s).",
     )
+    instance_stall_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds an instance with requests in flight may leave llama-server's /slots unanswered (its "
+        "main loop stuck) before those requests fail with 504 and it is restarted; at least a hundred tokens' time at "
+        "the model's measured speed.",
+    )
+    max_pattern_cost: int = Field(
+        default=30_000,
+        ge=0,
+        description="The most a JSON schema `pattern` may cost llama.cpp's grammar (engine/schemas.py): nested "
+        "repetitions around a part that may be empty are refused beyond (400).",
+    )
     health_probe_misses: int = Field(
         default=3, ge=1, le=100, description="Health probes missed in a row after which an instance counts as hung."
     )

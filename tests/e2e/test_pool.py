@@ -106,7 +106,9 @@ def test_instance_records_are_the_seeds(pool: Server) -> None:
         process = psutil.Process(record["pid"])
         assert process.name() == "llama-server"
         command = " ".join(process.cmdline())
-        assert f"--port {record['port']}" in command and "--cache-ram 1024" in command and "--threads 1" in command
+        assert (
+            f"--port {record['port']}" in command and "--cache-ram 0" in command
+        )  # cache_isolation = "key": no RAM cache and "--threads 1" in command
         assert record["ram_used_mb"] > 0
         assert datetime.fromisoformat(record["last_activity"]).utcoffset() is not None
     with admin(pool) as client:

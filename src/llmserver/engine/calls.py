@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from llmserver.engine.client import LlamaServerClient, Sink
-from llmserver.errors import ContextLengthExceeded, InstanceUnavailable, UpstreamError
+from llmserver.errors import ContextLengthExceeded, GatewayTimeout, InstanceUnavailable, UpstreamError
 from llmserver.pool.admission import Admission, Ticket
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,10 @@ class InstanceCalls:
         """Report the instance to its pool and give its slot back; then raise on the last attempt, or
         take a fresh slot for the next one."""
         instance = ticket.lease.instance
+        stalled = stalled_error(ticket)
+        if stalled is not None:
+            ticket.lease.failed()
+            raise stalled  # sent again, it would hold the next instance the same way
         died = instance is not None and instance.exited
         again = attempt < self.attempts
         log.log(
@@ -101,6 +105,17 @@ class InstanceCalls:
         if not again:
             raise InstanceUnavailable("The model instance could not be reached or closed the connection.")
         await self._admission.take_slot(ticket)
+
+
+def stalled_error(ticket: Ticket) -> GatewayTimeout | None:
+    """The error for a request whose instance the watchdog restarted (its main loop made no progress)."""
+    instance = ticket.lease.instance
+    if instance is None or not instance.stalled:
+        return None
+    return GatewayTimeout(
+        f"The model's instance {instance.failure or 'made no progress'}, so it was restarted and this request "
+        "ended. A JSON schema whose pattern nests repetitions, or a very long prompt on a slow machine, can cause this."
+    )
 
 
 def _prompt_start(payload: JSON) -> int:

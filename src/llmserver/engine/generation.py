@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from llmserver.asgi_ext import Writer  # bytes straight to a stream's client; False: no more for now
 from llmserver.auth.keys import Principal
 from llmserver.engine import shapes, translate
-from llmserver.engine.calls import InstanceCalls
+from llmserver.engine.calls import InstanceCalls, stalled_error
 from llmserver.engine.client import Sink, parse_event
 from llmserver.engine.schemas import check_schema
 from llmserver.engine.tools import ToolPlan, added_prompt, check_request, json_schema_format
@@ -91,6 +91,7 @@ class GenerationService:
         self.default_max_tokens = settings.default_max_tokens
         self.max_tokens_limit = settings.max_tokens_limit
         self.max_messages = settings.max_messages
+        self.max_pattern_cost = settings.max_pattern_cost
         self.max_keep_alive = settings.max_keep_alive
         # A request's prompt and completion together never exceed its slot's context.
         self._context = {model.name: slot_context(model) for model in settings.models}
@@ -112,7 +113,7 @@ class GenerationService:
                     "in one request",
                     param="messages",
                 )
-            check_request(request)
+            check_request(request, self.max_pattern_cost)
             prompt = self.inputs.bound(request.messages) + text_bound(added_prompt(request))
         elif isinstance(request, CompletionRequest):
             prompt = RAW_PROMPT_TOKENS + text_bound(_completion_prompt(request))
@@ -121,7 +122,7 @@ class GenerationService:
                 raise InvalidRequest(
                     "Images need the chat template: they cannot be sent with raw: true.", param="images"
                 )
-            check_schema(native_schema(request), "format")
+            check_schema(native_schema(request), "format", most=self.max_pattern_cost)
             prompt = self.inputs.bound(_native_messages(request))
         self._surely_too_long(model, prompt, "messages" if isinstance(request, ChatRequest) else "prompt")
         bound = self._bound(model, prompt, max_tokens)
@@ -384,6 +385,7 @@ class GenerationService:
                 yield shapes.sse({**head, "choices": [], "usage": usage})
             outcome = "ok"
         except APIError as exc:
+            exc = stalled_error(ticket) or exc  # its instance was restarted under it: say why
             outcome = exc.type
             yield shapes.sse(exc.body())
         except Exception:

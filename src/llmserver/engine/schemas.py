@@ -30,7 +30,7 @@ from typing import Any
 
 from llmserver.errors import InvalidRequest
 
-PATTERN_COST = 30_000  # the largest cost accepted (the table above)
+PATTERN_COST = 30_000  # the largest cost accepted by default (max_pattern_cost; the table above)
 PATTERN_CHARS = 4096  # the longest pattern
 SCHEMA_DEPTH = 64  # JSON levels in one schema (orjson refuses 255 when it builds llama-server's call)
 SCHEMA_COUNT = 100_000  # the largest minLength, maxItems, {m,n}, … a schema may state
@@ -42,7 +42,7 @@ _CAP = 2**62  # sizes and products stop growing here (a refusal either way)
 _UNBOUNDED = 2  # `*`, `+`, `{m,}` become a rule that refers to itself: counted as two copies
 
 
-def check_schema(schema: Any, param: str, where: str = "#", depth: int = 0) -> None:
+def check_schema(schema: Any, param: str, where: str = "#", depth: int = 0, most: int = PATTERN_COST) -> None:
     """Refuse what llama.cpp would not enforce (a `pattern` not anchored with ^ and $: it then accepts
     any string) and what would make its grammar too costly (see the module's note); other schemas it
     cannot use, llama-server refuses itself, naming the place."""
@@ -51,7 +51,7 @@ def check_schema(schema: Any, param: str, where: str = "#", depth: int = 0) -> N
     if isinstance(schema, dict):
         pattern = schema.get("pattern")
         if isinstance(pattern, str):
-            check_pattern(pattern, param, f"{where}/pattern")
+            check_pattern(pattern, param, f"{where}/pattern", most)
         for name in _COUNTS:
             count = schema.get(name)
             if isinstance(count, int) and not isinstance(count, bool) and count > SCHEMA_COUNT:
@@ -61,10 +61,10 @@ def check_schema(schema: Any, param: str, where: str = "#", depth: int = 0) -> N
                 )
         for key, value in schema.items():
             if key not in _DATA_KEYS:
-                check_schema(value, param, f"{where}/{_escaped(str(key))}", depth + 1)
+                check_schema(value, param, f"{where}/{_escaped(str(key))}", depth + 1, most)
     elif isinstance(schema, list):
         for index, value in enumerate(schema):
-            check_schema(value, param, f"{where}/{index}", depth + 1)
+            check_schema(value, param, f"{where}/{index}", depth + 1, most)
 
 
 def _escaped(key: str) -> str:
@@ -72,7 +72,7 @@ def _escaped(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def check_pattern(pattern: str, param: str, where: str) -> None:
+def check_pattern(pattern: str, param: str, where: str, most: int = PATTERN_COST) -> None:
     if not (pattern.startswith("^") and pattern.endswith("$")):
         raise InvalidRequest(
             f"{param}: the pattern {pattern!r} at {where} is not anchored with ^ and $; "
@@ -90,10 +90,10 @@ def check_pattern(pattern: str, param: str, where: str) -> None:
         raise InvalidRequest(
             f"{param}: the pattern {_short(pattern)} at {where} cannot be read: {exc}", param=param
         ) from None
-    if cost > PATTERN_COST:
+    if cost > most:
         raise InvalidRequest(
             f"{param}: the pattern {_short(pattern)} at {where} nests repetitions around a part that may be empty "
-            f"too deeply for llama.cpp's grammar (cost {cost:,}; at most {PATTERN_COST:,}); "
+            f"too deeply for llama.cpp's grammar (cost {cost:,}; at most {most:,}); "
             "make the repeated part non-empty or lower the counts",
             param=param,
         )

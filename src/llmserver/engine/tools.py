@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserver.engine.schemas import check_schema
+from llmserver.engine.schemas import PATTERN_COST, check_schema
 from llmserver.engine.translate import content_message, message_text
 from llmserver.schemas.openai import (
     ChatMessage,
@@ -56,11 +56,12 @@ def response_schema(request: ChatRequest) -> JSON | None:
     return None
 
 
-def check_request(request: ChatRequest) -> None:
-    """The schema checks of `response_format` and the tools' parameters, before admission."""
-    check_schema(response_schema(request), "response_format")
+def check_request(request: ChatRequest, most: int = PATTERN_COST) -> None:
+    """The schema checks of `response_format` and the tools' parameters, before admission (`most`: the
+    largest pattern cost accepted)."""
+    check_schema(response_schema(request), "response_format", most=most)
     for tool in request.tools or []:
-        check_schema(tool.function.parameters or {}, "tools")
+        check_schema(tool.function.parameters or {}, "tools", most=most)
 
 
 def added_prompt(request: ChatRequest) -> str:

@@ -32,6 +32,11 @@ class _PoolCollector(Collector):
         evictions = CounterMetricFamily(
             "llmserver_evictions", "Idle instances stopped to make room for another model", labels=["model"]
         )
+        stalls = CounterMetricFamily(
+            "llmserver_instance_stalls",
+            "Instances restarted because their main loop made no progress with requests in flight",
+            labels=["model"],
+        )
         depth = GaugeMetricFamily("llmserver_queue_depth", "Requests waiting for a slot", labels=["model"])
         flight = GaugeMetricFamily("llmserver_in_flight", "Requests on instances", labels=["model"])
         instances = GaugeMetricFamily("llmserver_instances", "Instances by status", labels=["model", "status"])
@@ -40,10 +45,11 @@ class _PoolCollector(Collector):
             cold.add_metric([name], pool.cold_starts)
             cold_seconds.add_metric([name], pool.cold_start_seconds)
             evictions.add_metric([name], pool.evictions)
+            stalls.add_metric([name], pool.stalls)
             flight.add_metric([name], sum(i.in_flight for i in pool.instances))
             for status in ("starting", "ready", "busy", "draining", "stopped", "failed"):
                 instances.add_metric([name, status], sum(i.status.value == status for i in pool.instances))
-        yield from (depth, flight, instances, cold, cold_seconds, evictions)
+        yield from (depth, flight, instances, cold, cold_seconds, evictions, stalls)
 
 
 class Histogram(Collector):

@@ -209,6 +209,10 @@ class Instance:
     # cache holds (None: not known), how many requests this gateway has pinned to it, when it was last
     # taken. Only a key's own request on an idle slot whose cache holds its own prompt may reuse it.
     ram_cache: bool = True  # llama-server's RAM prompt cache (off under cache_isolation = "key")
+    # Why it was last taken out of service (a crash, missed probes, a stall), until it is running again;
+    # `stalled`: its main loop stopped making progress, so its requests fail as such and are not retried.
+    failure: str | None = None
+    stalled: bool = False
     shared: ClassVar[bool] = False  # other gateways send to it too (a node's instance): owners unknowable
     _slot_owner: list[str | None] = field(default_factory=list, repr=False)
     _slot_holds: list[int] = field(default_factory=list, repr=False)
@@ -404,6 +408,23 @@ class Instance:
         if self.client is None or self.exited:
             return False
         return await asyncio.to_thread(probe_health, self.host, self.port, self.api_key, timeout, self.tls)
+
+    async def answers_slots(self, timeout: float) -> bool:
+        """Whether llama-server's main loop answers /slots within `timeout` seconds. /health is answered
+        by its HTTP threads alone; /slots waits for the loop that runs every slot, so an instance whose
+        loop is stuck (one generation step that never ends) answers the first and not the second."""
+        if self.client is None or self.exited:
+            return False
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+                session.get(self.base_url + "/slots", headers=headers, ssl=self.tls or True) as response,
+            ):
+                await response.read()
+                return True
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def stop(self, grace: float = 10.0) -> None:
         """terminate → wait → kill, and close the HTTP client."""

@@ -73,6 +73,7 @@ class ModelPool:
         self.cold_starts = 0
         self.cold_start_seconds = 0.0
         self.evictions = 0
+        self.stalls = 0  # instances restarted by the watchdog (pool/supervisor.py)
         # With other gateways routing to the same instances (role `gateway`, from the registry):
         # the requests they have waiting for this model, and this gateway's fair share of its slots
         # while they have (None: no cap).

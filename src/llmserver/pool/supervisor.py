@@ -27,6 +27,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -66,6 +67,9 @@ class Supervisor:
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
         self._probe_misses: dict[str, int] = {}
+        self._progress_probes: set[str] = set()  # instances whose /slots probe is under way
+        # A model's measured tokens/s per request (metrics/speed.py, set by the app): the stall bound.
+        self.speed_of: Callable[[str], float | None] = lambda model: None
         self._last_probe = self._last_sample = 0.0
         self._stopping = False
         self._loopback = is_loopback(settings.instance_host)  # instances there stay plain HTTP
@@ -206,6 +210,7 @@ class Supervisor:
         except InstanceStartError as exc:
             log.error("instance %s (%s) failed to start: %s", instance.id, instance.model.name, exc)
             raise
+        instance.failure, instance.stalled = None, False
 
     async def start_instance(self, name: str, node: str | None = None) -> Instance:
         """Start one more instance of a model now (the admin API); raise if it cannot be started."""
@@ -348,6 +353,9 @@ class Supervisor:
                     self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
                 elif instance.accepting and probe and now - instance.answered_at >= self.settings.health_interval:
                     self._spawn(self._probe(instance))  # not one that answered a request since the last probe
+                if instance.accepting and probe and instance.in_flight and instance.id not in self._progress_probes:
+                    self._progress_probes.add(instance.id)
+                    self._spawn(self._progress(instance))
                 if instance.accepting and sample:
                     instance.sample()
             self._keep_strength(pool)
@@ -363,11 +371,37 @@ class Supervisor:
         elif instance.exited and instance.process is not None:
             self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
 
+    def stall_bound(self, model: str) -> float:
+        """Seconds an instance with requests in flight may leave /slots unanswered: instance_stall_timeout,
+        or a hundred tokens' time at the model's measured speed if longer (a 2,048-token prompt batch,
+        read some twenty times faster than tokens are generated, holds the loop about that long)."""
+        rate = self.speed_of(model)
+        floor = self.settings.instance_stall_timeout
+        return max(floor, 100 / rate) if rate else floor
+
+    async def _progress(self, instance: Instance) -> None:
+        """The watchdog: an instance that answers /health but whose main loop answers nothing else
+        while requests are on it makes no progress, and never will by itself (one request's grammar
+        held one for over eleven minutes): its requests fail, and it is restarted."""
+        try:
+            if self.remote is not None and isinstance(instance, RemoteInstance):
+                return  # a node's: its gateways' request_timeout applies (the node sees no requests)
+            bound = self.stall_bound(instance.model.name)
+            if await instance.answers_slots(bound) or not instance.accepting or not instance.in_flight:
+                return
+            pool = self.pools[instance.model.name]
+            pool.stalls += 1
+            instance.stalled = True
+            self.crashed(instance, f"made no progress for {bound:.0f} s with {instance.in_flight} requests in flight")
+        finally:
+            self._progress_probes.discard(instance.id)
+
     def crashed(self, instance: Instance, why: str) -> None:
         """Take a dead or hung instance out of service and restart it, or give it up."""
         if instance.restarting or instance.status in (Status.STOPPED, Status.DRAINING, Status.FAILED):
             return
         instance.status = Status.FAILED
+        instance.failure = why
         if self._give_up(instance, why):
             self._spawn(instance.stop(grace=1.0))
             return

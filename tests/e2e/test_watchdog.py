@@ -1,0 +1,78 @@
+"""The watchdog, against a real hang: with the pattern check opened up (max_pattern_cost), the issue's
+pattern holds llama-server's main loop while its /health keeps answering. The request fails with a
+clear 504, the instance is restarted, /ready and /metrics say so, and the model serves again
+(issue 39, row 1)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.test_errors import assert_error
+from tests.support import MODEL, Server, create_key, metric, wait_for
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "watchdog-admin-key-0123456789abcdef"
+CONFIG = f"""
+max_pattern_cost = 1000000000000
+instance_stall_timeout = 3
+health_interval = 0.5
+[[models]]
+name = "{MODEL}"
+parallel = 2
+ctx_size = 1024
+"""
+HANGS = "^((a{0,99}){0,99}){0,99}$"
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = Server(data_dir=tmp_path_factory.mktemp("watchdog"), config=CONFIG, env={"LLMSERVER_ADMIN_KEY": ADMIN})
+    yield server.start()
+    server.stop()
+
+
+def test_an_instance_that_makes_no_progress_is_restarted(watched: Server) -> None:
+    key = create_key(watched.data_dir, "hanging")
+    headers = {"Authorization": f"Bearer {key}"}
+    instance_url = watched.instance_url
+    assert httpx.get(instance_url + "/health").status_code == 200
+    body = {
+        "messages": [{"role": "user", "content": "Say a."}],
+        "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"pattern": HANGS}}},
+    }
+    not_ready: list[dict[str, object]] = []
+    done = threading.Event()
+
+    def watch_ready() -> None:  # the restart takes over a second: /ready is polled through it
+        while not done.is_set():
+            ready = httpx.get(watched.url + "/ready")
+            if ready.status_code == 503:
+                not_ready.append(ready.json())
+            done.wait(0.05)
+
+    watcher = threading.Thread(target=watch_ready)
+    watcher.start()
+    try:
+        sent = time.monotonic()
+        answer = httpx.post(watched.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+        failed = time.monotonic()
+        error = assert_error(answer, 504, "timeout_error")
+        assert "made no progress for" in str(error["message"]) and "restarted" in str(error["message"])
+        assert metric(watched, ADMIN, "llmserver_instance_stalls_total", model=MODEL) == 1
+        assert wait_for(lambda: httpx.get(watched.url + "/ready").status_code == 200, 60)
+        print(f"\n504 after {failed - sent:.1f} s; ready again {time.monotonic() - failed:.1f} s later")
+    finally:
+        done.set()
+        watcher.join()
+    assert not_ready and all("made no progress" in str(seen["problems"]) for seen in not_ready), not_ready
+    assert "problems" not in httpx.get(watched.url + "/ready").json()
+    again = httpx.post(watched.url + "/api/generate", json={"prompt": "Hi", "max_tokens": 2}, headers=headers,
+                       timeout=120)  # fmt: skip
+    assert again.status_code == 200, again.text
