@@ -3,6 +3,12 @@ the count of everything that was lost.
 
     .venv/bin/python -m bench.soak --minutes 2 --check     # the CI version (tests/bench/test_soak.py)
     .venv/bin/python -m bench.soak --minutes 30 --out bench/results   # the committed soak.md
+    .venv/bin/python -m bench.soak --cluster --minutes 30 --out bench/results/soak-cluster
+
+`--cluster`: the same traffic over two gateways (role `gateway`) on a private PostgreSQL and Redis,
+their instances run by two `llmserver node`s, each client request sent to either gateway; the faults
+add PostgreSQL restarted, Redis restarted, a node killed (-9, then started again) and a gateway killed
+(-9, then started again under its id, as an init system would).
 
 Traffic: streamed and non-streamed native, chat and completions requests, chat with documents
 (DOCX, a ZIP holding a DOCX), images on the test vision model (tests/vision_model.py), async jobs
@@ -13,12 +19,14 @@ that overfills the model's queue, and SIGTERM to the gateway followed by a fresh
 What is counted (each must be 0):
 - requests accepted and never answered: no HTTP answer, though the gateway was not restarting
   when the request was sent (a request sent while the gateway stops or starts is refused at the
-  socket — a load balancer's retry case — and is reported apart);
+  socket — a load balancer's retry case — and is reported apart; so are the requests a gateway
+  held when it was killed with -9, which no server can answer);
 - streams answered 200 that ended without `data: [DONE]` (clients that left on purpose aside);
 - tokens settled over a key's quota, and reservations left after the last stop;
 - async jobs still pending at the end, jobs lost (404 before their one read), webhooks never sent,
   results that do not decrypt;
-- ledger rows ≠ requests answered (every generating request is one row);
+- ledger rows ≠ requests answered (every generating request is one row; a gateway killed with -9
+  loses the rows of the answers it gave in its last write batch, 0.2 s, reported apart and bounded);
 - orphan processes (children of the gateway alive after it stopped) and files left in its TMPDIR.
 Gateway RSS and open file descriptors are sampled every second, per gateway process (a restart
 starts a new one); their growth after warm-up is reported and bounded.
@@ -55,6 +63,7 @@ from llmserver.store import open_store
 from llmserver.store.interfaces import KeyLimits
 from tests import documents, images
 from tests.receiver import Receiver
+from tests.services import Postgres, Redis
 from tests.support import free_port, free_port_range, spawn
 from tests.vision_model import write_vision_model
 
@@ -68,6 +77,7 @@ DRAIN_TIMEOUT = 20.0
 RSS_GROWTH_LIMIT_MB = 40.0
 FD_GROWTH_LIMIT = 16
 SERVING = ("ready", "busy")
+STATE_UNAVAILABLE = "The database cannot be reached"
 
 
 def log(message: str) -> None:
@@ -80,11 +90,15 @@ def log(message: str) -> None:
 @dataclass
 class Gateway:
     data_dir: Path
+    name: str = "gateway"
+    env: dict[str, str] = field(default_factory=dict)  # role, database, Redis (--cluster)
+    config: Path | None = None  # default: data_dir / config.toml
     port: int = field(default_factory=free_port)
     instance_port: int = field(default_factory=lambda: free_port_range(8))
     process: subprocess.Popen[bytes] | None = None
-    # (start, stop-signal time, ready-again time) of every restart window, in wall-clock seconds.
+    # (stop-signal or kill time, ready-again time) of every restart window, in wall-clock seconds.
     restarts: list[tuple[float, float]] = field(default_factory=list)
+    kills: list[float] = field(default_factory=list)  # when it was killed with -9
     incarnation: int = 0
 
     @property
@@ -98,10 +112,12 @@ class Gateway:
     def start(self, timeout: float = 180.0) -> float:
         """Start the gateway; the seconds it took to be ready."""
         started = time.monotonic()
-        self.tmp.mkdir(exist_ok=True)
-        env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port), "TMPDIR": str(self.tmp)}
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port), "TMPDIR": str(self.tmp),
+               **self.env}  # fmt: skip
+        config = self.config or self.data_dir / "config.toml"
         self.process = spawn(
-            [sys.executable, "-m", "llmserver", "serve", "--config", str(self.data_dir / "config.toml"),
+            [sys.executable, "-m", "llmserver", "serve", "--config", str(config),
              "--data-dir", str(self.data_dir), "--port", str(self.port), "--log-level", "info"],
             self.data_dir / "gateway.log", env,
         )  # fmt: skip
@@ -117,6 +133,13 @@ class Gateway:
                     return time.monotonic() - started
             time.sleep(0.1)
         raise RuntimeError(f"the gateway was not ready within {timeout:.0f} s")
+
+    def kill(self) -> None:
+        """kill -9: a crash, or a host lost."""
+        assert self.process is not None
+        self.kills.append(time.time())
+        self.process.kill()
+        self.process.wait()
 
     def stop(self) -> tuple[float, int | None]:
         """SIGTERM, as an init system stops it: the seconds it took to exit and its exit status."""
@@ -134,10 +157,83 @@ class Gateway:
         return time.monotonic() - started, self.process.returncode
 
 
-def write_config(data_dir: Path) -> None:
+@dataclass
+class Node:
+    """`llmserver node`: this host's instances, published in Redis for the gateways (--cluster)."""
+
+    data_dir: Path
+    name: str
+    env: dict[str, str]
+    base_port: int = field(default_factory=lambda: free_port_range(8))
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, "LLMSERVER_NODE_ID": self.name,
+               "LLMSERVER_INSTANCE_BASE_PORT": str(self.base_port), "TMPDIR": str(self.data_dir)}  # fmt: skip
+        self.process = spawn(
+            [sys.executable, "-m", "llmserver", "node", "--config", str(self.data_dir.parent / "config.toml"),
+             "--data-dir", str(self.data_dir), "--log-level", "info"],
+            self.data_dir / "node.log", env,
+        )  # fmt: skip
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@dataclass
+class Cluster:
+    """Two gateways on PostgreSQL + Redis, two nodes running the instances (--cluster)."""
+
+    root: Path
+    postgres: Postgres
+    redis: Redis
+    database_url: str
+    gateways: list[Gateway]
+    nodes: list[Node]
+
+    @classmethod
+    def create(cls, root: Path) -> Cluster:
+        postgres, redis = Postgres().start(), Redis().start()
+        url = postgres.new_database()
+        migrated = subprocess.run(
+            [sys.executable, "-m", "llmserver", "db", "migrate"], env={**os.environ, "LLMSERVER_DATABASE_URL": url},
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        if migrated.returncode != 0:
+            raise RuntimeError(f"db migrate failed: {migrated.stderr}")
+        shared = {"LLMSERVER_REDIS_URL": redis.url, "LLMSERVER_INSTANCE_API_KEY": secrets.token_urlsafe(24)}
+        nodes = [Node(root / f"node-{n}", f"node-{n}", shared) for n in (1, 2)]
+        gateways = [
+            Gateway(root / f"gw-{n}", f"gw-{n}", {**shared, "LLMSERVER_ROLE": "gateway", "LLMSERVER_DATABASE_URL": url,
+                    "LLMSERVER_GATEWAY_ID": f"gw-{n}"}, config=root / "config.toml")
+            for n in (1, 2)
+        ]  # fmt: skip
+        return cls(root, postgres, redis, url, gateways, nodes)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.redis.stop()
+        self.postgres.stop()
+
+
+def write_config(data_dir: Path, cluster: bool = False) -> None:
     model, mmproj = write_vision_model(data_dir / "vision")
     (data_dir / "config.toml").write_text(
-        f"drain_timeout = {DRAIN_TIMEOUT}\nqueue_timeout = 20\nwebhook_allow_private = true\n"
+        ("gateway_lease_seconds = 5\n" if cluster else "")
+        + f"drain_timeout = {DRAIN_TIMEOUT}\nqueue_timeout = 20\nwebhook_allow_private = true\n"
         f"max_concurrency_per_key = 32\nrequest_timeout = 120\n\n"
         f'[[models]]\nname = "{DEFAULT_MODEL_NAME}"\nparallel = {TEXT_SLOTS}\nctx_size = 4096\nthreads = 1\n'
         f"max_queue = {MAX_QUEUE}\n\n"
@@ -146,9 +242,9 @@ def write_config(data_dir: Path) -> None:
     )
 
 
-async def create_keys(data_dir: Path) -> dict[str, tuple[str, str]]:
+async def create_keys(store_url: str) -> dict[str, tuple[str, str]]:
     """name → (key id, key)."""
-    store = await open_store(f"sqlite:///{data_dir / 'llmserver.db'}")
+    store = await open_store(store_url)
     service = KeyService(store)
     specs: dict[str, tuple[bool, KeyLimits]] = {
         "admin": (True, KeyLimits()),
@@ -185,18 +281,20 @@ class Call:
     done: bool = False  # a stream's data: [DONE]
     dropped: bool = False  # the client left mid-stream on purpose
     body: Any = None
+    gateway: str = "gateway"  # the name of the gateway it was sent to
 
 
 class Traffic:
-    def __init__(self, gateway: Gateway, keys: dict[str, tuple[str, str]], receiver: Receiver) -> None:
-        self.gateway = gateway
+    def __init__(self, gateways: list[Gateway], keys: dict[str, tuple[str, str]], receiver: Receiver) -> None:
+        self.gateways = gateways
+        self.gateway = gateways[0]
+        self.by_name = {gateway.name: gateway for gateway in gateways}
         self.keys = keys
         self.receiver = receiver
         self.calls: list[Call] = []
         # tracking_id → (client key bytes, webhook?, resolved status or None)
         self.jobs: dict[str, dict[str, Any]] = {}
         self.http = httpx.AsyncClient(
-            base_url=gateway.url,
             timeout=httpx.Timeout(180.0, connect=5.0),
             # Idle connections are let go before the gateway's keep-alive (5 s) closes them under us.
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=2.0),
@@ -218,9 +316,12 @@ class Traffic:
         stream: bool = False,
         leave_after: int = 0,
         generating: bool = True,
+        gateway: Gateway | None = None,
     ) -> Call:
-        call = Call(scenario, key, time.time(), generating=generating, stream=stream)
+        gateway = gateway or random.choice(self.gateways)  # a load balancer's pick
+        call = Call(scenario, key, time.time(), generating=generating, stream=stream, gateway=gateway.name)
         self.calls.append(call)
+        path = gateway.url + path
         try:
             if body is None:
                 response = await self.http.get(path, headers=self.headers(key))
@@ -408,16 +509,24 @@ class Fault:
 
 
 class Chaos:
-    def __init__(self, traffic: Traffic) -> None:
+    def __init__(self, traffic: Traffic, cluster: Cluster | None = None) -> None:
         self.traffic = traffic
         self.gateway = traffic.gateway
+        self.cluster = cluster
         self.faults: list[Fault] = []
+        self._turns = collections.Counter[str]()
+
+    def _next(self, kind: str, count: int) -> int:
+        """Which of `count` gateways or nodes this fault of `kind` hits: each in turn."""
+        self._turns[kind] += 1
+        return (self._turns[kind] - 1) % count
 
     async def instances(self) -> list[dict[str, Any]]:
-        call = await self.traffic.call("admin", "admin", "/api/instances", None, generating=False)
-        if call.status != 200:
-            return []
-        return list(call.body["data"])
+        for gateway in self.traffic.gateways:  # one that is up
+            call = await self.traffic.call("admin", "admin", "/api/instances", None, generating=False, gateway=gateway)
+            if call.status == 200:
+                return list(call.body["data"])
+        return []
 
     async def kill_instance(self) -> str:
         ready = [i for i in await self.instances() if i["model"] == DEFAULT_MODEL_NAME and i["status"] in SERVING]
@@ -447,11 +556,56 @@ class Chaos:
         return f"{count} at once: " + ", ".join(f"{n} x {status}" for status, n in sorted(statuses.items()))
 
     async def restart_gateway(self) -> str:
+        gateway = self.traffic.gateways[self._next("restart", len(self.traffic.gateways))]
         stopping = time.time()
-        seconds, code = await asyncio.to_thread(self.gateway.stop)
-        ready = await asyncio.to_thread(self.gateway.start)
-        self.gateway.restarts.append((stopping, time.time()))
-        return f"SIGTERM: exited {code} after {seconds:.1f} s; ready again after {ready:.1f} s"
+        seconds, code = await asyncio.to_thread(gateway.stop)
+        ready = await asyncio.to_thread(gateway.start)
+        gateway.restarts.append((stopping, time.time()))
+        return f"{gateway.name} SIGTERM: exited {code} after {seconds:.1f} s; ready again after {ready:.1f} s"
+
+    # --cluster only
+
+    async def restart_postgres(self) -> str:
+        assert self.cluster is not None
+        await asyncio.to_thread(self.cluster.postgres.halt)
+        await asyncio.sleep(3)
+        started = time.monotonic()
+        await asyncio.to_thread(self.cluster.postgres.resume)
+        return f"PostgreSQL stopped (fast) for 3 s; accepting again {time.monotonic() - started:.1f} s after its start"
+
+    async def restart_redis(self) -> str:
+        assert self.cluster is not None
+        await asyncio.to_thread(self.cluster.redis.stop)
+        await asyncio.sleep(3)
+        await asyncio.to_thread(self.cluster.redis.start)
+        return "Redis killed, started again (empty) 3 s later"
+
+    async def kill_node(self) -> str:
+        assert self.cluster is not None
+        node = self.cluster.nodes[self._next("node", len(self.cluster.nodes))]
+        await asyncio.to_thread(node.kill)
+        await asyncio.sleep(2)
+        node.start()
+        started = time.monotonic()
+        while time.monotonic() - started < 120:
+            await asyncio.sleep(0.5)
+            if await self._serving() >= self.expected_instances:
+                return f"{node.name} killed -9, started 2 s later; every instance serving again after " \
+                    f"{time.monotonic() - started:.1f} s"  # fmt: skip
+        return f"{node.name} killed -9, started 2 s later; not every instance serving 120 s later"
+
+    async def kill_gateway(self) -> str:
+        gateway = self.traffic.gateways[self._next("kill", len(self.traffic.gateways))]
+        killed = time.time()
+        await asyncio.to_thread(gateway.kill)
+        ready = await asyncio.to_thread(gateway.start)
+        gateway.restarts.append((killed, time.time()))
+        return f"{gateway.name} killed -9; started again under its id, ready after {ready:.1f} s"
+
+    expected_instances = 0
+
+    async def _serving(self) -> int:
+        return sum(1 for i in await self.instances() if i["status"] in SERVING)
 
     async def run(self, started: float, until: float, minutes: float, interval: float) -> None:
         # The gateway is restarted once per 10 minutes of run (at least once), at evenly spread times;
@@ -459,6 +613,10 @@ class Chaos:
         restarts = max(1, round(minutes / 10))
         restart_at = [started + minutes * 60 * (n + 1) / (restarts + 1) for n in range(restarts)]
         rotation = [self.kill_instance, self.leave_burst, self.fill_queue]
+        if self.cluster is not None:
+            self.expected_instances = await self._serving()
+            rotation = [self.kill_instance, self.restart_postgres, self.leave_burst, self.kill_node,
+                        self.fill_queue, self.restart_redis, self.kill_gateway]  # fmt: skip
         turn = 0
         next_fault = started + interval
         while True:
@@ -485,31 +643,40 @@ class Chaos:
 @dataclass
 class Sample:
     at: float
-    incarnation: int
+    incarnation: str  # the gateway's name and how many times it was started: "gw-1 #2"
     rss_mb: float
     fds: int
 
 
 class Sampler:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, gateways: list[Gateway], nodes: list[Node] | None = None) -> None:
+        self.gateways = gateways
+        self.nodes = nodes or []
         self.samples: list[Sample] = []
         self.children: dict[int, str] = {}
 
     async def run(self) -> None:
         while True:
-            process = self.gateway.process
-            if process is not None and process.poll() is None:
-                with contextlib.suppress(psutil.Error):
-                    gateway = psutil.Process(process.pid)
-                    rss = gateway.memory_info().rss / 2**20
-                    self.samples.append(Sample(time.time(), self.gateway.incarnation, rss, gateway.num_fds()))
-                    for child in gateway.children(recursive=True):
-                        with contextlib.suppress(psutil.Error):
-                            self.children.setdefault(child.pid, child.name())
+            for gateway in self.gateways:
+                process = gateway.process
+                if process is not None and process.poll() is None:
+                    with contextlib.suppress(psutil.Error):
+                        parent = psutil.Process(process.pid)
+                        rss = parent.memory_info().rss / 2**20
+                        name = f"{gateway.name} #{gateway.incarnation}"
+                        self.samples.append(Sample(time.time(), name, rss, parent.num_fds()))
+                        for child in parent.children(recursive=True):
+                            with contextlib.suppress(psutil.Error):
+                                self.children.setdefault(child.pid, child.name())
+            for node in self.nodes:  # its instances: none may outlive it
+                if node.process is not None and node.process.poll() is None:
+                    with contextlib.suppress(psutil.Error):
+                        for child in psutil.Process(node.process.pid).children(recursive=True):
+                            with contextlib.suppress(psutil.Error):
+                                self.children.setdefault(child.pid, child.name())
             await asyncio.sleep(1.0)
 
-    def growth(self) -> list[dict[str, float]]:
+    def growth(self) -> list[dict[str, Any]]:
         """Per gateway process: RSS and fds after warm-up (40% of its life) and at its end."""
         rows = []
         for incarnation in sorted({s.incarnation for s in self.samples}):
@@ -558,19 +725,31 @@ def decrypts(job: dict[str, Any]) -> bool:
     return True
 
 
-async def run(minutes: float, interval: float, workers: int) -> dict[str, Any]:
+async def run(minutes: float, interval: float, workers: int, cluster_mode: bool = False) -> dict[str, Any]:
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-soak-"))
     log(f"data dir {data_dir}")
-    write_config(data_dir)
-    keys = await create_keys(data_dir)
-    gateway = Gateway(data_dir)
-    log(f"starting the gateway: ready after {gateway.start():.1f} s")
+    write_config(data_dir, cluster_mode)
+    cluster: Cluster | None = None
+    if cluster_mode:
+        cluster = Cluster.create(data_dir)
+        store_url, gateways = cluster.database_url, cluster.gateways
+        for node in cluster.nodes:
+            node.start()
+    else:
+        store_url, gateways = f"sqlite:///{data_dir / 'llmserver.db'}", [Gateway(data_dir)]
+    keys = await create_keys(store_url)
     receiver = Receiver().start()
-    traffic = Traffic(gateway, keys, receiver)
-    chaos = Chaos(traffic)
-    sampler = Sampler(gateway)
-    sampling = asyncio.create_task(sampler.run())
+    traffic = Traffic(gateways, keys, receiver)
+    chaos = Chaos(traffic, cluster)
+    sampler = Sampler(gateways, cluster.nodes if cluster is not None else [])
+    sampling: asyncio.Task[None] | None = None
+    stops: list[tuple[float, int | None]] = []
     try:
+        for gateway in gateways:
+            log(f"starting {gateway.name}: ready after {gateway.start():.1f} s")
+        if cluster is not None:
+            await wait_for_instances(chaos, 2 * 2)  # each node: the text model and the vision model
+        sampling = asyncio.create_task(sampler.run())
         started_wall = time.time()
         started = time.monotonic()
         until = started + minutes * 60
@@ -587,31 +766,55 @@ async def run(minutes: float, interval: float, workers: int) -> dict[str, Any]:
         stuck = await in_flight_after(traffic)
         await asyncio.sleep(2)  # the last webhooks
     finally:
-        stop_seconds, stop_code = gateway.stop()
-        sampling.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sampling
+        for gateway in gateways:
+            stops.append(gateway.stop() if gateway.process is not None else (0.0, None))
+        if sampling is not None:
+            sampling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampling
         await traffic.http.aclose()
         receiver.stop()
-    log(f"gateway stopped in {stop_seconds:.1f} s (exit {stop_code})")
+        if cluster is not None:
+            for node in cluster.nodes:
+                node.stop()
+    log("gateways stopped: " + ", ".join(f"{seconds:.1f} s (exit {code})" for seconds, code in stops))
     await asyncio.sleep(1)
-    result = await count(traffic, chaos, sampler, keys, started_wall)
+    try:
+        result = await count(traffic, chaos, sampler, keys, started_wall, store_url)
+    finally:
+        if cluster is not None:
+            cluster.stop()
     result["counters"]["requests still on an instance after the traffic"] = stuck
-    result.update(minutes=minutes, workers=workers, interval=interval, data_dir=str(data_dir), stop_code=stop_code)
+    stop_code = next((code for _, code in stops if code != 0), 0)
+    result.update(
+        minutes=minutes, workers=workers, interval=interval, data_dir=str(data_dir), stop_code=stop_code,
+        cluster=cluster_mode,
+    )  # fmt: skip
     return result
 
 
+async def wait_for_instances(chaos: Chaos, count: int, timeout: float = 240.0) -> None:
+    """Until the gateways see `count` instances serving (the nodes' first starts)."""
+    deadline = time.monotonic() + timeout
+    while await chaos._serving() < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {count} instances serving after {timeout:.0f} s")
+        await asyncio.sleep(0.5)
+
+
 async def in_flight_after(traffic: Traffic, timeout: float = 30.0) -> int:
-    """Requests the gateway still counts on its instances once every client is gone (a slot that a
+    """Requests the gateways still count on their instances once every client is gone (a slot that a
     client who left, a fault or a retry never gave back), after `timeout` seconds for the last ones."""
     deadline = time.monotonic() + timeout
     while True:
-        response = await traffic.http.get("/metrics", headers=traffic.headers("admin"))
-        flying = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in response.text.splitlines()
-            if line.startswith("llmserver_in_flight{")
-        )
+        flying = 0.0
+        for gateway in traffic.gateways:
+            response = await traffic.http.get(gateway.url + "/metrics", headers=traffic.headers("admin"))
+            flying += sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in response.text.splitlines()
+                if line.startswith("llmserver_in_flight{")
+            )
         if flying == 0 or time.monotonic() > deadline:
             return int(flying)
         await asyncio.sleep(0.5)
@@ -621,17 +824,37 @@ def in_restart(gateway: Gateway, moment: float) -> bool:
     return any(stopping - 0.25 <= moment <= ready for stopping, ready in gateway.restarts)
 
 
-async def count(
-    traffic: Traffic, chaos: Chaos, sampler: Sampler, keys: dict[str, tuple[str, str]], since: float
-) -> dict[str, Any]:
-    gateway = traffic.gateway
-    calls = traffic.calls
-    unanswered = [c for c in calls if c.failure and c.failure != "refused" and not in_restart(gateway, c.started)]
-    refused = [c for c in calls if c.failure and c not in unanswered]
-    no_done = [c for c in calls if c.stream and c.status == 200 and not c.done and not c.dropped]
-    answered = [c for c in calls if c.generating and (c.status is not None)]
+def killed_under(gateway: Gateway, call: Call) -> bool:
+    """Whether the gateway was killed with -9 while it held the call."""
+    return any(call.started <= killed <= call.ended + 0.25 for killed in gateway.kills)
 
-    store = await open_store(f"sqlite:///{gateway.data_dir / 'llmserver.db'}")
+
+def answered_before_kill(gateway: Gateway, call: Call) -> bool:
+    """An answer given in the last write batch (WRITE_DELAY, 0.2 s) before its gateway was killed -9."""
+    return any(killed - 0.5 <= call.ended <= killed for killed in gateway.kills)
+
+
+async def count(
+    traffic: Traffic, chaos: Chaos, sampler: Sampler, keys: dict[str, tuple[str, str]], since: float, store_url: str
+) -> dict[str, Any]:
+    by_name = traffic.by_name
+    calls = traffic.calls
+    killed = [c for c in calls if killed_under(by_name[c.gateway], c)]
+    unanswered = [
+        c for c in calls
+        if c.failure and c.failure != "refused" and not in_restart(by_name[c.gateway], c.started) and c not in killed
+    ]  # fmt: skip
+    refused = [c for c in calls if c.failure and c not in unanswered and c not in killed]
+    no_done = [c for c in calls if c.stream and c.status == 200 and not c.done and not c.dropped and c not in killed]
+    # Refused because the shared state could not be read (PostgreSQL restarting): not accepted, and
+    # no ledger row (the key could not be looked up).
+    unavailable = [c for c in calls if c.status == 503 and (c.message or "").startswith(STATE_UNAVAILABLE)]
+    answered = [c for c in calls if c.generating and (c.status is not None) and c not in unavailable]
+    # Answers a gateway gave just before it was killed -9: their ledger rows may have died with its
+    # last write batch (their quota settlements did not: they are written before the answer ends).
+    at_risk = sum(1 for c in answered if answered_before_kill(by_name[c.gateway], c))
+
+    store = await open_store(store_url)
     try:
         rows = await store.usage_rows(None, since - 1, time.time() + 1)
         used, reserved = await store.quota_counts(keys["quota"][0], "total")
@@ -651,7 +874,16 @@ async def count(
     children_alive = {
         pid: name for pid, name in sampler.children.items() if psutil.pid_exists(pid) and _not_zombie(pid)
     }
-    leftovers = [str(p.relative_to(gateway.tmp)) for p in gateway.tmp.rglob("*")] if gateway.tmp.exists() else []
+    # What a process killed with -9 left in its TMPDIR (an extraction child's folder) cannot be cleaned
+    # by it: reported apart; anything else is a leak.
+    left = [(gateway, p) for gateway in traffic.gateways if gateway.tmp.exists() for p in gateway.tmp.rglob("*")]
+    by_kill = [
+        f"{gateway.name}/{p.relative_to(gateway.tmp)}"
+        for gateway, p in left
+        if any(p.stat().st_mtime <= killed + 1 for killed in gateway.kills)
+    ]
+    leftovers = [f"{gateway.name}/{p.relative_to(gateway.tmp)}" for gateway, p in left]
+    leftovers = [name for name in leftovers if name not in by_kill]
     growth = sampler.growth()
 
     counters = {
@@ -663,7 +895,9 @@ async def count(
         "async jobs lost (404 before their one read)": sum(1 for job in jobs.values() if job["status"] == "lost"),
         "webhooks never sent": sum(1 for tid, job in jobs.items() if job["webhook"] and not delivered[tid]),
         "results that do not decrypt": sum(1 for job in jobs.values() if not decrypts(job)),
-        "ledger rows ≠ requests answered": abs(len(rows) - len(answered)),
+        # Missing rows beyond the answers at risk, or rows beyond the answers and the requests killed under.
+        "ledger rows ≠ requests answered": max(0, len(answered) - len(rows) - at_risk)
+        + max(0, len(rows) - len(answered) - len([c for c in killed if c.generating])),
         "orphan processes": len(children_alive),
         "files left in the gateway's TMPDIR": len(leftovers),
         "RSS growth after warm-up over the bound": sum(
@@ -679,7 +913,7 @@ async def count(
     )
     outcomes: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for c in calls:
-        outcomes[c.scenario][_outcome(c, gateway)] += 1
+        outcomes[c.scenario][_outcome(c, by_name[c.gateway])] += 1
     return {
         "counters": counters,
         "details": {
@@ -694,6 +928,11 @@ async def count(
         "generating answered": len(answered),
         "ledger rows": len(rows),
         "refused while restarting": len(refused),
+        "held by a gateway killed -9": len(killed),
+        "answers just before a kill -9": at_risk,
+        "ledger rows lost to a kill -9": max(0, len(answered) - len(rows)),
+        "refused while the database was unreachable": len(unavailable),
+        "files left by a gateway killed -9": by_kill,
         "quota": {"limit": QUOTA_TOKENS, "used": used, "ledger": quota_ledger},
         "jobs": collections.Counter(str(job["status"]) for job in jobs.values()),
         "webhook deliveries": sum(delivered.values()),
@@ -702,8 +941,8 @@ async def count(
         "faults": [vars(f) for f in chaos.faults],
         "growth": growth,
         "samples": [vars(s) for s in sampler.samples],
-        "calls": [(c.started, _outcome(c, gateway)) for c in calls],
-        "restarts": gateway.restarts,
+        "calls": [(c.started, _outcome(c, by_name[c.gateway])) for c in calls],
+        "restarts": {gateway.name: gateway.restarts for gateway in traffic.gateways},
     }
 
 
@@ -717,6 +956,8 @@ def _not_zombie(pid: int) -> bool:
 def _outcome(call: Call, gateway: Gateway) -> str:
     if call.dropped:
         return "left mid-stream"
+    if call.failure and killed_under(gateway, call):
+        return "held by a gateway killed -9"
     if call.failure:
         return (
             "refused (restarting)" if call.failure == "refused" or in_restart(gateway, call.started) else "unanswered"
@@ -735,9 +976,12 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=6, help="concurrent client loops (default 6)")
     parser.add_argument("--out", type=Path, default=None, help="write soak.md and its charts here")
     parser.add_argument("--check", action="store_true", help="exit 1 unless every counter is 0")
+    parser.add_argument(
+        "--cluster", action="store_true", help="two gateways on PostgreSQL + Redis, two nodes, and their faults"
+    )
     args = parser.parse_args()
     random.seed(20)
-    result = asyncio.run(run(args.minutes, args.interval, args.clients))
+    result = asyncio.run(run(args.minutes, args.interval, args.clients, args.cluster))
     from bench import soak_report
 
     text = soak_report.markdown(result)

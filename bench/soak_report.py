@@ -14,8 +14,17 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Soak and chaos run",
         "",
-        f"`python -m bench.soak --minutes {result['minutes']:g} --interval {result['interval']:g} "
-        f"--clients {result['workers']}`",
+        f"`python -m bench.soak {'--cluster ' if result.get('cluster') else ''}--minutes {result['minutes']:g} "
+        f"--interval {result['interval']:g} --clients {result['workers']}`",
+        *(
+            [
+                "",
+                "Two gateways (role `gateway`) on a private PostgreSQL and Redis, two `llmserver node`s running the "
+                "instances (the text model and the vision model on each), every request sent to either gateway.",
+            ]
+            if result.get("cluster")
+            else []
+        ),
         "",
         *_machine(),
         "",
@@ -28,7 +37,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['requests']} requests in all; {result['generating answered']} generating requests answered, "
         f"{result['ledger rows']} ledger rows. {result['refused while restarting']} requests were sent while the "
         "gateway was stopping or starting and refused at the socket (not accepted; a load balancer retries them "
-        "elsewhere). The quota key: limit {limit} tokens, {used} settled, {ledger} in its ledger rows. Async jobs by "
+        f"elsewhere). {result.get('held by a gateway killed -9', 0)} requests were held by a gateway when it was "
+        f"killed with -9 (no server can answer those); {result.get('answers just before a kill -9', 0)} answers "
+        "came in the last 0.5 s before such a kill, and "
+        f"{result.get('ledger rows lost to a kill -9', 0)} ledger rows are missing (a gateway writes them in "
+        "batches of 0.2 s; the quota settlements are written before each answer ends). "
+        f"{result.get('refused while the database was unreachable', 0)} requests got 503 while PostgreSQL was "
+        "stopped (not accepted: no ledger row); files a gateway killed -9 left in its TMPDIR: "
+        f"{', '.join(result.get('files left by a gateway killed -9', [])) or 'none'}. The quota key: limit "
+        "{limit} tokens, {used} settled, {ledger} in its ledger rows. Async jobs by "
         "final state: {jobs}; webhook deliveries: {hooks}.".format(
             **result["quota"],
             jobs=", ".join(f"{state} {n}" for state, n in sorted(result["jobs"].items())) or "none",

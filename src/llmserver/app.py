@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import io
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -55,6 +57,17 @@ _STATUS_TYPES = {
     503: "overloaded_error",
     504: "timeout_error",
 }
+
+
+def _log_pending_tasks() -> None:
+    """The stop is overdue: log every task still pending and where it waits (for a bug report)."""
+    current = asyncio.current_task()
+    pending = [task for task in asyncio.all_tasks() if task is not current and not task.done()]
+    log.error("stopping takes longer than drain_timeout + 15 s; %d tasks are still pending:", len(pending))
+    for task in pending:
+        stack = io.StringIO()
+        task.print_stack(limit=8, file=stack)
+        log.error("%s", stack.getvalue().rstrip())
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -155,6 +168,8 @@ def create_app(settings: Settings) -> FastAPI:
             )
             yield
         finally:
+            # Should a step below hang, say where: the tasks still waiting, with their stacks.
+            overdue = asyncio.get_running_loop().call_later(settings.drain_timeout + 15, _log_pending_tasks)
             await job_service.stop(grace=settings.drain_timeout)
             if registry is not None:
                 await registry.stop()
@@ -168,6 +183,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await shared.close()
             await store.close()
             documents.close()
+            overdue.cancel()
 
     # No /docs: Swagger UI loads from a CDN, blank on a machine without internet; /openapi.json stays.
     # FastAPI's native OpenTelemetry is off: with no provider configured it still asked for one on every

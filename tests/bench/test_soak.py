@@ -41,3 +41,23 @@ def test_two_minute_soak_loses_nothing(tmp_path: Path) -> None:
     assert summary["jobs"].get("ready", 0) > 0 and summary["webhook deliveries"] > 0
     for chart in ("soak_resources.png", "soak_outcomes.png"):
         assert (tmp_path / chart).read_bytes().startswith(b"\x89PNG")
+
+
+def test_two_minute_cluster_soak_loses_nothing(tmp_path: Path) -> None:
+    """The same across two gateways on PostgreSQL + Redis and two nodes, with every fault of shared state
+    (issue 39): PostgreSQL and Redis restarted, a node and a gateway killed -9."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.soak", "--cluster", "--minutes", "2", "--interval", "12", "--check",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    summary = json.loads((tmp_path / "soak.json").read_text())
+    assert summary["counters"] and not any(summary["counters"].values())
+    assert {fault["kind"] for fault in summary["faults"]} == {
+        "kill_instance", "restart_postgres", "leave_burst", "kill_node", "fill_queue", "restart_redis",
+        "kill_gateway", "restart_gateway",
+    }  # fmt: skip
+    assert summary["generating answered"] > 200
+    assert summary["refused while the database was unreachable"] > 0  # the outage was seen, and refused
+    assert {row["incarnation"].split(" ")[0] for row in summary["growth"]} == {"gw-1", "gw-2"}

@@ -418,3 +418,23 @@ def test_a_slot_is_reused_only_by_the_key_whose_prompt_it_holds() -> None:
         await close(instance)
 
     run(scenario)
+
+
+def test_a_slot_whose_request_ended_early_is_taken_last() -> None:
+    """A timed-out or abandoned request may still hold its slot in llama-server for a moment: a request
+    pinned there would wait behind it (a stream then timed out before its first event)."""
+
+    async def scenario() -> None:
+        instance = await ready_instance(ModelConfig(name="m", parallel=2), 1)
+        assert instance.take_slot("a", 1) == (0, False)
+        instance.give_slot(0, finished=False)  # a timeout: the slot may still be working
+        assert instance.take_slot("b", 2) == (1, False)
+        instance.give_slot(1)
+        assert instance.take_slot("a", 1) == (1, False)  # not its old slot 0 (unsure, and no longer its cache)
+        assert instance.take_slot("c", 3) == (0, False)  # the only idle one left: taken
+        instance.give_slot(0)
+        instance.give_slot(1)
+        assert instance.take_slot("c", 3) == (0, True)  # it ended normally: c's again
+        await close(instance)
+
+    run(scenario)

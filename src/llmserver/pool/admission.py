@@ -205,6 +205,6 @@ class Admission:
         tally = ticket.tally
         if tally.closed:
             return
-        ticket.lease.release()
+        ticket.lease.release(finished=outcome == "ok")
         ticket.places.release(tally.principal.key_id)
         self._recorder.close(tally, outcome)

@@ -218,6 +218,7 @@ class Instance:
     _slot_holds: list[int] = field(default_factory=list, repr=False)
     _slot_taken: list[int] = field(default_factory=list, repr=False)
     _slot_start: list[int] = field(default_factory=list, repr=False)  # a hash of its prompt's start
+    _slot_unsure: list[bool] = field(default_factory=list, repr=False)  # its last request ended early
     _slot_clock: int = field(default=0, repr=False)
 
     def take_slot(self, key_id: str, start: int) -> tuple[int, bool]:
@@ -228,8 +229,11 @@ class Instance:
         if not self._slot_owner:
             size = self.model.parallel
             self._slot_owner, self._slot_holds, self._slot_taken = [None] * size, [0] * size, [0] * size
-            self._slot_start = [0] * size
+            self._slot_start, self._slot_unsure = [0] * size, [False] * size
         idle = [slot for slot, holds in enumerate(self._slot_holds) if holds == 0]
+        # A slot whose last request ended early (a timeout, a client gone) may still be finishing it:
+        # taken only when no other is idle.
+        idle = [slot for slot in idle if not self._slot_unsure[slot]] or idle
         same = [slot for slot in idle if self._slot_owner[slot] == key_id and self._slot_start[slot] == start]
         if same:
             slot = same[0]
@@ -245,9 +249,14 @@ class Instance:
         self._slot_taken[slot] = self._slot_clock
         return slot, reuse
 
-    def give_slot(self, slot: int) -> None:
+    def give_slot(self, slot: int, finished: bool = True) -> None:
+        """A request pinned to `slot` ended; `finished`: normally (else the slot's cache is nobody's,
+        and it is taken last while it may still be working)."""
         if slot < len(self._slot_holds) and self._slot_holds[slot] > 0:
             self._slot_holds[slot] -= 1
+            self._slot_unsure[slot] = not finished
+            if not finished:
+                self._slot_owner[slot] = None
 
     def begin(self, key_id: str) -> None:
         self.idle.clear()

@@ -36,10 +36,12 @@ class Lease:
             self.instance.keep_until = max(self.instance.keep_until, time.time() + self.keep_alive)
         return self.instance
 
-    def release(self) -> None:
+    def release(self, finished: bool = True) -> None:
+        """Give the slot back; `finished`: the request ended normally (else its slot may still be
+        working for a moment: llama-server notices a closed connection only at its next check)."""
         if self.instance is not None:
             instance, self.instance = self.instance, None
-            self._unpin(instance)
+            self._unpin(instance, finished)
             instance.failures = 0  # it was reached
             self.pool.release(instance, self.key_id)
 
@@ -47,7 +49,7 @@ class Lease:
         """The instance could not be reached: report it to its pool, give the slot back."""
         if self.instance is not None:
             instance, self.instance = self.instance, None
-            self._unpin(instance)
+            self._unpin(instance, finished=False)
             self.failed_on = instance
             instance.failures += 1
             self.pool.report_failure(instance)
@@ -61,13 +63,13 @@ class Lease:
         if instance is None or instance.shared:
             return None
         if self.slot is not None:
-            instance.give_slot(self.slot)
+            instance.give_slot(self.slot, finished=False)
         self.slot, reuse = instance.take_slot(self.key_id, start)
         return self.slot, reuse
 
-    def _unpin(self, instance: Instance) -> None:
+    def _unpin(self, instance: Instance, finished: bool) -> None:
         if self.slot is not None:
-            instance.give_slot(self.slot)
+            instance.give_slot(self.slot, finished)
             self.slot = None
 
 
