@@ -146,3 +146,29 @@ def test_a_sync_request_past_sync_timeout_becomes_a_job(database_url: str) -> No
             assert decrypt(done["result"], base64.b64decode(payload["key"]), payload["nonce"]) == {"response": "slow"}
 
     run(scenario)
+
+
+def test_the_outbox_stops_when_woken_at_the_stop(tmp_path: Path) -> None:
+    """A job that ends as the server stops wakes the outbox in the same step as its cancellation: Python
+    3.11's wait_for swallowed that cancellation and the outbox loop never ended (a SIGTERM stop hung
+    until it was killed, 2 of 4 two-minute soaks with a job running at the stop)."""
+    from llmserver.jobs.webhooks import WebhookOutbox
+
+    async def scenario() -> None:
+        store = await open_store(f"sqlite:///{tmp_path / 'outbox.db'}")
+        try:
+            for _ in range(20):  # the race is in one step: every try hits it
+                outbox = WebhookOutbox(store, "gw1", attempts=1, timeout=1.0, allow_private=True, poll=30.0)
+                outbox.start()
+                await asyncio.sleep(0.01)  # its loop waits on the wake-up event now
+                outbox.wake()
+                stopping = asyncio.ensure_future(outbox.stop())
+                await asyncio.wait({stopping}, timeout=5)  # (a timeout here cancels nothing)
+                stuck = not stopping.done()
+                stopping.cancel()  # a second cancellation ends the old loop: the test can clean up
+                await asyncio.wait({stopping})
+                assert not stuck
+        finally:
+            await store.close()
+
+    run(scenario)

@@ -90,8 +90,7 @@ class WebhookOutbox:
         """Stop sending; what is still queued is sent by this or another gateway later."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task})  # (a cancellation of the caller is not swallowed here)
 
     def wake(self) -> None:
         """An item was queued: look now rather than at the next poll."""
@@ -103,8 +102,11 @@ class WebhookOutbox:
         # while it finds none, up to every MAX_POLL seconds: an idle gateway wakes its store less.
         wait = self._poll
         while True:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that comes
+            # as the event is set (a job's wake-up at a stop), and this loop then never ended.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
             quiet = not self._wake.is_set()
             self._wake.clear()
             idle_wait, wait = min(wait * 2, MAX_POLL), self._poll

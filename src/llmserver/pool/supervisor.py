@@ -311,7 +311,8 @@ class Supervisor:
             return
         instance.status = Status.DRAINING
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(instance.idle.wait(), self.settings.drain_timeout if timeout is None else timeout)
+            async with asyncio.timeout(self.settings.drain_timeout if timeout is None else timeout):
+                await instance.idle.wait()
         if instance.in_flight:
             log.warning("instance %s still had %d requests in flight when drained", instance.id, instance.in_flight)
         await instance.stop()
