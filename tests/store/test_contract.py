@@ -148,9 +148,9 @@ def test_db_migrate_and_a_gateway_that_refuses_an_unmigrated_database(postgres: 
     assert not_served.returncode == 2 and "llmserver db migrate" in not_served.stderr
     assert len(not_served.stderr.strip().splitlines()) == 1  # one line, no traceback
     migrated = llmserver("db", "migrate")
-    assert migrated.returncode == 0 and "schema version 1" in migrated.stdout, migrated.stderr
+    assert migrated.returncode == 0 and "schema version 2" in migrated.stdout, migrated.stderr
     again = llmserver("db", "migrate")  # nothing left to apply
-    assert again.returncode == 0 and "schema version 1" in again.stdout
+    assert again.returncode == 0 and "schema version 2" in again.stdout
     created = llmserver("keys", "create", "--name", "pg")
     assert created.returncode == 0 and created.stdout.strip().splitlines()[-1].startswith("llms-")
     assert "pg" in llmserver("keys", "list").stdout
@@ -161,3 +161,21 @@ def test_db_migrate_and_a_gateway_that_refuses_an_unmigrated_database(postgres: 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_the_sqlite_engine_is_the_default(database_url: str) -> None:
     assert database_url.startswith("sqlite:///")
+
+
+def test_a_swept_job_with_a_webhook_gets_its_failure_webhook(database_url: str) -> None:
+    """A job whose gateway died is failed by the sweep; a client waiting for its webhook hears so (the
+    30-minute cluster soak found 3 webhooks never sent: jobs of gateways killed -9)."""
+
+    async def test(store: Store) -> None:
+        await store.insert_job("hooked", "k", "n", 1.0, "gw9", webhook_url="https://example.test/hook")
+        await store.insert_job("polled", "k", "n", 1.0, "gw9")
+        error = json.dumps({"error": {"message": "gone", "type": "server_error", "code": 500}})
+        swept = await store.sweep_gateway("gw9", error=error, expires_at=1e12, only_if_lapsed=False)
+        assert swept is not None and swept.jobs_failed == 2
+        (item,) = await store.outbox_claim("gw1", 60, 16)
+        assert (item.tracking_id, item.url) == ("hooked", "https://example.test/hook")
+        failure = {"message": "gone", "type": "server_error", "code": 500}
+        assert json.loads(item.payload) == {"status": "failed", "tracking_id": "hooked", "error": failure}
+
+    run(database_url, test)

@@ -10,7 +10,6 @@ it ran is failed by the sweep of that gateway's lease (gateway.py). Webhooks go 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -73,19 +72,21 @@ class JobService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.outbox.stop()
         if self._sweeper is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await asyncio.wait({self._sweeper})
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.settings.job_sweep_interval)
-            removed = await self.store.delete_expired_jobs(time.time())
-            if removed:
-                log.info("removed %d expired async results", removed)
-            # The usage ledger's retention rides on the same sweep.
-            old = await self.usage.delete_usage_before(time.time() - self.settings.usage_retention_days * 86400)
-            if old:
-                log.info("removed %d usage rows older than %.0f days", old, self.settings.usage_retention_days)
+            try:
+                removed = await self.store.delete_expired_jobs(time.time())
+                if removed:
+                    log.info("removed %d expired async results", removed)
+                # The usage ledger's retention rides on the same sweep.
+                old = await self.usage.delete_usage_before(time.time() - self.settings.usage_retention_days * 86400)
+                if old:
+                    log.info("removed %d usage rows older than %.0f days", old, self.settings.usage_retention_days)
+            except APIError as exc:  # the store is away: the next sweep tries again (this one died of it)
+                log.warning("the sweep of expired async results waits for the store: %s", exc.message)
 
     # Submitting
 
@@ -131,7 +132,9 @@ class JobService:
         """Record the job, then run it (a `Work` starts only once the job is recorded)."""
         tracking_id = str(uuid.uuid4())
         nonce = crypto.new_nonce()
-        await self.store.insert_job(tracking_id, principal.key_id, crypto.b64(nonce), time.time(), self.gateway_id)
+        await self.store.insert_job(
+            tracking_id, principal.key_id, crypto.b64(nonce), time.time(), self.gateway_id, webhook_url
+        )
         if not isinstance(task, asyncio.Future):
             task = asyncio.ensure_future(task())
         runner = asyncio.create_task(

@@ -163,7 +163,12 @@ class Instance:
     # if not, the gateway describes them in the prompt (engine/tools.py).
     native_tools: bool = False
     keep_until: float = 0.0  # a request's keep_alive: not stopped for idleness before this (time.time())
-    api_key: str | None = None  # llama-server's --api-key (instance_api_key): for instances other hosts reach
+    api_key: str | None = None  # llama-server's --api-key (instance_api_key, or a random one)
+    ram_cache: bool = True  # llama-server's RAM prompt cache (off under cache_isolation = "key")
+    # Why it was last taken out of service (a crash, missed probes, a stall), until it is running again;
+    # `stalled`: its main loop stopped making progress, so its requests fail as such and are not retried.
+    failure: str | None = None
+    stalled: bool = False
     tls: ssl.SSLContext | None = None  # reached over HTTPS, its certificate verified with this
     tls_files: tuple[Path, Path] | None = None  # the certificate and key it serves HTTPS with (a node's)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -208,11 +213,6 @@ class Instance:
     # Prompt-cache isolation between keys (cache_isolation = "key"): which key's prompt each slot's
     # cache holds (None: not known), how many requests this gateway has pinned to it, when it was last
     # taken. Only a key's own request on an idle slot whose cache holds its own prompt may reuse it.
-    ram_cache: bool = True  # llama-server's RAM prompt cache (off under cache_isolation = "key")
-    # Why it was last taken out of service (a crash, missed probes, a stall), until it is running again;
-    # `stalled`: its main loop stopped making progress, so its requests fail as such and are not retried.
-    failure: str | None = None
-    stalled: bool = False
     shared: ClassVar[bool] = False  # other gateways send to it too (a node's instance): owners unknowable
     _slot_owner: list[str | None] = field(default_factory=list, repr=False)
     _slot_holds: list[int] = field(default_factory=list, repr=False)

@@ -10,6 +10,7 @@ requests had produced, its running jobs failed. Never anyone else's.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -91,6 +92,12 @@ class UsageBatch:
         return bool(self.rows or self.speeds or self.settlements)
 
 
+def failure_webhook(tracking_id: str, error: str) -> str:
+    """The webhook payload of a job a sweep failed (`error`: its stored error body, JSON), as the
+    runner sends for any failed job."""
+    return json.dumps({"status": "failed", "tracking_id": tracking_id, "error": json.loads(error).get("error")})
+
+
 def utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -150,7 +157,9 @@ class UsageStore(Protocol):
 
 
 class JobStore(Protocol):
-    async def insert_job(self, tracking_id: str, key_id: str, nonce: str, now: float, gateway_id: str) -> None: ...
+    async def insert_job(
+        self, tracking_id: str, key_id: str, nonce: str, now: float, gateway_id: str, webhook_url: str | None = None
+    ) -> None: ...
 
     async def finish_job(
         self,

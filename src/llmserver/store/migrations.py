@@ -121,6 +121,11 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX webhook_outbox_due ON webhook_outbox (next_at);
     """,
+    # 7: the webhook URL of a pending job, so that a sweep that fails the job (its gateway died) can
+    # still tell the client through its webhook.
+    """
+    ALTER TABLE jobs ADD COLUMN webhook_url TEXT;
+    """,
 ]
 
 POSTGRES: list[str] = [
@@ -211,5 +216,9 @@ POSTGRES: list[str] = [
         claimed_until DOUBLE PRECISION
     );
     CREATE INDEX webhook_outbox_due ON webhook_outbox (next_at);
+    """,
+    # 2: as SQLite's 7: a pending job's webhook URL, for the sweep's failure webhook.
+    """
+    ALTER TABLE jobs ADD COLUMN webhook_url TEXT;
     """,
 ]

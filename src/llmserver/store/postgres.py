@@ -30,6 +30,7 @@ from llmserver.store.interfaces import (
     SchemaError,
     Sweep,
     UsageBatch,
+    failure_webhook,
     utc_now,
 )
 from llmserver.store.migrations import POSTGRES
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 NOW = "EXTRACT(EPOCH FROM clock_timestamp())::double precision"
 UNREACHABLE = (
     OSError,
+    # A connection left mid-operation when the server went away ("cannot switch to state …; another
+    # operation is in progress"): the server is what failed, and the connection is dropped.
+    asyncpg.InternalClientError,
     TimeoutError,
     asyncpg.InterfaceError,
     asyncpg.PostgresConnectionError,
@@ -99,7 +103,11 @@ class PostgresStore:
     async def _conn(self) -> AsyncIterator[asyncpg.Connection]:
         try:
             async with self._pool.acquire(timeout=10) as conn:
-                yield conn
+                try:
+                    yield conn
+                except asyncpg.InternalClientError:
+                    conn.terminate()  # its protocol state is broken: never handed out again
+                    raise
         except UNREACHABLE as exc:
             self._outage.failed("PostgreSQL at %s cannot be reached (%s): answering 503", redact(self.url), exc)
             raise StateUnavailable("The database cannot be reached; retry shortly.", retry_after=2) from exc
@@ -278,11 +286,13 @@ class PostgresStore:
 
     # Async jobs
 
-    async def insert_job(self, tracking_id: str, key_id: str, nonce: str, now: float, gateway_id: str) -> None:
+    async def insert_job(
+        self, tracking_id: str, key_id: str, nonce: str, now: float, gateway_id: str, webhook_url: str | None = None
+    ) -> None:
         await self._execute(
-            "INSERT INTO jobs (tracking_id, key_id, status, nonce, created_at, gateway_id)"
-            " VALUES ($1, $2, 'pending', $3, $4, $5)",
-            tracking_id, key_id, nonce, now, gateway_id,
+            "INSERT INTO jobs (tracking_id, key_id, status, nonce, created_at, gateway_id, webhook_url)"
+            " VALUES ($1, $2, 'pending', $3, $4, $5, $6)",
+            tracking_id, key_id, nonce, now, gateway_id, webhook_url,
         )  # fmt: skip
 
     async def finish_job(
@@ -427,6 +437,11 @@ class PostgresStore:
                 " WHERE status = 'claimed' AND claimed_by = $1",
                 gateway_id,
             )
+            hooked = await conn.fetch(
+                "SELECT tracking_id, webhook_url FROM jobs"
+                " WHERE status = 'pending' AND gateway_id = $1 AND webhook_url IS NOT NULL",
+                gateway_id,
+            )
             failed = _count(
                 await conn.execute(
                     f"UPDATE jobs SET status = 'failed', error = $1, finished_at = {NOW}, expires_at = $2"
@@ -436,6 +451,11 @@ class PostgresStore:
                     gateway_id,
                 )
             )
+            for row in hooked:  # their clients wait for a webhook: it says the job failed
+                await conn.execute(
+                    f"INSERT INTO webhook_outbox (tracking_id, url, payload, next_at) VALUES ($1, $2, $3, {NOW})",
+                    row["tracking_id"], row["webhook_url"], failure_webhook(row["tracking_id"], error),
+                )  # fmt: skip
             await conn.execute(
                 "UPDATE webhook_outbox SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = $1", gateway_id
             )

@@ -28,6 +28,7 @@ from llmserver.store.interfaces import (
     SchemaError,
     Sweep,
     UsageBatch,
+    failure_webhook,
     utc_now,
 )
 from llmserver.store.migrations import MIGRATIONS
@@ -247,11 +248,13 @@ class SQLiteStore:
     # Async jobs
 
     @_in_thread
-    def insert_job(self, tracking_id: str, key_id: str, nonce: str, now: float, gateway_id: str) -> None:
+    def insert_job(
+        self, tracking_id: str, key_id: str, nonce: str, now: float, gateway_id: str, webhook_url: str | None = None
+    ) -> None:
         self._db.execute(
-            "INSERT INTO jobs (tracking_id, key_id, status, nonce, created_at, gateway_id)"
-            " VALUES (?, ?, 'pending', ?, ?, ?)",
-            (tracking_id, key_id, nonce, now, gateway_id),
+            "INSERT INTO jobs (tracking_id, key_id, status, nonce, created_at, gateway_id, webhook_url)"
+            " VALUES (?, ?, 'pending', ?, ?, ?, ?)",
+            (tracking_id, key_id, nonce, now, gateway_id, webhook_url),
         )
 
     @_in_thread
@@ -398,11 +401,20 @@ class SQLiteStore:
                 " WHERE status = 'claimed' AND claimed_by = ?",
                 (gateway_id,),
             )
+            hooked = db.execute(
+                "SELECT tracking_id, webhook_url FROM jobs"
+                " WHERE status = 'pending' AND gateway_id = ? AND webhook_url IS NOT NULL",
+                (gateway_id,),
+            ).fetchall()
             failed = db.execute(
                 "UPDATE jobs SET status = 'failed', error = ?, finished_at = ?, expires_at = ?"
                 " WHERE status = 'pending' AND gateway_id = ?",
                 (error, now, expires_at, gateway_id),
             ).rowcount
+            db.executemany(  # their clients wait for a webhook: it says the job failed
+                "INSERT INTO webhook_outbox (tracking_id, url, payload, next_at) VALUES (?, ?, ?, ?)",
+                [(r["tracking_id"], r["webhook_url"], failure_webhook(r["tracking_id"], error), now) for r in hooked],
+            )
             db.execute(
                 "UPDATE webhook_outbox SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = ?", (gateway_id,)
             )
