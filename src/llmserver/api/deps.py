@@ -297,6 +297,15 @@ async def parse(
     if gate is not None and _large(request) and (bearer_token(request) or request.query_params.get("api_key")):
         principal = await authenticate(request)
         await gate(principal)
+    principal, body = await _keyed_body(request, principal)
+    return principal, validate(model, body)
+
+
+async def _keyed_body(
+    request: Request, principal: Principal | None = None, *, admin: bool = False
+) -> tuple[Principal, dict[str, Any]]:
+    """The caller (unless already known) and the JSON body: a bad key is a 401 whatever the body, so the
+    body's problem is raised only once the key (which may travel in it) has been checked."""
     try:
         body: dict[str, Any] | None = await json_body(request)
         problem: APIError | None = None
@@ -304,9 +313,11 @@ async def parse(
         body, problem = None, exc
     if principal is None:
         principal = await authenticate(request, body)
+    if admin and not principal.is_admin:
+        raise PermissionDenied("This endpoint needs an admin key.")
     if problem is not None or body is None:
         raise problem or InvalidRequest("The request body must be a JSON object.")
-    return principal, validate(model, body)
+    return principal, body
 
 
 def _large(request: Request) -> bool:
@@ -314,8 +325,8 @@ def _large(request: Request) -> bool:
     return not length or not length.isdigit() or int(length) > GATE_BYTES
 
 
-async def require_admin(request: Request, body: dict[str, Any] | None = None) -> Principal:
-    principal = await authenticate(request, body)
+async def require_admin(request: Request) -> Principal:
+    principal = await authenticate(request)
     if not principal.is_admin:
         raise PermissionDenied("This endpoint needs an admin key.")
     return principal
@@ -324,14 +335,7 @@ async def require_admin(request: Request, body: dict[str, Any] | None = None) ->
 async def admin_body(request: Request) -> dict[str, Any]:
     """An admin endpoint's JSON body, once its key (in the header, the query string or the body's
     `api_key`, as everywhere) is an admin key; `api_key` itself is taken out of the body."""
-    try:
-        body: dict[str, Any] | None = await json_body(request)
-        problem: APIError | None = None
-    except APIError as exc:
-        body, problem = None, exc
-    await require_admin(request, body)
-    if problem is not None or body is None:
-        raise problem or InvalidRequest("The request body must be a JSON object.")
+    _, body = await _keyed_body(request, admin=True)
     body.pop("api_key", None)
     return body
 
