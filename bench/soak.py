@@ -68,7 +68,7 @@ from tests.support import free_port, free_port_range, spawn
 from tests.vision_model import write_vision_model
 
 VISION = "soak-vision"
-QUOTA_TOKENS = 1500
+QUOTA_TOKENS = 1000
 RPM = 20
 TEXT_SLOTS = 4
 MAX_QUEUE = 12
@@ -78,6 +78,7 @@ RSS_GROWTH_LIMIT_MB = 40.0
 FD_GROWTH_LIMIT = 16
 SERVING = ("ready", "busy")
 STATE_UNAVAILABLE = "The database cannot be reached"
+INTERRUPTED = "The gateway running this job stopped before it finished"  # the sweep of a dead gateway
 
 
 def log(message: str) -> None:
@@ -419,7 +420,9 @@ class Traffic:
         }
         call = await self.call("async_webhook", self.pick_key(), "/api/generate", body)
         if call.status == 200:
-            self.jobs[call.body["tracking_id"]] = {"key": key, "webhook": True, "owner": call.key, "status": None}
+            self.jobs[call.body["tracking_id"]] = {
+                "key": key, "webhook": True, "owner": call.key, "status": None, "call": call
+            }  # fmt: skip
 
     async def async_polled(self) -> None:
         key = secrets.token_bytes(32)
@@ -434,7 +437,7 @@ class Traffic:
         if call.status != 200:
             return
         tracking_id = call.body["tracking_id"]
-        self.jobs[tracking_id] = {"key": key, "webhook": False, "owner": owner, "status": None}
+        self.jobs[tracking_id] = {"key": key, "webhook": False, "owner": owner, "status": None, "call": call}
         await self.poll(tracking_id, deadline=time.monotonic() + 60)
 
     async def poll(self, tracking_id: str, deadline: float) -> None:
@@ -829,6 +832,12 @@ def killed_under(gateway: Gateway, call: Call) -> bool:
     return any(call.started <= killed <= call.ended + 0.25 for killed in gateway.kills)
 
 
+def interrupted(job: dict[str, Any]) -> bool:
+    """An async job failed by the sweep of a gateway that died running it."""
+    error = (job.get("answer") or {}).get("error") or {}
+    return job["status"] == "failed" and str(error.get("message", "")).startswith(INTERRUPTED)
+
+
 def answered_before_kill(gateway: Gateway, call: Call) -> bool:
     """An answer given in the last write batch (WRITE_DELAY, 0.2 s) before its gateway was killed -9."""
     return any(killed - 0.5 <= call.ended <= killed for killed in gateway.kills)
@@ -840,6 +849,9 @@ async def count(
     by_name = traffic.by_name
     calls = traffic.calls
     killed = [c for c in calls if killed_under(by_name[c.gateway], c)]
+    # An async job its gateway was running when it was killed -9 is failed by the sweep of that gateway's
+    # lease: no ledger row (the gateway that would have written it is gone), like a request it held.
+    killed += [job["call"] for job in traffic.jobs.values() if interrupted(job)]
     unanswered = [
         c for c in calls
         if c.failure and c.failure != "refused" and not in_restart(by_name[c.gateway], c.started) and c not in killed
@@ -849,7 +861,9 @@ async def count(
     # Refused because the shared state could not be read (PostgreSQL restarting): not accepted, and
     # no ledger row (the key could not be looked up).
     unavailable = [c for c in calls if c.status == 503 and (c.message or "").startswith(STATE_UNAVAILABLE)]
-    answered = [c for c in calls if c.generating and (c.status is not None) and c not in unavailable]
+    answered = [
+        c for c in calls if c.generating and (c.status is not None) and c not in unavailable and c not in killed
+    ]  # fmt: skip
     # Answers a gateway gave just before it was killed -9: their ledger rows may have died with its
     # last write batch (their quota settlements did not: they are written before the answer ends).
     at_risk = sum(1 for c in answered if answered_before_kill(by_name[c.gateway], c))
