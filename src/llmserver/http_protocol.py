@@ -35,8 +35,10 @@ import http
 import json
 import logging
 import re
+import socket
 import urllib.parse
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -661,6 +663,12 @@ class QuietServer(uvicorn.Server):
     wakes it at once. Each wake-up of an idle process costs it 0.1 to 0.2 ms of CPU on this kind of VM."""
 
     TICK = 1.0  # seconds
+    on_started: Callable[[], None] | None = None  # once the app has started and the port listens
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit and self.on_started is not None:
+            self.on_started()
 
     async def main_loop(self) -> None:
         self._stopping = asyncio.Event()

@@ -26,11 +26,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserver import tracing
 from llmserver.api.deps import scope_header
 from llmserver.api.events import RAW_SEND
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService
 from llmserver.errors import APIError, RequestTooLarge
+from llmserver.logs import new_request_id, request_id
 
 access_log = logging.getLogger("llmserver.access")
 
@@ -64,32 +66,47 @@ class Front:
         logged = access_log.isEnabledFor(logging.INFO)
         started = time.perf_counter() if logged else 0.0
         status = 0
+        sent_id = scope_header(scope, b"x-request-id")
+        rid = new_request_id(sent_id.decode("latin-1") if sent_id is not None else None)
+        rid_token = request_id.set(rid)  # in every log line of this request, and its tasks'
+        id_header = (b"x-request-id", rid.encode())
 
         async def front_send(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), id_header]}
                 principal = scope.get("state", {}).get("principal")
                 if principal is not None and principal.limits.quota_tokens is not None:
                     message = await self._with_quota_headers(principal, message)
             await send(message)
 
         try:
-            declared = _content_length(scope)
-            if declared is not None and declared > self.max_bytes:
-                await _send_error(front_send, _too_large(self.max_bytes))
-                return
-            if declared is None:  # chunked: count what arrives (no more than a declared length can)
-                receive = _counting(receive, self.max_bytes)
-            endpoint = self.hot.get(scope["path"]) if scope["method"] == "POST" else None
-            if endpoint is None:
-                await self.app(scope, receive, front_send)
+            if tracing.on():
+                attributes = {"http.request.method": scope["method"], "url.path": scope["path"], "request_id": rid}
+                with tracing.server_span(f"{scope['method']} {scope['path']}", scope["headers"], attributes) as span:
+                    await self._serve(scope, receive, front_send)
+                    span.set_attribute("http.response.status_code", status or 500)
             else:
-                await self._call(endpoint, scope, receive, front_send)
+                await self._serve(scope, receive, front_send)
         finally:
             del scope[RAW_SEND]  # the server's `send` points at its connection: nothing keeps it past here
             if logged:
                 _log_access(scope, status, started)
+            request_id.reset(rid_token)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await _send_error(send, _too_large(self.max_bytes))
+            return
+        if declared is None:  # chunked: count what arrives (no more than a declared length can)
+            receive = _counting(receive, self.max_bytes)
+        endpoint = self.hot.get(scope["path"]) if scope["method"] == "POST" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+        else:
+            await self._call(endpoint, scope, receive, send)
 
     async def _call(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
@@ -153,10 +170,19 @@ async def _send_error(send: Send, error: RequestTooLarge) -> None:
 def _log_access(scope: Scope, status: int, started: float) -> None:
     state = scope.get("state", {})
     principal, tally = state.get("principal"), state.get("tally")
-    who = f" key={principal.fingerprint}" if principal is not None else ""
-    if tally is not None and tally.prompt_tokens:  # prompt-cache reuse: cached/prompt tokens
-        who += f" instance={tally.instance_id} cached={tally.cached_tokens}/{tally.prompt_tokens}"
-    access_log.info(
-        "%s %s %s %.1fms%s",
-        scope["method"], scope["path"], status or 500, (time.perf_counter() - started) * 1000, who,
-    )  # fmt: skip
+    duration = (time.perf_counter() - started) * 1000
+    fields: dict[str, object] = {
+        "method": scope["method"], "path": scope["path"], "status": status or 500, "duration_ms": round(duration, 1)
+    }  # fmt: skip
+    who = ""
+    if principal is not None:
+        who = f" key={principal.fingerprint}"
+        fields["key"] = principal.fingerprint
+    if tally is not None:
+        fields.update(model=tally.model, instance=tally.instance_id, prompt_tokens=tally.prompt_tokens,
+                      completion_tokens=tally.completion_tokens, cached_tokens=tally.cached_tokens)  # fmt: skip
+        if tally.ttft is not None:
+            fields["ttft_ms"] = round(tally.ttft * 1000, 1)
+        if tally.prompt_tokens:  # prompt-cache reuse: cached/prompt tokens
+            who += f" instance={tally.instance_id} cached={tally.cached_tokens}/{tally.prompt_tokens}"
+    access_log.info("%s %s %s %.1fms%s", scope["method"], scope["path"], status or 500, duration, who, extra=fields)

@@ -21,7 +21,7 @@ class Outage:
         if not self.down:
             return False
         self.down = False
-        self._log.warning(message, *args)
+        self._log.info(message, *args)  # a recovery is good news: the outage itself was the warning
         return True
 
 

@@ -460,8 +460,31 @@ class Settings(BaseSettings):
     usage_retention_days: float = Field(
         default=400.0, gt=0, description="Days the usage ledger keeps its rows (older ones are swept)."
     )
-    metrics_public: bool = Field(default=False, description="Serve /metrics without a key (else admin keys only).")
-    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Gateway log level.")
+    metrics_public: bool = Field(
+        default=False, description="Serve /metrics without a key (else metrics_token or an admin key)."
+    )
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="A bearer token for /metrics alone (Prometheus's `authorization`), checked without the "
+        "database; a node's /metrics takes it (or instance_api_key).",
+    )
+    node_port: int = Field(
+        default=8081, ge=0, le=65535, description="Port of `llmserver node`'s /health, /ready and /metrics; 0: none."
+    )
+    node_http_host: str = Field(
+        default="127.0.0.1", description="Address `llmserver node`'s /health, /ready and /metrics listen on."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OpenTelemetry collector (OTLP over HTTP) to send request traces to, e.g. http://otel:4318; "
+        "empty: no tracing (needs the `tracing` extra).",
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="`text`: one line per record with its time; `json`: one JSON object per line "
+        "(time, level, logger, message, and a request's id, key, model, instance, status, durations, tokens).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

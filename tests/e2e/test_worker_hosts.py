@@ -10,6 +10,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import ssl
 import subprocess
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ BRIDGE = "llms-br0"
 NET = "10.79.0"
 SECRET = "instance-secret-0123456789abcdef"
 ADMIN = "worker-hosts-admin-key-0123456789"
+METRICS_TOKEN = "worker-hosts-metrics-token-0123"
 # One tenant here: the prompt cache of nodes' instances is shared (under the default "key", instances
 # that several gateways use reuse no cached prompt: tests/e2e/test_cache_isolation.py).
 CONFIG = f"""
@@ -81,7 +84,8 @@ class Node:
         _, cert, key = tls_files(self.root)
         env = {**os.environ, "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_INSTANCE_BASE_PORT": "8101",
                "LLMSERVER_NODE_ID": f"worker-{self.index}", "LLMSERVER_INSTANCE_TLS_CERT": str(cert),
-               "LLMSERVER_INSTANCE_TLS_KEY": str(key)}  # fmt: skip
+               "LLMSERVER_INSTANCE_TLS_KEY": str(key), "LLMSERVER_NODE_HTTP_HOST": self.address,
+               "LLMSERVER_METRICS_TOKEN": METRICS_TOKEN}  # fmt: skip
         self.process = spawn(
             ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", "node",
              "--config", str(data / "config.toml"), "--data-dir", str(data), "--advertise", self.address,
@@ -133,7 +137,7 @@ class Hosts:
         return {
             "LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": self.redis.url, "LLMSERVER_INSTANCE_API_KEY": SECRET,
             "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_DATABASE_URL": self.database_url, "LLMSERVER_ROUTING": routing,
-            "LLMSERVER_INSTANCE_TLS_CA": str(tls_files(self.root)[0]),
+            "LLMSERVER_INSTANCE_TLS_CA": str(tls_files(self.root)[0]), "LLMSERVER_METRICS_TOKEN": METRICS_TOKEN,
         }  # fmt: skip
 
     def start_gateways(self, routing: str) -> None:
@@ -547,3 +551,89 @@ def test_workers_serve_one_port_each_a_gateway_of_its_own(hosts: Hosts) -> None:
         client.close()
     assert code == 0, server.log()[-2000:]
     assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("LLMSERVER_WORKER")]
+
+
+def test_prometheus_scrapes_every_gateway_and_node_and_alerts_when_a_node_is_gone(hosts: Hosts, tmp_path: Path) -> None:
+    """A real Prometheus (Debian's) with the shipped alert rules scrapes both gateways and both nodes
+    (metrics_token); a node killed -9 shows as down and LlmserverNodeGone goes pending, then firing.
+    Every metric the shipped rules and dashboard query is served by these processes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.support import free_port
+    from tests.test_deploy_prometheus import DEPLOY, shipped_metric_names
+
+    key = hosts.key("scraped")
+    started = time.time()
+    assert [r.status_code for r in load(hosts, key, 8)] == [200] * 8
+    unknown = httpx.post(hosts.gateways[0].url + "/v1/chat/completions", json={"model": "nope", "messages": []},
+                         headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    assert unknown.status_code == 404  # a refusal: llmserver_refusals_total has a series
+    nodes = [f"{node.address}:8081" for node in hosts.nodes]
+    gateways = [f"{gateway.host}:{gateway.port}" for gateway in hosts.gateways]
+    # A node's own listener: health, readiness with its components, metrics behind the token.
+    for target in nodes:
+        assert httpx.get(f"http://{target}/health").json() == {"status": "ok"}
+        ready = httpx.get(f"http://{target}/ready").json()
+        assert ready["status"] == "ready" and set(ready["components"]) == {"redis", "publishing", "models"}, ready
+        assert httpx.get(f"http://{target}/metrics").status_code == 401
+    # The instances' last_activity comes from the gateways' use (it stayed at their start before).
+    used = [i for i in hosts.instances() if i["last_activity"]]
+    assert wait_for(
+        lambda: any(
+            datetime.fromisoformat(i["last_activity"]).timestamp() >= started - 1 for i in hosts.instances()
+        ), 5,
+    ), used  # fmt: skip
+
+    token = tmp_path / "token"
+    token.write_text(METRICS_TOKEN)
+    shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path)
+    (tmp_path / "prometheus.yml").write_text(
+        json.dumps({  # YAML is a superset of JSON
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": ["alerts.yml"],
+            "scrape_configs": [
+                {"job_name": job, "authorization": {"credentials_file": str(token)},
+                 "static_configs": [{"targets": targets}]}
+                for job, targets in (("llmserver-gateway", gateways), ("llmserver-node", nodes))
+            ],
+        })
+    )  # fmt: skip
+    port = free_port()
+    prometheus = subprocess.Popen(
+        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("wb"),
+    )  # fmt: skip
+    api = f"http://127.0.0.1:{port}/api/v1"
+
+    def targets() -> dict[str, str]:
+        try:
+            active = httpx.get(api + "/targets").json()["data"]["activeTargets"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return {}
+        return {t["labels"]["instance"]: t["health"] for t in active}
+
+    def alerts(name: str) -> set[str]:
+        found = httpx.get(api + "/alerts").json()["data"]["alerts"]
+        return {a["state"] for a in found if a["labels"]["alertname"] == name}
+
+    first = hosts.nodes[0]
+    try:
+        assert wait_for(lambda: set(targets().values()) == {"up"} and len(targets()) == 4, 30), targets()
+        # Every metric the shipped rules and dashboard name, served by a gateway or a node.
+        served: set[str] = set()
+        for target in [*gateways, *nodes]:
+            text = httpx.get(f"http://{target}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text
+            served |= {family.name for family in text_string_to_metric_families(text)}
+        assert shipped_metric_names() <= served, shipped_metric_names() - served
+        first.kill()
+        assert wait_for(lambda: targets().get(nodes[0]) == "down", 15), targets()
+        assert wait_for(lambda: alerts("LlmserverNodeGone") & {"pending", "firing"}, 15)
+        assert wait_for(lambda: alerts("LlmserverNodeGone") == {"firing"}, 45)  # `for: 30s`
+        assert targets().get(nodes[1]) == "up"
+    finally:
+        prometheus.terminate()
+        prometheus.wait(30)
+        if first.process is not None and first.process.poll() is not None:
+            first.start()
+    assert wait_for(lambda: first.address in hosts.hosts_seen(), 120)

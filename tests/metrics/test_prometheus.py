@@ -20,7 +20,7 @@ def scrape(*collectors: RequestCounts | Histogram) -> dict[str, dict[tuple[str, 
 
 
 def test_requests_are_counted_by_endpoint_model_and_outcome_and_their_tokens_by_model() -> None:
-    requests = RequestCounts()
+    requests = RequestCounts({"m": None, "other": None})
     requests.add("/v1/chat/completions", "m", "ok", prompt=10, cached=8, completion=5)
     requests.add("/v1/chat/completions", "m", "ok", prompt=20, completion=7)
     requests.add("/api/generate", "m", "client_closed", prompt=4, completion=1)
@@ -42,6 +42,20 @@ def test_requests_are_counted_by_endpoint_model_and_outcome_and_their_tokens_by_
             (f"{family}_total", (("model", "m"),)): m,
             (f"{family}_total", (("model", "other"),)): other,
         }
+
+
+def test_a_model_no_configuration_names_is_counted_under_one_label() -> None:
+    """A client's model names never become labels: 1,000 made-up names add one series, not 1,000."""
+    requests = RequestCounts({"m": None})
+    for n in range(1000):
+        requests.add("/v1/chat/completions", f"random-{n}", "not_found_error")
+    requests.add("/v1/chat/completions", "m", "ok", prompt=2, completion=1)
+    families = scrape(requests)
+    assert families["llmserver_requests"] == {
+        ("llmserver_requests_total", (("endpoint", "/v1/chat/completions"), ("model", "(unknown)"),
+                                      ("status", "not_found_error"))): 1000,
+        ("llmserver_requests_total", (("endpoint", "/v1/chat/completions"), ("model", "m"), ("status", "ok"))): 1,
+    }  # fmt: skip
 
 
 def test_histogram_buckets_are_cumulative_with_count_and_sum() -> None:

@@ -1,4 +1,4 @@
-"""Liveness and readiness, open to anyone."""
+"""Liveness and readiness, open to anyone (health.py says what each checks)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,24 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from llmserver.api.deps import supervisor
+from llmserver.health import Readiness
 
 router = APIRouter()
 
 
 @router.get("/health")
 async def health() -> dict[str, str]:
+    """The process answers; no dependency is checked (that is /ready)."""
     return {"status": "ok"}
 
 
 @router.get("/ready", response_model=None)
 async def ready(request: Request) -> JSONResponse:
+    readiness: Readiness = request.app.state.readiness
+    await readiness.check()
+    body = readiness.body()
     pool = supervisor(request)
-    models = {name: model_pool.ready for name, model_pool in pool.pools.items()}
-    # A model kept at zero instances (started on its first request) does not hold readiness back.
-    ok = all(ready or pool.pools[name].config.min_instances == 0 for name, ready in models.items())
-    body: dict[str, object] = {"status": "ready" if ok else "not_ready", "models": models}
+    body["models"] = {name: model_pool.ready for name, model_pool in pool.pools.items()}
     # Why instances are out of service (a crash, missed probes, no progress), while they are.
     problems = {
         name: [f"instance {i.id} {i.failure}" for i in model_pool.instances if i.failure]
@@ -29,4 +31,4 @@ async def ready(request: Request) -> JSONResponse:
     }
     if any(problems.values()):
         body["problems"] = {name: found for name, found in problems.items() if found}
-    return JSONResponse(body, status_code=200 if ok else 503)
+    return JSONResponse(body, status_code=200 if readiness.ready else 503)

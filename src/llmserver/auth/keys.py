@@ -80,6 +80,8 @@ def may_use(limits: KeyLimits, model: str) -> bool:
 
 
 CACHE_ENTRIES = 10_000
+ADMINS_REMEMBERED = 1_000
+ADMIN_MEMORY = 24 * 3600.0  # seconds
 
 
 def generate_key() -> str:
@@ -106,6 +108,9 @@ class KeyService:
         # and the principal's making (a principal is immutable: requests share it).
         self._cache_seconds = cache_seconds
         self._cache: dict[str, tuple[Principal | None, float]] = {}
+        # Admin keys the store confirmed, by hash → when: /metrics accepts them while the store
+        # cannot be reached (an operator needs the metrics most during an outage).
+        self._admins_seen: dict[str, float] = {}
 
     async def create(self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
@@ -137,6 +142,7 @@ class KeyService:
     async def revoke(self, key_id: str) -> bool:
         revoked = await self._store.revoke_key(key_id)
         self._cache.clear()
+        self._admins_seen.clear()
         return revoked
 
     async def _principal(self, key_hash: str) -> Principal | None:
@@ -161,8 +167,19 @@ class KeyService:
             return self._admin[1]
         principal = await self._principal(key_hash)
         if principal is None:
+            self._admins_seen.pop(key_hash, None)
             raise AuthenticationError()
+        if principal.is_admin and len(self._admins_seen) < ADMINS_REMEMBERED:
+            self._admins_seen[key_hash] = time.monotonic()
         return principal
+
+    def admin_seen(self, presented: str | None, within: float = ADMIN_MEMORY) -> bool:
+        """Whether the store confirmed this admin key within `within` seconds (for /metrics while the
+        store cannot be reached)."""
+        if not presented:
+            return False
+        seen = self._admins_seen.get(hash_key(presented))
+        return seen is not None and time.monotonic() - seen < within
 
 
 def _principal_of(record: KeyRecord | None) -> Principal | None:

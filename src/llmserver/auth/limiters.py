@@ -150,6 +150,7 @@ class RedisLimits:
 
     def __init__(self, client: redis.asyncio.Redis, gateway_id: str) -> None:
         self._redis = client
+        self.client = client
         self.gateway_id = gateway_id
         self._rate = client.register_script(RATE_SCRIPT)
         self._acquire = client.register_script(ACQUIRE_SCRIPT)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from llmserver import logs
 from llmserver.commands import check_model_files, load, remember, settings_options
 from llmserver.settings import Settings, is_loopback
 
@@ -23,11 +24,25 @@ from llmserver.settings import Settings, is_loopback
 @click.option(
     "--advertise", default=None, help="The address gateways reach this host's instances at (they bind to it)."
 )
+@click.option(
+    "--metrics-port", type=int, default=None,
+    help="Port of the node's /health, /ready and /metrics (default 8081; 0: none).",
+)  # fmt: skip
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
-def node(config_file: Path | None, data_dir: Path | None, advertise: str | None, log_level: str | None) -> None:
+@click.option("--debug", is_flag=True, help="Log at debug level, and show the traceback of a refusal to start.")
+def node(
+    config_file: Path | None,
+    data_dir: Path | None,
+    advertise: str | None,
+    metrics_port: int | None,
+    log_level: str | None,
+    debug: bool,
+) -> None:
     """Run this host's instances of the configured models for the gateways (`serve --role gateway`)."""
-    overrides = {"instance_host": advertise} if advertise else {}
-    settings = load(config_file, data_dir=data_dir, log_level=log_level, **overrides)
+    overrides: dict[str, object] = {"instance_host": advertise} if advertise else {}
+    if metrics_port is not None:
+        overrides["node_port"] = metrics_port
+    settings = load(config_file, data_dir=data_dir, log_level="debug" if debug else log_level, **overrides)
     if not settings.redis_url:
         raise click.UsageError("a node publishes its instances in Redis: set --redis-url (or LLMSERVER_REDIS_URL)")
     if settings.instance_api_key is None:
@@ -45,13 +60,31 @@ def node(config_file: Path | None, data_dir: Path | None, advertise: str | None,
             "instance_tls_cert and instance_tls_key (their HTTPS certificate, which gateways verify with "
             "instance_tls_ca), or instance_plain_http = true on a private network you trust"
         )
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level, settings.log_format)
     check_model_files(settings)
-    asyncio.run(_run(settings))
+    listening = None
+    if settings.node_port:  # bound now: a taken port is one line, before any instance starts
+        from llmserver.commands.workers import bound_socket
+
+        try:
+            listening = bound_socket(settings.node_http_host, settings.node_port, reuse_port=False)
+        except OSError as exc:
+            if debug:
+                raise
+            raise click.ClickException(
+                f"cannot listen on {settings.node_http_host}:{settings.node_port} for /health, /ready and /metrics: "
+                f"{exc.strerror or exc} (set --metrics-port, or 0 for none)"
+            ) from None
+    asyncio.run(_run(settings, listening))
 
 
-async def _run(settings: Settings) -> None:
+async def _run(settings: Settings, listening: socket.socket | None) -> None:
+    import uvicorn
+
     from llmserver.auth.limiters import connect_redis
+    from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
+    from llmserver.metrics.prometheus import Metrics
+    from llmserver.node_http import NodeServer, node_app
     from llmserver.pool.registry import Publisher
     from llmserver.pool.supervisor import Supervisor
 
@@ -63,19 +96,42 @@ async def _run(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(stop_signal, stop.set)
-    await supervisor.start()
     publisher = Publisher(client, supervisor, node_id)
+    live: dict[str, Probe] = {
+        "publishing": fresh_probe("the instances were last published", lambda: publisher.published_at),
+        "models": models_probe(supervisor.pools),
+    }
+    readiness = Readiness({"redis": redis_probe(client)}, live)
+    metrics = Metrics(supervisor, node=node_id)
+    metrics.registry.register(readiness)
+    http: NodeServer | None = None
+    serving: asyncio.Task[None] | None = None
+    if listening is not None:
+        http = NodeServer(
+            uvicorn.Config(
+                node_app(settings, supervisor, readiness, metrics),
+                log_config=None, access_log=False, lifespan="off", server_header=False,
+                log_level=settings.log_level,
+            )
+        )  # fmt: skip
+        serving = asyncio.create_task(http.serve(sockets=[listening]), name="node-http")
+    await supervisor.start()
     publishing = asyncio.create_task(publisher.run(), name="publish")
     commands = asyncio.create_task(publisher.serve_commands(), name="node-commands")
     log.info(
-        "node %s (incarnation %s) publishes %d instances on %s",
+        "node %s (incarnation %s) publishes %d instances on %s%s",
         node_id, publisher.incarnation, len(supervisor.all_instances()), settings.instance_host,
+        f"; /health, /ready and /metrics on http://{settings.node_http_host}:{settings.node_port}"
+        if listening is not None else "",
     )  # fmt: skip
     try:
         await stop.wait()
     finally:
         publishing.cancel()
         commands.cancel()
+        if http is not None and serving is not None:
+            http.should_exit = True
+            await serving
         await publisher.withdraw()
         await supervisor.stop()
         await client.aclose()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from llmserver import __version__, logs
 from llmserver.commands import check_model_files, load, models_from_args, open_checked_store, remember, settings_options
 from llmserver.settings import Settings
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
     help="Model to serve: a configured name, SmolLM2-135M-Instruct-Q4_1, or a .gguf path. Repeatable.",
 )  # fmt: skip
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option("--debug", is_flag=True, help="Log at debug level, and show the traceback of a refusal to start.")
 @click.option(
     "--role",
     type=click.Choice(["all", "gateway"]),
@@ -53,6 +55,7 @@ def serve(
     port: int | None,
     model_specs: tuple[str, ...],
     log_level: str | None,
+    debug: bool,
     workers: int | None,
 ) -> None:
     """Start the gateway and one llama-server per configured model instance."""
@@ -62,12 +65,15 @@ def serve(
     from llmserver.commands.workers import bound_socket, supervise, worker_number
     from llmserver.http_protocol import QuietServer, protocol_with
 
-    given = {"data_dir": data_dir, "host": host, "port": port, "log_level": log_level, "workers": workers}
+    given = {
+        "data_dir": data_dir, "host": host, "port": port, "log_level": "debug" if debug else log_level,
+        "workers": workers,
+    }  # fmt: skip
     settings = load(config_file, **given)
     chosen = models_from_args(model_specs, settings.models)
     if chosen is not None:
         settings = load(config_file, **given, models=chosen)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level, settings.log_format)
     # The database first: a schema to migrate, or a server that cannot be reached, is one clean line.
     open_checked_store(settings)
     if settings.role == "gateway" and not settings.redis_url:
@@ -81,6 +87,15 @@ def serve(
         raise SystemExit(supervise(settings))
     if number is not None:  # one of --workers' processes: a gateway of its own
         settings = settings.model_copy(update={"gateway_id": f"{settings.gateway_name}-{number}"})
+    # What would refuse to start, found before any instance starts: each one line and exit 1 (--debug:
+    # its traceback too). The port first: a second gateway on a taken port must not say it is ready.
+    try:
+        listening = bound_socket(settings.host, settings.port, reuse_port=number is not None)
+    except OSError as exc:
+        if debug:
+            raise
+        raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+    check_gateway_id(settings, debug)
     # uvicorn re-raises the signal it stopped on once its shutdown is over; by default that ends the
     # process by the signal, which skips Python's exit handlers (the forkserver's socket folder would
     # stay in TMPDIR) and reports "killed by SIGTERM" to the init system. A finished stop is exit 0.
@@ -93,6 +108,7 @@ def serve(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=None,  # uvicorn's lines go through ours (logs.configure): one format, with times
         access_log=False,  # ours (llmserver.access) leaves out query strings, which may carry keys
         server_header=False,  # no "server: uvicorn" on every answer: nothing a client needs, a banner for probes
         # Nothing here reads the client's address or scheme (the access log names the key): no layer
@@ -100,12 +116,42 @@ def serve(
         proxy_headers=False,
         timeout_graceful_shutdown=int(settings.drain_timeout),  # in-flight requests get this long
     )
-    sockets = [bound_socket(settings.host, settings.port, reuse_port=True)] if number is not None else None
     server = QuietServer(config)
+    server.on_started = lambda: log.info(
+        "llmserver %s ready on http://%s:%s (gateway %s); web console at /console",
+        __version__, settings.host, settings.port, settings.gateway_name,
+    )  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
-        server.run(sockets=sockets)
+        server.run(sockets=[listening])
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the app or the socket failed to start
+
+
+def check_gateway_id(settings: Settings, debug: bool = False) -> None:
+    """Exit with one line when another live gateway holds this gateway_id (after waiting for it to
+    let go, as the gateway itself would): found before the instances start."""
+    import asyncio
+
+    from llmserver.gateway import GatewayIdInUse, GatewayLease
+    from llmserver.store import open_store
+
+    async def check() -> None:
+        store = await open_store(settings.store_url)
+        try:
+            lease = GatewayLease(
+                store, store, settings.gateway_name, lease=settings.gateway_lease_seconds,
+                job_ttl=settings.async_result_ttl, produced=dict,
+            )  # fmt: skip
+            await lease.check_free()
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(check())
+    except GatewayIdInUse as exc:
+        if debug:
+            raise
+        raise click.ClickException(str(exc)) from None
 
 
 def connection_limits(settings: Settings) -> Limits:

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from llmserver import tracing
 from llmserver.engine.client import LlamaServerClient, Sink
 from llmserver.errors import ContextLengthExceeded, GatewayTimeout, InstanceUnavailable, UpstreamError
 from llmserver.pool.admission import Admission, Ticket
@@ -53,7 +54,10 @@ class InstanceCalls:
         for attempt in range(1, self.attempts + 1):
             try:
                 sent = self._isolated(ticket, path, payload)
-                answer = await _client(ticket).post_json(path, sent, fresh=attempt > 1, timeout=self.timeout)
+                with tracing.span("instance call", _call_attributes(ticket, attempt)) as span:
+                    answer = await _client(ticket).post_json(path, sent, fresh=attempt > 1, timeout=self.timeout)
+                    if span is not None:
+                        _first_token_event(span, answer)
                 _answered(ticket)
                 return answer
             except ContextLengthExceeded as exc:
@@ -70,19 +74,29 @@ class InstanceCalls:
         (the caller closes them); the whole stream is bounded by the timeout."""
         for attempt in range(1, self.attempts + 1):
             # A generator that raised is finished: nothing to close but on success.
+            span = tracing.start("instance call", _call_attributes(ticket, attempt)) if tracing.on() else None
             try:
                 sent = self._isolated(ticket, path, payload)
                 events = _client(ticket).stream(path, sent, fresh=attempt > 1, timeout=self.timeout)
                 first = await anext(events)
                 _answered(ticket)
+                if span is not None:
+                    span.add_event("first token")
+                    ticket.tally.span = span  # ended with the request (metrics/recorder.py, close)
                 return first, events
             except ContextLengthExceeded as exc:
+                tracing.end(span, exc)
                 _name_prompt(exc, ticket)
                 raise
             except StopAsyncIteration:
+                tracing.end(span, UpstreamError("closed"))
                 raise UpstreamError("The instance closed the stream without sending anything.") from None
-            except InstanceUnavailable:
+            except InstanceUnavailable as exc:
+                tracing.end(span, exc)
                 await self._after_failure(ticket, attempt)
+            except BaseException as exc:
+                tracing.end(span, exc)
+                raise
         raise AssertionError("unreachable")
 
     async def _after_failure(self, ticket: Ticket, attempt: int) -> None:
@@ -144,3 +158,15 @@ def _client(ticket: Ticket) -> LlamaServerClient:
     if instance is None or instance.client is None:
         raise InstanceUnavailable("The instance went away.")
     return instance.client
+
+
+def _call_attributes(ticket: Ticket, attempt: int) -> dict[str, str | int]:
+    return {"model": ticket.lease.pool.name, "instance": ticket.tally.instance_id or "", "attempt": attempt}
+
+
+def _first_token_event(span: Any, answer: JSON) -> None:
+    """A non-streamed answer's first token, at the time llama-server measured (its prompt's processing)."""
+    timings = answer.get("timings") if isinstance(answer, dict) else None
+    prompt_ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
+    if isinstance(prompt_ms, int | float):
+        span.add_event("first token", {"prompt_ms": float(prompt_ms)})

@@ -24,6 +24,8 @@ from typing import Protocol, cast
 
 import httptools
 
+from llmserver.logs import request_id
+
 CONNECT_TIMEOUT = 5.0
 # An idle kept-alive connection is not reused after this long: llama-server (cpp-httplib) closes its
 # side after 5 s idle, and a request written into a connection it is closing is lost.
@@ -323,6 +325,8 @@ class Pool:
                 connection = await self._connect(deadline)
             self._busy.add(connection)
             head = f"{method} {path} HTTP/1.1\r\n{self._head_tail}"
+            if (rid := request_id.get()) is not None:  # checked at the front: no CR or LF in it
+                head += f"X-Request-Id: {rid}\r\n"
             if body is not None:
                 head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             headed = connection.headed = loop.create_future()

@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -171,7 +172,7 @@ class DocumentService:
         memory_mb: int,
         limits: FileLimits,
         workers: int | None = None,
-        on_extraction: Callable[[str], None] = lambda outcome: None,
+        on_extraction: Callable[[str, float], None] = lambda outcome, seconds: None,
     ) -> None:
         self.timeout = timeout
         self.limits = limits
@@ -221,9 +222,11 @@ class DocumentService:
 
     def extract_blocking(self, upload: Upload) -> Extracted:
         with self._slots:
+            started = time.perf_counter()
             outcome = self._run_child(upload)
+            seconds = time.perf_counter() - started
         kind = outcome[0]
-        self._on_extraction(kind)
+        self._on_extraction(kind, seconds)
         if kind == "ok":
             result: Extracted = outcome[1]
             log.info(

@@ -12,7 +12,8 @@ import asyncio
 import base64
 import io
 import logging
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
@@ -107,13 +108,16 @@ class ImageService:
         limits: ImageLimits,
         allow_hosts: Collection[str] = (),
         resolve: Resolve = system_resolve,
+        on_prepared: Callable[[str, float], None] = lambda source, seconds: None,
     ) -> None:
+        self._on_prepared = on_prepared  # told each image's source (data, url) and seconds (the metrics)
         self.timeout = timeout
         self.limits = limits
         self.allow_hosts = allow_hosts
         self.resolve = resolve
 
     async def prepare(self, url: str, param: str) -> PreparedImage:
+        started = time.perf_counter()
         if url.startswith("data:"):
             raw = decode_data_uri(url, param, self.limits)
         elif url.startswith(("http://", "https://")):
@@ -130,6 +134,7 @@ class ImageService:
         else:
             raise InvalidRequest(f"{param}: an image URL must be a data: URI or an http(s) URL.", param=param)
         prepared = await asyncio.to_thread(prepare, raw, param, self.limits)
+        self._on_prepared("data" if url.startswith("data:") else "url", time.perf_counter() - started)
         log.info(
             "image %dx%d sent as %dx%d",
             prepared.original_width,

@@ -18,6 +18,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from llmserver import tracing
 from llmserver.errors import InvalidRequest
 from llmserver.inputs import documents as files
 from llmserver.inputs.documents import DocumentService, Upload
@@ -132,13 +133,16 @@ class InputService:
             return messages
         self.check(messages, model, where)
         found = parts_of(messages, ImagePart)
-        # Every file is decoded and sniffed before any image is fetched or any file extracted.
-        uploads = await self.decode_files(messages, where)
-        if found:
-            messages = await self._replace_images(messages, found, where)
-        if uploads:
-            extracted = await self.documents.extract_all([upload for _, upload in uploads], owner)
-            messages = files.merged_messages(messages, [index for index, _ in uploads], extracted)
+        with tracing.span("inputs", {"images": len(found)}) as span:
+            # Every file is decoded and sniffed before any image is fetched or any file extracted.
+            uploads = await self.decode_files(messages, where)
+            if span is not None:
+                span.set_attribute("files", len(uploads))
+            if found:
+                messages = await self._replace_images(messages, found, where)
+            if uploads:
+                extracted = await self.documents.extract_all([upload for _, upload in uploads], owner)
+                messages = files.merged_messages(messages, [index for index, _ in uploads], extracted)
         return messages
 
     async def _replace_images(

@@ -10,6 +10,7 @@ it ran is failed by the sweep of that gateway's lease (gateway.py). Webhooks go 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -44,6 +45,7 @@ class JobService:
         self.store = store
         self.usage = usage
         self.gateway_id = settings.gateway_name
+        self._outbox_store = outbox
         self.outbox = WebhookOutbox(
             outbox,
             self.gateway_id,
@@ -53,7 +55,16 @@ class JobService:
             max_url_length=settings.max_url_length,
         )
         self._tasks: set[asyncio.Task[None]] = set()
+        self.finished: collections.Counter[str] = collections.Counter()  # this gateway's jobs, by outcome
         self._sweeper: asyncio.Task[None] | None = None
+
+    async def store_outbox_depth(self) -> int:
+        return await self._outbox_store.outbox_depth()
+
+    @property
+    def running(self) -> int:
+        """Async jobs this gateway is running now."""
+        return len(self._tasks)
 
     async def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep(), name="jobs-sweep")
@@ -170,6 +181,7 @@ class JobService:
                 payload = {"status": "failed", "tracking_id": tracking_id, "error": (error or {}).get("error")}
             webhook = (webhook_url, json.dumps(payload))
         await self._store_outcome(tracking_id, result, json.dumps(error) if error is not None else None, webhook)
+        self.finished["ready" if result is not None else "failed"] += 1
         log.info("async job %s %s", tracking_id, "ready" if result is not None else "failed")
         if webhook is not None:
             self.outbox.wake()

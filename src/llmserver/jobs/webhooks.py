@@ -11,6 +11,7 @@ checked. Delivery never consumes the result: polling still works.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -18,6 +19,7 @@ from enum import Enum
 
 import aiohttp
 
+from llmserver import tracing
 from llmserver.errors import APIError, InvalidRequest
 from llmserver.inputs.safe_fetch import MAX_URL_LENGTH, check_url, post_json
 from llmserver.outage import Outage
@@ -82,6 +84,7 @@ class WebhookOutbox:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._outage = Outage(log)
+        self.attempts: collections.Counter[str] = collections.Counter()  # delivered, retried, failed, refused
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="webhook-outbox")
@@ -130,14 +133,23 @@ class WebhookOutbox:
 
     async def _send(self, item: OutboxItem) -> None:
         payload = json.loads(item.payload)
-        outcome = await attempt(
-            item.url,
-            payload,
-            timeout=self._timeout,
-            allow_private=self._allow_private,
-            max_url_length=self._max_url_length,
-        )
         tried = item.attempts + 1
+        with tracing.span("webhook delivery", {"tracking_id": item.tracking_id, "attempt": tried}) as span:
+            outcome = await attempt(
+                item.url,
+                payload,
+                timeout=self._timeout,
+                allow_private=self._allow_private,
+                max_url_length=self._max_url_length,
+            )
+            if span is not None:
+                span.set_attribute("outcome", outcome.value)
+        self.attempts[
+            "delivered" if outcome is Attempt.DELIVERED
+            else "refused" if outcome is not Attempt.FAILED
+            else "retried" if tried < self._attempts
+            else "failed"
+        ] += 1  # fmt: skip
         if outcome is Attempt.DELIVERED:
             log.info("webhook for job %s delivered (attempt %d)", item.tracking_id, tried)
         elif outcome is Attempt.FAILED and tried < self._attempts:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService, Reservation
@@ -40,6 +41,7 @@ class Tally:
     last_token_at: float | None = None
     closed: bool = False
     settlement: Settlement | None = None  # its quota settlement, until written
+    span: Any = None  # its streamed instance call's trace span, ended when it closes (tracing.py)
 
 
 WRITE_DELAY = 0.2  # seconds
@@ -167,6 +169,9 @@ class UsageRecorder:
             return
         tally.closed = True
         self._open.discard(tally)
+        if tally.span is not None:
+            tally.span.set_attribute("outcome", outcome)
+            tally.span.end()
         latency = time.perf_counter() - tally.started
         charged = tally.prompt_tokens + tally.completion_tokens if tally.completion_tokens or outcome == "ok" else 0
         settlement = self._quota.settlement(tally.reservation, charged)

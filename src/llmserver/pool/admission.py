@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from llmserver import tracing
 from llmserver.auth.keys import Principal, may_use
 from llmserver.auth.limiters import ConcurrencyLimiter, RateLimiter
 from llmserver.auth.quota import InsufficientQuota, QuotaService
@@ -63,18 +65,22 @@ class Ticket:
 
 def _check_rate(principal: Principal, wait: float | None) -> None:
     if wait is not None:
-        raise RateLimited(
+        error = RateLimited(
             f"This API key is limited to {principal.limits.rpm} requests per minute.",
             retry_after=max(1, math.ceil(wait)),
         )
+        error.reason = "rpm"
+        raise error
 
 
 def _too_many_in_flight(held: int) -> RateLimited:
-    return RateLimited(
+    error = RateLimited(
         f"This API key already has {held} {'request' if held == 1 else 'requests'} in flight, its limit. "
         "Retry when one has finished.",
         retry_after=1,
     )
+    error.reason = "concurrency"
+    return error
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -162,17 +168,18 @@ class Admission:
             raise PermissionDenied(f"This API key may not use the model {model!r}.", param="model")
         key = principal.key_id
         try:
-            if principal.limits.rpm is not None:
-                _check_rate(principal, await self._rate.hit(key, principal.limits.rpm))
-            places = self._limiter(principal)
-            refused = await places.acquire(key, self._places(principal))
-            if refused is not None:
-                raise _too_many_in_flight(refused)
-            try:
-                reservation = await self._settled(principal, lambda: self._quota.reserve(principal, tokens))
-            except BaseException:
-                places.release(key)
-                raise
+            with tracing.span("admission", {"model": model}):
+                if principal.limits.rpm is not None:
+                    _check_rate(principal, await self._rate.hit(key, principal.limits.rpm))
+                places = self._limiter(principal)
+                refused = await places.acquire(key, self._places(principal))
+                if refused is not None:
+                    raise _too_many_in_flight(refused)
+                try:
+                    reservation = await self._settled(principal, lambda: self._quota.reserve(principal, tokens))
+                except BaseException:
+                    places.release(key)
+                    raise
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
@@ -182,11 +189,14 @@ class Admission:
 
     async def take_slot(self, ticket: Ticket) -> None:
         """The model's queue lease: wait for a slot (503 when the queue is full, 504 past its timeout)."""
+        started = time.perf_counter()
         try:
-            instance = await ticket.lease.acquire()
+            with tracing.span("queue", {"model": ticket.lease.pool.name}):
+                instance = await ticket.lease.acquire()
         except BaseException as exc:
             ticket.close(outcome_of(exc))
             raise
+        self._metrics.queue_wait.observe(ticket.lease.pool.name, time.perf_counter() - started)
         ticket.tally.instance_id = instance.id
 
     async def resize(self, ticket: Ticket, tokens: int) -> None:

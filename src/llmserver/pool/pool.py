@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from llmserver.errors import GatewayTimeout, Overloaded
+from llmserver.errors import APIError, GatewayTimeout, Overloaded
 from llmserver.pool.affinity import Candidate, choose
 from llmserver.pool.instance import Instance, Status
 from llmserver.settings import ModelConfig
@@ -74,6 +74,7 @@ class ModelPool:
         self.cold_start_seconds = 0.0
         self.evictions = 0
         self.stalls = 0  # instances restarted by the watchdog (pool/supervisor.py)
+        self.crashes = 0  # instances that died, hung or stalled (each restarted or given up)
         # With other gateways routing to the same instances (role `gateway`, from the registry):
         # the requests they have waiting for this model, and this gateway's fair share of its slots
         # while they have (None: no cap).
@@ -137,14 +138,16 @@ class ModelPool:
             return instance
         if self.instances and not any(self._coming(i) for i in self.instances):
             # Every instance has failed and been given up: waiting would only end in a timeout.
-            raise Overloaded(f"No instance of {self.name!r} is running; see the server's log.", retry_after=30)
+            raise _because("no_instance", Overloaded(
+                f"No instance of {self.name!r} is running; see the server's log.", retry_after=30
+            ))  # fmt: skip
         waiting = len(self._waiters) + self.queued_elsewhere
         if waiting >= self.config.max_queue:
-            raise Overloaded(
+            raise _because("queue_full", Overloaded(
                 f"The model {self.name!r} is at capacity: all slots are busy and {waiting} requests "
                 "are already waiting. Retry shortly.",
                 retry_after=2,
-            )
+            ))  # fmt: skip
         waiter = _Waiter(key_id, affinity, asyncio.get_running_loop().create_future(), avoid)
         self._waiters.append(waiter)
         self.on_load()
@@ -160,14 +163,14 @@ class ModelPool:
                 # A slot was handed over just as this request gave up: give it back.
                 self.release(waiter.future.result(), key_id)
             if isinstance(exc, TimeoutError):
-                raise self._timed_out() from None
+                raise _because("queue_timeout", self._timed_out()) from None
             raise
 
     @staticmethod
     def _coming(instance: Instance) -> bool:
         return instance.accepting or instance.status == Status.STARTING or instance.restarting
 
-    def _timed_out(self) -> Exception:
+    def _timed_out(self) -> APIError:
         waited = f"{self.queue_timeout:.0f} s"
         if self.ready:
             return GatewayTimeout(f"No slot of {self.name!r} came free within {waited}; the server is overloaded.")
@@ -234,3 +237,8 @@ class ModelPool:
         self.on_load()
         if instance.load > instance.model.parallel:
             self._on_pressure(self)  # requests queue at the instance: every slot is taken
+
+
+def _because(reason: str, error: APIError) -> APIError:
+    error.reason = reason
+    return error

@@ -64,6 +64,8 @@ NODE_KEY = "llmserver:node:"
 LOAD_KEY = "llmserver:load:"
 LOAD_CHANNEL = "llmserver:load"
 LEASE_MS = 3000
+STOPPED_MS = 5000  # how long a cleanly stopped node's instances stay in the registry, marked stopped
+ACTIVE_WINDOW = 10.0  # seconds: a gateway's load names the instances it used this recently
 PUBLISH_EVERY = 1.0
 READ_EVERY = 0.5
 # The longest a request's end waits for its freed slot to reach the other gateways (`shared`).
@@ -101,6 +103,7 @@ class Publisher:
         self.incarnation = secrets.token_hex(8)  # a node that comes back is a new incarnation
         self._published: set[str] = set()
         self._outage = Outage(log)
+        self.published_at = float("-inf")  # monotonic: the last publication Redis took
 
     async def run(self) -> None:
         while True:
@@ -110,9 +113,17 @@ class Publisher:
     async def publish(self) -> None:
         live = [i for i in self._supervisor.all_instances() if i.status in PUBLISHED and i.client is not None]
         in_flight: collections.Counter[str] = collections.Counter()
+        active: dict[str, float] = {}
         with contextlib.suppress(*redis_unreachable()):  # then publish() below logs the outage
             for load in await scan_json(self._redis, LOAD_KEY):
                 in_flight.update(load["in_flight"])
+                for instance_id, when in load.get("active", {}).items():
+                    active[instance_id] = max(active.get(instance_id, 0.0), float(when))
+        for instance in live:  # the gateways' requests are its activity (idle_timeout counts from it)
+            if active.get(instance.id, 0.0) > instance.last_activity:
+                instance.last_activity = active[instance.id]
+            if in_flight[instance.id]:
+                instance.last_activity = max(instance.last_activity, time.time())
         pipe = self._redis.pipeline(transaction=False)
         node = {
             "node": self.node_id,
@@ -138,11 +149,19 @@ class Publisher:
             return
         self._outage.recovered("node %s publishes its instances again", self.node_id)
         self._published = {i.id for i in live}
+        self.published_at = time.monotonic()
 
     async def withdraw(self) -> None:
-        """At a clean stop: the node's instances leave the registry at once."""
+        """At a clean stop: the node's instances leave the registry at once, marked stopped for a
+        moment (the gateways then log a planned stop, not a lost node)."""
         with contextlib.suppress(Exception):
-            await self._redis.delete(NODE_KEY + self.node_id, *(KEY + i for i in self._published))
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.delete(NODE_KEY + self.node_id)
+            for instance in self._supervisor.all_instances():
+                if instance.id in self._published:
+                    stopped = {**record(instance, self.node_id, self.incarnation), "status": Status.STOPPED.value}
+                    pipe.set(KEY + instance.id, json.dumps(stopped), px=STOPPED_MS)
+            await pipe.execute()
         self._published = set()
 
     async def serve_commands(self) -> None:
@@ -186,6 +205,7 @@ class RemoteInstance(Instance):
     """An instance a node runs on another host, as a gateway sees it."""
 
     shared: ClassVar[bool] = True
+    last_activity: float = 0.0  # this gateway's last use (the node publishes every gateway's)
     node: str = ""
     incarnation: str = ""
     remote: dict[str, Any] = field(default_factory=dict)
@@ -246,6 +266,8 @@ class Registry:
         self._outage = Outage(log)
         self._unknown: set[str] = set()
         self._recovered_at = 0.0
+        self.read_at = float("-inf")  # monotonic: the last read of the registry that succeeded
+        self.published: dict[str, int] = {}  # instances published per node, at the last read
 
     async def start(self, first_read: float = 5.0) -> None:
         """Read the registry once before the gateway takes requests (within `first_read` seconds:
@@ -373,14 +395,23 @@ class Registry:
             return None
         if self._outage.recovered("the instance registry can be read again"):
             self._recovered_at = time.monotonic()
+        self.read_at = time.monotonic()
         return {r["instance_id"]: r for r in records}, loads
 
     def _own_load(self) -> dict[str, Any]:
         self._sequence = max(self._sequence + 1, time.time_ns())
+        recent = time.time() - ACTIVE_WINDOW
         return {
             "gateway": self._gateway,
             "sequence": self._sequence,
             "in_flight": {i.id: i.in_flight for p in self._pools.values() for i in p.instances if i.in_flight},
+            # When this gateway last used each instance: the node's idle_timeout and last_activity count from it.
+            "active": {
+                i.id: round(i.last_activity, 3)
+                for p in self._pools.values()
+                for i in p.instances
+                if i.last_activity > recent
+            },
             "queued": {name: pool.queue_depth for name, pool in self._pools.items() if pool.queue_depth},
         }
 
@@ -433,6 +464,9 @@ class Registry:
         if read is None:
             return
         records, others = read
+        self.published = dict(
+            collections.Counter(str(r["node"]) for r in records.values() if r["status"] != Status.STOPPED.value)
+        )
         # A Redis that restarted empty knows no instance until the nodes publish again (within a
         # second): removals wait one lease after an outage, so that the pools are not emptied.
         settled = time.monotonic() - self._recovered_at >= LEASE_MS / 1000
@@ -441,15 +475,22 @@ class Registry:
                 if not isinstance(instance, RemoteInstance):
                     continue
                 current = records.get(instance.id)
-                if current is None or current["incarnation"] != instance.incarnation:
+                stopped = current is not None and current["status"] == Status.STOPPED.value
+                if current is None or stopped or current["incarnation"] != instance.incarnation:
                     pool.instances.remove(instance)
-                    log.warning(
-                        "instance %s (%s) on node %s left the registry: no longer routed to",
+                    # A drain or a node's clean stop was planned; an instance that vanished was not.
+                    planned = stopped or instance.status == Status.DRAINING
+                    log.log(
+                        logging.INFO if planned else logging.WARNING,
+                        "instance %s (%s) on node %s %s: no longer routed to",
                         instance.id, pool.name, instance.node,
+                        "was stopped by its node" if planned else "left the registry (its node stopped publishing it)",
                     )  # fmt: skip
                     await instance.stop()
         joining: list[tuple[ModelPool, dict[str, Any]]] = []
         for instance_id, published in records.items():
+            if published["status"] == Status.STOPPED.value:
+                continue
             serving = self._pools.get(published["model"])
             if serving is None:
                 if published["model"] not in self._unknown:

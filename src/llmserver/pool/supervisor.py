@@ -403,6 +403,8 @@ class Supervisor:
             return
         instance.status = Status.FAILED
         instance.failure = why
+        if (pool := self.pools.get(instance.model.name)) is not None:
+            pool.crashes += 1
         if self._give_up(instance, why):
             self._spawn(instance.stop(grace=1.0))
             return

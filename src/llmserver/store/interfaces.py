@@ -210,6 +210,10 @@ class OutboxStore(Protocol):
 
     async def outbox_done(self, item_id: int) -> None: ...
 
+    async def outbox_depth(self) -> int:
+        """Webhooks queued (not yet delivered or given up), every gateway's."""
+        ...
+
 
 @dataclass(frozen=True)
 class GatewayHolder:
@@ -262,5 +266,9 @@ class Store(KeyStore, QuotaStore, UsageStore, JobStore, OutboxStore, GatewayStor
 
     @property
     def schema_version(self) -> int: ...
+
+    async def ping(self) -> None:
+        """Answer a trivial query; StateUnavailable when the database cannot be reached."""
+        ...
 
     async def close(self) -> None: ...

@@ -95,6 +95,11 @@ class PostgresStore:
     async def close(self) -> None:
         await self._pool.close()
 
+    async def ping(self) -> None:
+        """A query that answers (the readiness probe's); StateUnavailable when the server does not."""
+        async with self._conn() as conn:
+            await conn.fetchval("SELECT 1", timeout=2)
+
     @property
     def schema_version(self) -> int:
         return self._version
@@ -367,6 +372,10 @@ class PostgresStore:
 
     async def outbox_done(self, item_id: int) -> None:
         await self._execute("DELETE FROM webhook_outbox WHERE id = $1", item_id)
+
+    async def outbox_depth(self) -> int:
+        async with self._conn() as conn:
+            return int(await conn.fetchval("SELECT COUNT(*) FROM webhook_outbox", timeout=2))
 
     # Gateway leases, and the sweep of a gateway's state
 

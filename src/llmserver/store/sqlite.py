@@ -63,6 +63,11 @@ class SQLiteStore:
         self._db.execute("PRAGMA foreign_keys=ON")
         self._migrate()
 
+    @_in_thread
+    def ping(self) -> None:
+        """A query that answers (the readiness probe's)."""
+        self._db.execute("SELECT 1").fetchone()
+
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._thread, self._db.close)
         self._thread.shutdown()
@@ -337,6 +342,10 @@ class SQLiteStore:
     @_in_thread
     def outbox_done(self, item_id: int) -> None:
         self._db.execute("DELETE FROM webhook_outbox WHERE id = ?", (item_id,))
+
+    @_in_thread
+    def outbox_depth(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM webhook_outbox").fetchone()[0])
 
     # Gateway leases, and the sweep of a gateway's state
 
