@@ -565,8 +565,10 @@ def test_prometheus_scrapes_every_gateway_and_node_and_alerts_when_a_node_is_gon
     key = hosts.key("scraped")
     started = time.time()
     assert [r.status_code for r in load(hosts, key, 8)] == [200] * 8
-    unknown = httpx.post(hosts.gateways[0].url + "/v1/chat/completions", json={"model": "nope", "messages": []},
-                         headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    refused = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+    unknown = httpx.post(
+        hosts.gateways[0].url + "/v1/chat/completions", json=refused, headers={"Authorization": f"Bearer {key}"}
+    )
     assert unknown.status_code == 404  # a refusal: llmserver_refusals_total has a series
     nodes = [f"{node.address}:8081" for node in hosts.nodes]
     gateways = [f"{gateway.host}:{gateway.port}" for gateway in hosts.gateways]
@@ -599,11 +601,12 @@ def test_prometheus_scrapes_every_gateway_and_node_and_alerts_when_a_node_is_gon
         })
     )  # fmt: skip
     port = free_port()
-    prometheus = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("wb"),
-    )  # fmt: skip
+    with (tmp_path / "prometheus.log").open("wb") as log:
+        prometheus = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
     api = f"http://127.0.0.1:{port}/api/v1"
 
     def targets() -> dict[str, str]:
