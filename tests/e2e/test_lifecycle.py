@@ -70,7 +70,10 @@ def test_health_and_ready(server: Server) -> None:
     assert health.json() == {"status": "ok"}
     assert "server" not in health.headers and "date" in health.headers  # no banner for probes
     ready = httpx.get(server.url + "/ready")
-    assert ready.status_code == 200 and ready.json() == {"status": "ready", "models": {MODEL: True}}
+    body = ready.json()
+    assert ready.status_code == 200 and body["status"] == "ready" and body["models"] == {MODEL: True}
+    # What it checked, each component by name (a single server: its database and its models).
+    assert {name: c["status"] for name, c in body["components"].items()} == {"database": "up", "models": "up"}
 
 
 def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path, start_server: Callable[..., Server]) -> None:
