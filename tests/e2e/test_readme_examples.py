@@ -37,8 +37,11 @@ BIN = Path(sys.executable).parent
 DOCUMENTED_INSTANCE = "3f9c0a1b2c4d"
 DOCUMENTED_DATABASE = "postgresql://llmserver:secret@db.internal/llmserver"
 DOCUMENTED_REDIS = "redis://cache.internal:6379/0"
-# Commands the README shows that CI runs in its own way (install, serve, nodes, test, benchmark).
-NOT_HERE = re.compile(r"scripts/setup\.sh|llmserver serve|llmserver node|-m pytest|-m bench|-m fuzz|ruff check|mypy")
+# Commands the README shows that CI runs in its own way (install, serve, nodes, test, benchmark, promtool:
+# tests/test_deploy_prometheus.py).
+NOT_HERE = re.compile(
+    r"scripts/setup\.sh|llmserver serve|llmserver node|-m pytest|-m bench|-m fuzz|ruff check|mypy|promtool"
+)
 
 
 @dataclass
