@@ -36,6 +36,8 @@ def main() -> None:
     args = sys.argv[1:]
     debug = "--debug" in args or os.environ.get("LLMSERVER_DEBUG", "") not in ("", "0")
     args = [arg for arg in args if arg != "--debug"]
+    if debug:  # the commands read it too (`serve` and `node` then log at debug level)
+        os.environ["LLMSERVER_DEBUG"] = "1"
     try:
         code = cli.main(args=args, prog_name="llmserver", standalone_mode=False)
     except click.UsageError as exc:
@@ -53,6 +55,11 @@ def main() -> None:
             raise
         _fail(f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", 1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def debugging() -> bool:
+    """--debug (or LLMSERVER_DEBUG=1): tracebacks instead of one-line errors, and debug logs."""
+    return os.environ.get("LLMSERVER_DEBUG", "") not in ("", "0")
 
 
 def _fail(message: str, status: int, command: str | None = None) -> None:

@@ -1,11 +1,12 @@
-"""Every example in the README runs against a real server, so that none can rot.
+"""Every example in the README and the documentation site (docs/) runs against a real server, so that
+none can rot.
 
-Shell blocks run in bash with the README's placeholders filled in (the server's address, `$KEY`,
+Shell blocks run in bash with the placeholders filled in (the server's address, `$KEY`,
 `$ADMIN_KEY`, `KEY_ID`, `$ID`, an instance id, `photo.png` and `report.pdf` in the working folder);
-each answer must be a success, and where the README shows an answer (a json block right after),
+each answer must be a success, and where a page shows an answer (a json block right after),
 the real one must have the fields it shows. Python blocks run with `KEY` set. TOML blocks must be
 valid settings. Only commands that install, serve, test or benchmark are left to CI itself, and
-the internet-only vision model of the README is served by the test vision tower under its name.
+the internet-only vision model of the docs is served by the test vision tower under its name.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from tests.images import png
 from tests.support import MODEL, Server, make_key, make_key_record, shared_servers, state_env
 from tests.vision_model import write_vision_model
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 BIN = Path(sys.executable).parent
 DOCUMENTED_INSTANCE = "3f9c0a1b2c4d"
 DOCUMENTED_DATABASE = "postgresql://llmserver:secret@db.internal/llmserver"
@@ -46,6 +49,7 @@ NOT_HERE = re.compile(
 
 @dataclass
 class Block:
+    page: str
     lang: str
     code: str
     line: int
@@ -53,12 +57,17 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"{self.lang}@{self.line}"
+        return f"{self.page}:{self.lang}@{self.line}"
 
 
 def blocks() -> list[Block]:
+    return [block for page in PAGES for block in page_blocks(page)]
+
+
+def page_blocks(page: Path) -> list[Block]:
     found: list[Block] = []
-    lines = README.read_text().splitlines()
+    name = str(page.relative_to(ROOT))
+    lines = page.read_text().splitlines()
     index = 0
     while index < len(lines):
         match = re.match(r"^```(\w+)$", lines[index])
@@ -66,7 +75,7 @@ def blocks() -> list[Block]:
             index += 1
             continue
         end = lines.index("```", index + 1)
-        block = Block(match[1], "\n".join(lines[index + 1 : end]), index + 1, None)
+        block = Block(name, match[1], "\n".join(lines[index + 1 : end]), index + 1, None)
         if found and found[-1].lang in ("sh", "bash") and block.lang == "json" and found[-1].line >= index - 12:
             found[-1].shown = block.code
         found.append(block)
@@ -166,7 +175,7 @@ def shell_env(server: Server, values: dict[str, Any]) -> dict[str, str]:
         "ID": values["job"]["tracking_id"],
         "LLMSERVER_DATA_DIR": str(server.data_dir),
         "LLMSERVER_PORT": str(server.port),
-        "PYTHONPATH": str(README.parent),  # `python -m tests.…` as from the repository
+        "PYTHONPATH": str(ROOT),  # `python -m tests.…` as from the repository
     }
 
 
@@ -209,16 +218,16 @@ def test_shell_example(block: Block, readme_server: Server, filled: dict[str, An
         text=True,
         timeout=300,
     )
-    assert ran.returncode == 0, f"README line {block.line}:\n{script}\n{ran.stdout}\n{ran.stderr}"
+    assert ran.returncode == 0, f"{block.page} line {block.line}:\n{script}\n{ran.stdout}\n{ran.stderr}"
     documents_out = answers(ran.stdout)
     for answer in documents_out:
-        assert not (isinstance(answer, dict) and "error" in answer), f"README line {block.line}: {answer}"
+        assert not (isinstance(answer, dict) and "error" in answer), f"{block.page} line {block.line}: {answer}"
     if block.shown is not None:
         shown = json.loads(re.sub(r'"\.\.\.', '"', block.shown).replace("...", "0"))
-        assert documents_out, f"README line {block.line} printed nothing"
+        assert documents_out, f"{block.page} line {block.line} printed nothing"
         first = documents_out[0]
         missing = set(shown) - set(first) if isinstance(shown, dict) else set()
-        assert not missing, f"README line {block.line}: the answer lacks {missing}"
+        assert not missing, f"{block.page} line {block.line}: the answer lacks {missing}"
     if "-sN" in block.code:
         assert documents_out[-1] == "[DONE]"
 
@@ -227,7 +236,7 @@ def test_shell_example(block: Block, readme_server: Server, filled: dict[str, An
 def test_python_example(block: Block, readme_server: Server, filled: dict[str, Any]) -> None:
     code = block.code.replace("http://127.0.0.1:8000", readme_server.url)
     scope: dict[str, Any] = {"KEY": filled["key"], "__name__": "readme_example"}
-    exec(compile(code, f"README.md:{block.line}", "exec"), scope)
+    exec(compile(code, f"{block.page}:{block.line}", "exec"), scope)
     if "decrypt" in scope:  # the decryption recipe: it must open a real result
         submitted, key = submit_job(readme_server, filled["key"])
         done = poll_until_done(readme_server, filled["key"], submitted["tracking_id"])

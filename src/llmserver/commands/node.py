@@ -29,16 +29,17 @@ from llmserver.settings import Settings, is_loopback
     help="Port of the node's /health, /ready and /metrics (default 8081; 0: none).",
 )  # fmt: skip
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
-@click.option("--debug", is_flag=True, help="Log at debug level, and show the traceback of a refusal to start.")
 def node(
     config_file: Path | None,
     data_dir: Path | None,
     advertise: str | None,
     metrics_port: int | None,
     log_level: str | None,
-    debug: bool,
 ) -> None:
     """Run this host's instances of the configured models for the gateways (`serve --role gateway`)."""
+    from llmserver.cli import debugging
+
+    debug = debugging()  # `llmserver --debug node`, or LLMSERVER_DEBUG=1
     overrides: dict[str, object] = {"instance_host": advertise} if advertise else {}
     if metrics_port is not None:
         overrides["node_port"] = metrics_port

@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
     help="Model to serve: a configured name, SmolLM2-135M-Instruct-Q4_1, or a .gguf path. Repeatable.",
 )  # fmt: skip
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
-@click.option("--debug", is_flag=True, help="Log at debug level, and show the traceback of a refusal to start.")
 @click.option(
     "--role",
     type=click.Choice(["all", "gateway"]),
@@ -55,16 +54,17 @@ def serve(
     port: int | None,
     model_specs: tuple[str, ...],
     log_level: str | None,
-    debug: bool,
     workers: int | None,
 ) -> None:
     """Start the gateway and one llama-server per configured model instance."""
     import uvicorn
 
     from llmserver.app import create_app
+    from llmserver.cli import debugging
     from llmserver.commands.workers import bound_socket, supervise, worker_number
     from llmserver.http_protocol import QuietServer, protocol_with
 
+    debug = debugging()  # `llmserver --debug serve`, or LLMSERVER_DEBUG=1
     given = {
         "data_dir": data_dir, "host": host, "port": port, "log_level": "debug" if debug else log_level,
         "workers": workers,
