@@ -3,6 +3,7 @@ every page is in its navigation, and the settings table is the one the settings 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,44 @@ def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
         cwd=copy, capture_output=True, text=True, timeout=300, env=ENV,
     )  # fmt: skip
     assert built.returncode != 0 and "no-such-page.md" in built.stdout + built.stderr
+
+
+def test_the_cli_reference_is_current() -> None:
+    checked = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "docs_cli.py"), "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, "run .venv/bin/python scripts/docs_cli.py"
+
+
+def documented_operations(page: Path) -> set[tuple[str, str]]:
+    """(METHOD, /path) for each `METHODS /path` the page's endpoint table names ({…} for any parameter)."""
+    found: set[tuple[str, str]] = set()
+    for line in page.read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        first = line.split("|")[1]
+        for methods, path in re.findall(r"`([A-Z/]+) (/[^`]*)`", first):
+            for method in methods.split("/"):
+                found.add((method, re.sub(r"\{[^}]*\}", "{}", path)))
+    return found
+
+
+def test_every_endpoint_of_the_openapi_document_is_in_the_api_table(tmp_path: Path) -> None:
+    from llmserver.app import create_app
+    from llmserver.settings import Settings
+
+    spec = create_app(Settings(data_dir=tmp_path)).openapi()
+    served = {
+        (method.upper(), re.sub(r"\{[^}]*\}", "{}", path)) for path, operations in spec["paths"].items()
+        for method in operations
+    }  # fmt: skip
+    documented = documented_operations(DOCS / "api" / "index.md")
+    assert served - documented == set(), "endpoints the API page does not list"
+    # Documented but not in the OpenAPI document: only the pages served outside it.
+    assert documented - served == {("GET", "/console"), ("GET", "/openapi.json")}
+
+
+def documented_metrics() -> set[str]:
+    """The metric families the monitoring page's table names (as prometheus_client's parser names them)."""
+    text = (DOCS / "operating" / "monitoring.md").read_text()
+    return {re.sub(r"_total$", "", name) for name in re.findall(r"`(llmserver_[a-z_]+)`", text)}

@@ -19,8 +19,13 @@ from llmserver.commands import server_url, settings_options
 @click.option("--key", default=None, help="API key (default: $LLMSERVER_API_KEY).")
 @click.option("--model", default=None, help="Model name (default: the server's first).")
 @click.option("--system", default=None, help="A system message.")
-@click.option("--max-tokens", type=int, default=None)
-@click.option("--temperature", type=float, default=None)
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=None,
+    help="Tokens to generate at most (default: the server's default_max_tokens).",
+)
+@click.option("--temperature", type=float, default=None, help="Sampling temperature (default: the model's).")
 @click.option("--async", "use_async", is_flag=True, help="Submit as an async job, poll, and decrypt the result here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole response object.")
 def ask(

@@ -28,7 +28,12 @@ from llmserver.settings import Settings, is_loopback
     "--metrics-port", type=int, default=None,
     help="Port of the node's /health, /ready and /metrics (default 8081; 0: none).",
 )  # fmt: skip
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default=None,
+    help="Log level (default: log_level, info).",
+)
 def node(
     config_file: Path | None,
     data_dir: Path | None,

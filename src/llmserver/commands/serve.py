@@ -30,7 +30,12 @@ log = logging.getLogger(__name__)
     "--model", "model_specs", multiple=True,
     help="Model to serve: a configured name, SmolLM2-135M-Instruct-Q4_1, or a .gguf path. Repeatable.",
 )  # fmt: skip
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default=None,
+    help="Log level (default: log_level, info).",
+)
 @click.option(
     "--role",
     type=click.Choice(["all", "gateway"]),
