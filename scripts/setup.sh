@@ -4,7 +4,8 @@
 # Safe to run again: a second run only checks what is installed (pip keeps the compiled wheel).
 # With --test, also what the test suite needs from Debian's packages, installed with apt-get when
 # missing: PostgreSQL and Redis (it starts private copies), Chromium (it drives the web console),
-# curl, and Prometheus (its promtool checks the alert rules; a real one scrapes the test hosts).
+# curl and sqlite3 (the docs' examples use them), and Prometheus (its promtool checks the alert rules;
+# a real one scrapes the test hosts).
 # The web console's libsodium.js comes from npm's registry (scripts/fetch_assets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,7 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--test" ]; then
     need=()
     command -v curl >/dev/null || need+=(curl)
+    command -v sqlite3 >/dev/null || need+=(sqlite3)
     compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
     command -v redis-server >/dev/null || need+=(redis-server)
     command -v chromium >/dev/null || need+=(chromium)
