@@ -10,6 +10,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import re
 import shutil
 import signal
 import ssl
@@ -167,7 +168,7 @@ def tls_files(root: Path) -> tuple[Path, Path, Path]:
     """The test CA, and the one certificate (with its key) every worker's instances serve HTTPS with."""
     folder = root / "tls"
     if not (folder / "key.pem").exists():
-        tls_certificates(folder, [f"{NET}.{10 + index}" for index in WORKERS])
+        tls_certificates(folder, [f"{NET}.{10 + index}" for index in [*WORKERS, GUIDE_HOST]])
     paths = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
     return paths
 
@@ -186,6 +187,7 @@ def add_host(index: int, namespace: str) -> None:
 
 
 WORKERS = {1: "llms-w1", 2: "llms-w2"}  # NET.11, NET.12
+GUIDE_HOST = 3  # NET.13: the worker host of the Worker hosts guide, run as written
 GATEWAYS = {11: "llms-g1", 12: "llms-g2"}  # NET.21, NET.22
 
 
@@ -642,3 +644,65 @@ def test_prometheus_scrapes_every_gateway_and_node_and_alerts_when_a_node_is_gon
         if first.process is not None and first.process.poll() is not None:
             first.start()
     assert wait_for(lambda: first.address in hosts.hosts_seen(), 120)
+
+
+def test_the_worker_hosts_guide_runs_as_written(hosts: Hosts, tmp_path: Path) -> None:
+    """docs/operating/worker-hosts.md's models.toml and commands, on a third worker host and a gateway
+    host: only what names this test's machines is replaced (the addresses, Redis's and PostgreSQL's URLs,
+    the certificate files, the shared key, and the node id worker-1, taken by this file's first node)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "operating" / "worker-hosts.md").read_text()
+    models_toml = re.search(r"```toml\n(.*?)```", page, re.S)
+    commands = re.search(r"```sh\n(.*?)```", page, re.S)
+    assert models_toml is not None and commands is not None
+    (tmp_path / "models.toml").write_text(models_toml[1])
+    ca, cert, key = tls_files(hosts.root)
+    replacements = {
+        "postgresql://llmserver:secret@db.internal/llmserver": hosts.database_url,
+        "redis://db.internal:6379/0": hosts.redis.url,
+        "10.0.0.21": f"{NET}.{10 + GUIDE_HOST}",
+        "/etc/llmserver/worker.pem": str(cert), "/etc/llmserver/worker.key": str(key), "/etc/llmserver/ca.pem": str(ca),
+        "SHARED-KEY": SECRET, "LLMSERVER_NODE_ID=worker-1": "LLMSERVER_NODE_ID=worker-guide",
+        ".venv/bin/": f"{Path(sys.executable).parent}/",
+    }  # fmt: skip
+    lines = [line for line in commands[1].splitlines() if line.strip() and not line.startswith("#")]
+    assert len(lines) == 2 and " node " in lines[0] and " serve " in lines[1], lines
+    for old, new in replacements.items():
+        lines = [line.replace(old, new) for line in lines]
+    namespace = f"llms-w{GUIDE_HOST}"
+    add_host(GUIDE_HOST, namespace)
+    processes = []
+    try:
+        for where, line in ((namespace, lines[0]), ("llms-g1", lines[1])):
+            log = tmp_path / f"{where}.log"
+            processes.append(spawn(["ip", "netns", "exec", where, "bash", "-c", f"cd {tmp_path} && exec env {line}"],
+                                   log, {**os.environ, "LLMSERVER_DATA_DIR": str(tmp_path / where)}))  # fmt: skip
+        gateway = f"http://{NET}.21:8000"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(gateway + "/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_for(ready, 120), (tmp_path / "llms-g1.log").read_text()[-3000:]
+        created = cli(hosts.root, "keys", "create", "--name", "guide-admin", "--admin",
+                      env={"LLMSERVER_DATABASE_URL": hosts.database_url})  # fmt: skip
+        admin = {"Authorization": f"Bearer {created.stdout.strip().splitlines()[-1]}"}
+        assert wait_for(lambda: any(i["node"] == "worker-guide" for i in
+                                    httpx.get(gateway + "/api/instances", headers=admin).json()["data"]), 120), (
+            (tmp_path / f"{namespace}.log").read_text()[-3000:])  # fmt: skip
+        key = hosts.key("guide")
+        answer = httpx.post(gateway + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                            json={"model": MODEL, "max_tokens": 4,
+                                  "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+        assert answer.status_code == 200, answer.text
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
