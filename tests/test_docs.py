@@ -104,6 +104,6 @@ def test_every_endpoint_of_the_openapi_document_is_in_the_api_table(tmp_path: Pa
 
 
 def documented_metrics() -> set[str]:
-    """The metric families the monitoring page's table names (as prometheus_client's parser names them)."""
-    text = (DOCS / "operating" / "monitoring.md").read_text()
+    """The metric families the metrics page's table names (as prometheus_client's parser names them)."""
+    text = (DOCS / "reference" / "metrics.md").read_text()
     return {re.sub(r"_total$", "", name) for name in re.findall(r"`(llmserver_[a-z_]+)`", text)}
