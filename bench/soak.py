@@ -26,7 +26,8 @@ What is counted (each must be 0):
 - async jobs still pending at the end, jobs lost (404 before their one read), webhooks never sent,
   results that do not decrypt;
 - ledger rows ≠ requests answered (every generating request is one row; a gateway killed with -9
-  loses the rows of the answers it gave in its last write batch, 0.2 s, reported apart and bounded);
+  loses the rows of the answers it gave in its last write batch: those answered in the second before the
+  kill are reported apart, and bound the rows missing);
 - orphan processes (children of the gateway alive after it stopped) and files left in its TMPDIR.
 Gateway RSS and open file descriptors are sampled every second, per gateway process (a restart
 starts a new one); their growth after warm-up is reported and bounded.
@@ -68,7 +69,7 @@ from tests.support import free_port, free_port_range, spawn
 from tests.vision_model import write_vision_model
 
 VISION = "soak-vision"
-QUOTA_TOKENS = 1000
+QUOTA_TOKENS = 400  # reached within the 2-minute soaks even when CI is slow (1,000 was not, once)
 RPM = 20
 TEXT_SLOTS = 4
 MAX_QUEUE = 12
@@ -840,8 +841,11 @@ def interrupted(job: dict[str, Any]) -> bool:
 
 
 def answered_before_kill(gateway: Gateway, call: Call) -> bool:
-    """An answer given in the last write batch (WRITE_DELAY, 0.2 s) before its gateway was killed -9."""
-    return any(killed - 0.5 <= call.ended <= killed for killed in gateway.kills)
+    """An answer given in the second before its gateway was killed -9: its ledger row may still have been
+    in the write batch (written every WRITE_DELAY, 0.2 s, once the event loop gets to it: on this loaded
+    2-core machine, with two gateways, two nodes, PostgreSQL, Redis and the clients, up to about a second
+    later; a 0.5-s window once missed one row in a CI run)."""
+    return any(killed - 1.0 <= call.ended <= killed for killed in gateway.kills)
 
 
 async def count(

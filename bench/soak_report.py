@@ -39,7 +39,7 @@ def markdown(result: dict[str, Any]) -> str:
         "gateway was stopping or starting and refused at the socket (not accepted; a load balancer retries them "
         f"elsewhere). {result.get('held by a gateway killed -9', 0)} requests were held by a gateway when it was "
         f"killed with -9 (no server can answer those); {result.get('answers just before a kill -9', 0)} answers "
-        "came in the last 0.5 s before such a kill, and "
+        "came in the last second before such a kill, and "
         f"{result.get('ledger rows lost to a kill -9', 0)} ledger rows are missing (a gateway writes them in "
         "batches of 0.2 s; the quota settlements are written before each answer ends). "
         f"{result.get('refused while the database was unreachable', 0)} requests got 503 while PostgreSQL was "

@@ -13,14 +13,18 @@ and every task it starts (a context variable), returns it on the answer and send
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
 import re
 import secrets
 import sys
+from collections.abc import Coroutine
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -30,6 +34,12 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
     "message", "asctime", "color_message"  # uvicorn's message with terminal colours: the plain one is enough
 }  # fmt: skip
+
+
+def background(coro: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+    """A task for the process's own work (a write batch, a probe) started while a request is answered:
+    with a fresh context, so that its log lines carry no request's id (and no trace's span)."""
+    return asyncio.get_running_loop().create_task(coro, name=name, context=contextvars.Context())
 
 
 def new_request_id(sent: str | None) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService, Reservation
 from llmserver.errors import StateUnavailable
+from llmserver.logs import background
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.outage import Outage
@@ -76,7 +77,7 @@ class UsageRecorder:
 
     def _schedule_write(self) -> None:
         if self._writer is None or self._writer.done():
-            self._writer = asyncio.get_running_loop().create_task(self._write(), name="usage-writer")
+            self._writer = background(self._write(), name="usage-writer")
 
     async def _write(self) -> None:
         # Waits a moment first: requests that end meanwhile join the batch, so that a busy gateway

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import APIError, GatewayTimeout, InvalidRequest, NotFound
+from llmserver.logs import background
 from llmserver.outage import Outage, redis_unreachable
 from llmserver.pool.instance import Instance, Status
 from llmserver.pool.pool import ModelPool
@@ -438,7 +439,7 @@ class Registry:
             "instance %s on node %s at %s could not be reached %d times in a row: not routed to until it answers",
             instance.id, instance.node, instance.base_url, instance.failures,
         )  # fmt: skip
-        task = asyncio.create_task(self._probe(instance), name=f"probe-{instance.id}")
+        task = background(self._probe(instance), name=f"probe-{instance.id}")
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
