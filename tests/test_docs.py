@@ -47,6 +47,8 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stdout + built.stderr
     assert (tmp_path / "site" / "operating" / "monitoring" / "index.html").exists()
     assert (tmp_path / "site" / "img" / "ttft.png").exists()  # a benchmark chart, from bench/results
+    # Nothing loads from elsewhere (Material's default fonts come from Google's CDN): the site works offline.
+    assert not [page for page in (tmp_path / "site").rglob("*.html") if "fonts.googleapis" in page.read_text()]
 
 
 def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
