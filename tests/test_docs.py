@@ -109,3 +109,9 @@ def documented_metrics() -> set[str]:
     """The metric families the metrics page's table names (as prometheus_client's parser names them)."""
     text = (DOCS / "reference" / "metrics.md").read_text()
     return {re.sub(r"_total$", "", name) for name in re.findall(r"`(llmserver_[a-z_]+)`", text)}
+
+
+def undocumented(served: set[str]) -> set[str]:
+    """Families served that the metrics page does not list; a counter's or a histogram's `_created`
+    gauge (prometheus_client's, the time it was created, once it has a sample) goes with its family."""
+    return {name for name in served if not name.endswith("_created")} - documented_metrics()
