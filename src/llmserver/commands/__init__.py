@@ -133,3 +133,11 @@ def check_model_files(settings: Settings) -> None:
     for model in settings.models:
         model_path(model, settings.model_cache_dir, settings.hf_endpoint)
         mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)
+
+
+log_level_option = click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default=None,
+    help="Log level (default: log_level, info).",
+)

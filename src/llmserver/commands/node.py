@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from llmserver import logs
-from llmserver.commands import check_model_files, load, remember, settings_options
+from llmserver.commands import check_model_files, load, log_level_option, remember, settings_options
 from llmserver.settings import Settings, is_loopback
 
 
@@ -28,12 +28,7 @@ from llmserver.settings import Settings, is_loopback
     "--metrics-port", type=int, default=None,
     help="Port of the node's /health, /ready and /metrics (default 8081; 0: none).",
 )  # fmt: skip
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default=None,
-    help="Log level (default: log_level, info).",
-)
+@log_level_option
 def node(
     config_file: Path | None,
     data_dir: Path | None,
@@ -69,18 +64,11 @@ def node(
     logs.configure(settings.log_level, settings.log_format)
     check_model_files(settings)
     listening = None
-    if settings.node_port:  # bound now: a taken port is one line, before any instance starts
-        from llmserver.commands.workers import bound_socket
+    if settings.node_port:
+        from llmserver.commands.workers import listening_socket
 
-        try:
-            listening = bound_socket(settings.node_http_host, settings.node_port, reuse_port=False)
-        except OSError as exc:
-            if debug:
-                raise
-            raise click.ClickException(
-                f"cannot listen on {settings.node_http_host}:{settings.node_port} for /health, /ready and /metrics: "
-                f"{exc.strerror or exc} (set --metrics-port, or 0 for none)"
-            ) from None
+        purpose = " for /health, /ready and /metrics (--metrics-port: another, or 0 for none)"
+        listening = listening_socket(settings.node_http_host, settings.node_port, purpose=purpose)
     asyncio.run(_run(settings, listening))
 
 

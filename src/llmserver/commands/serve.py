@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING
 import click
 
 from llmserver import __version__, logs
-from llmserver.commands import check_model_files, load, models_from_args, open_checked_store, remember, settings_options
+from llmserver.commands import (
+    check_model_files,
+    load,
+    log_level_option,
+    models_from_args,
+    open_checked_store,
+    remember,
+    settings_options,
+)
 from llmserver.settings import Settings
 
 if TYPE_CHECKING:
@@ -30,12 +38,7 @@ log = logging.getLogger(__name__)
     "--model", "model_specs", multiple=True,
     help="Model to serve: a configured name, SmolLM2-135M-Instruct-Q4_1, or a .gguf path. Repeatable.",
 )  # fmt: skip
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default=None,
-    help="Log level (default: log_level, info).",
-)
+@log_level_option
 @click.option(
     "--role",
     type=click.Choice(["all", "gateway"]),
@@ -66,7 +69,7 @@ def serve(
 
     from llmserver.app import create_app
     from llmserver.cli import debugging
-    from llmserver.commands.workers import bound_socket, supervise, worker_number
+    from llmserver.commands.workers import listening_socket, supervise, worker_number
     from llmserver.http_protocol import QuietServer, protocol_with
 
     debug = debugging()  # `llmserver --debug serve`, or LLMSERVER_DEBUG=1
@@ -94,12 +97,7 @@ def serve(
         settings = settings.model_copy(update={"gateway_id": f"{settings.gateway_name}-{number}"})
     # What would refuse to start, found before any instance starts: each one line and exit 1 (--debug:
     # its traceback too). The port first: a second gateway on a taken port must not say it is ready.
-    try:
-        listening = bound_socket(settings.host, settings.port, reuse_port=number is not None)
-    except OSError as exc:
-        if debug:
-            raise
-        raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+    listening = listening_socket(settings.host, settings.port, reuse_port=number is not None)
     check_gateway_id(settings, debug)
     # uvicorn re-raises the signal it stopped on once its shutdown is over; by default that ends the
     # process by the signal, which skips Python's exit handlers (the forkserver's socket folder would

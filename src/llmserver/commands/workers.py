@@ -51,6 +51,21 @@ def bound_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     return sock
 
 
+def listening_socket(host: str, port: int, *, reuse_port: bool = False, purpose: str = "") -> socket.socket:
+    """`bound_socket`, bound before any instance starts: a taken port is one line and exit 1 (with
+    --debug, the traceback)."""
+    import click
+
+    from llmserver.cli import debugging
+
+    try:
+        return bound_socket(host, port, reuse_port=reuse_port)
+    except OSError as exc:
+        if debugging():
+            raise
+        raise click.ClickException(f"cannot listen on {host}:{port}{purpose}: {exc.strerror or exc}") from None
+
+
 def worker_number() -> int | None:
     """This process's number when it is one of `--workers`' processes."""
     value = os.environ.get(WORKER_ENV)
