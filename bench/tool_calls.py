@@ -5,13 +5,15 @@ counted. Against a running server, with the official OpenAI SDK:
 
 For each of tool_choice "required" and "auto": how many answers were tool calls, how many of those
 had arguments that parse as JSON and name the asked-for city, how many answered directly, and how
-many were cut at max_tokens; then how many `parse(response_format=PydanticModel)` calls parsed.
+many were cut at max_tokens; then how many `parse(response_format=PydanticModel)` calls parsed; then
+how often the gateway's own tool-call JSON reached the content (`leaks`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from openai import OpenAI
 from pydantic import BaseModel
@@ -78,6 +80,35 @@ def structured(client: OpenAI, model: str, tries: int, max_tokens: int) -> str:
     return f"parse(response_format=Person): {ok}/{tries} parsed"
 
 
+# What the gateway writes into a prompted conversation, and must never come back as an answer's content.
+WRAPPERS = ('"tool_calls"', '"tool_result"', '{"response"', "tool_call_id")
+AFTER_RESULT = [
+    *ASK,
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+]  # fmt: skip
+
+
+def leaks(client: OpenAI, model: str, tries: int) -> list[str]:
+    """How often the gateway's own tool-call JSON reaches a client as content: a forced call cut at 60
+    tokens, and the answer after a tool result with tool_choice "none" (and with no tools at all)."""
+    cases: list[tuple[str, list[Any], dict[str, Any]]] = [
+        ("forced call cut at max_tokens=60", ASK, {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 60}),
+        ('after a tool result, tool_choice "none"', AFTER_RESULT,
+         {"tools": [WEATHER], "tool_choice": "none", "max_tokens": 60}),
+        ("after a tool result, no tools", AFTER_RESULT, {"max_tokens": 60}),
+    ]  # fmt: skip
+    lines = []
+    for name, messages, fields in cases:
+        leaked = 0
+        for _ in range(tries):
+            message = client.chat.completions.create(model=model, messages=messages, **fields).choices[0].message
+            leaked += any(wrapper in (message.content or "") for wrapper in WRAPPERS)
+        lines.append(f"{name}: our JSON in the content {leaked}/{tries} times")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
@@ -90,6 +121,7 @@ def main() -> None:
     for choice in ("required", "auto"):
         print(tool_calls(client, args.model, choice, args.tries, args.max_tokens))
     print(structured(client, args.model, args.tries, args.max_tokens))
+    print(*leaks(client, args.model, args.tries), sep="\n")
 
 
 if __name__ == "__main__":

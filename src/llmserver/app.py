@@ -17,11 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from llmserver import __version__, console, tracing
-from llmserver.api import embeddings, health, instances, jobs, keys, metrics, models, native, openai
+from llmserver.api import anthropic, embeddings, health, instances, jobs, keys, metrics, models, native, openai
+from llmserver.api import responses as responses_api
 from llmserver.api.deps import direct_routes, validation_error
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
+from llmserver.engine import anthropic as anthropic_shapes
 from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
@@ -203,7 +205,8 @@ def create_app(settings: Settings) -> FastAPI:
         title="llmserver", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )  # fmt: skip
-    routers = [module.router for module in (native, openai, embeddings, models, jobs, instances, keys, metrics, health)]
+    modules = (native, openai, responses_api, anthropic, embeddings, models, jobs, instances, keys, metrics, health)
+    routers = [module.router for module in modules]
     for router in routers:
         app.include_router(router)
     console.install(app)
@@ -241,7 +244,14 @@ def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:
 
 GC_YOUNG_THRESHOLD = 20_000
 
-GENERATING = ("/api/generate", "/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+GENERATING = (
+    "/api/generate",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    *anthropic.PATHS,
+)
 
 
 def _record_refusal(request: Request, outcome: str) -> None:
@@ -260,7 +270,10 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     app = request.scope.get("app")
     if exc.status != 499 and app is not None and (metrics := getattr(app.state, "metrics", None)) is not None:
         metrics.refusals.labels(exc.reason or exc.type).inc()
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    body = exc.body()
+    if request.url.path in anthropic.PATHS:  # Anthropic's clients read its own error object
+        body = anthropic_shapes.error_body(body["error"])
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

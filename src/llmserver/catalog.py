@@ -11,8 +11,12 @@ Every file must start with the GGUF magic bytes.
 
 from __future__ import annotations
 
+import io
+import struct
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
 
@@ -112,6 +116,64 @@ def _checked_gguf(path: Path, model: ModelConfig, what: str) -> Path:
         if file.read(4) != GGUF_MAGIC:
             raise ModelFileError(f"model {model.name!r}: {path} is not a GGUF file")
     return path
+
+
+# GGUF metadata value types (ggml's gguf.h): fixed sizes; 8 is a string, 9 an array.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# llama.cpp's pooling types, as a GGUF's `<arch>.pooling_type` gives them.
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def gguf_pooling(path: Path) -> str | None:
+    """The pooling a GGUF declares for its embeddings (`<arch>.pooling_type`), None when it declares none."""
+    values = gguf_metadata(path, lambda key: key == "general.architecture" or key.endswith(".pooling_type"))
+    architecture = values.get("general.architecture")
+    declared = values.get(f"{architecture}.pooling_type")
+    return POOLING_TYPES.get(declared) if isinstance(declared, int) else None
+
+
+def gguf_metadata(path: Path, wanted: Callable[[str], bool]) -> dict[str, Any]:
+    """The scalar and string metadata values of a GGUF file whose keys `wanted` picks, read from its
+    header (arrays, such as the vocabulary, are skipped)."""
+    found: dict[str, Any] = {}
+    with path.open("rb") as file:
+        magic, version = file.read(4), _unpack(file, "<I")
+        if magic != GGUF_MAGIC or version < 2:
+            raise ModelFileError(f"{path} is not a GGUF file of version 2 or later")
+        _unpack(file, "<Q")  # tensors
+        for _ in range(_unpack(file, "<Q")):
+            key = _gguf_string(file)
+            kind = _unpack(file, "<I")
+            if kind == 9:
+                item, count = _unpack(file, "<I"), _unpack(file, "<Q")
+                for _ in range(count) if item == 8 else ():
+                    file.seek(_unpack(file, "<Q"), io.SEEK_CUR)
+                if item != 8:
+                    file.seek(_GGUF_SIZES.get(item, 0) * count, io.SEEK_CUR)
+            elif kind == 8:
+                value = _gguf_string(file)
+                if wanted(key):
+                    found[key] = value
+            elif kind not in _GGUF_SIZES:
+                raise ModelFileError(f"{path}: GGUF metadata {key!r} has an unknown type {kind}")
+            elif wanted(key):
+                found[key] = _unpack(file, _GGUF_FORMATS[kind])
+            else:
+                file.seek(_GGUF_SIZES[kind], io.SEEK_CUR)
+    return found
+
+
+def _unpack(file: BinaryIO, form: str) -> Any:
+    size = struct.calcsize(form)
+    data = file.read(size)
+    if len(data) != size:
+        raise ModelFileError(f"{getattr(file, 'name', 'the file')}: its GGUF header ends early")
+    return struct.unpack(form, data)[0]
+
+
+def _gguf_string(file: BinaryIO) -> str:
+    return file.read(_unpack(file, "<Q")).decode("utf-8", "replace")
 
 
 def mmproj_path(

@@ -55,10 +55,8 @@ def test_prompted_payload_describes_the_tools_and_constrains_the_answer() -> Non
     assert system["role"] == "system" and system["content"].startswith("Be brief.\n\nYou can call the tools")
     assert '"get_weather"' in system["content"] and '{"response":' in system["content"]
     assert json.loads(assistant["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
-    assert result["role"] == "user"
-    assert json.loads(result["content"]) == {
-        "tool_result": {"tool_call_id": "call_1", "content": "Sunny, 21 C", "name": "get_weather"}
-    }
+    # The result in words, naming its tool: an answer copies JSON it is shown (bench/tool_calls.py, leaks).
+    assert result == {"role": "user", "content": "Result of get_weather: Sunny, 21 C"}
     schema = payload["response_format"]["json_schema"]["schema"]
     calls, answer = schema["anyOf"]
     names = [item["properties"]["name"]["const"] for item in calls["properties"]["tool_calls"]["items"]["anyOf"]]
@@ -97,7 +95,53 @@ def test_prompted_answers_read_back_as_calls_or_content() -> None:
     assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
     assert plan.read('{"response": "It is sunny."}', "stop") == ("It is sunny.", [])
-    assert plan.read('{"tool_calls": [{"name": "get_we', "length") == ('{"tool_calls": [{"name": "get_we', [])
+
+
+@pytest.mark.parametrize(
+    ("cut", "content", "names"),
+    [
+        ('{"tool_calls": [{"name": "get_we', None, []),
+        ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_w', None,
+         ["get_weather"]),
+        ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", '
+         '"arguments": {"city": "Rome"}}', None, ["get_weather", "get_weather"]),
+        ('{"response": "It is sun', "It is sun", []),
+        ('{"response": "a \\u00e9 b \\u00', "a \u00e9 b ", []),
+        ('{"response": {"name": "Ada", "ag', '{"name": "Ada", "ag', []),
+        ('{"respo', None, []),
+        ('{\n  "tool_calls": [\n    {\n      "name": "get_weather",\n      "arguments": {\n        "city": "Paris"\n'
+         '      }\n    },\n    {\n      "name": "get_weather",\n      "arguments": {\n        "city": "', None,
+         ["get_weather"]),
+    ],
+)  # fmt: skip
+def test_a_prompted_answer_cut_short_keeps_its_complete_calls_and_never_our_json(
+    cut: str, content: str | None, names: list[str]
+) -> None:
+    plan = ToolPlan.of(request(tools=[WEATHER]), native=False)
+    got_content, calls = plan.read(cut, "length")
+    assert got_content == content and [call["function"]["name"] for call in calls] == names
+
+
+def test_a_cut_call_answer_says_length_with_the_complete_calls() -> None:
+    plan = ToolPlan.of(request(tools=[WEATHER]), native=False)
+    cut = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"na'
+    body = {"choices": [{"message": {"content": cut}, "finish_reason": "length"}], "usage": {}}
+    choice = shapes.chat(body, "m", plan)["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert len(choice["message"]["tool_calls"]) == 1
+    stream = shapes.ChatStream(ToolPlan.of(request(tools=[WEATHER], stream=True), native=False))
+    assert stream.pieces({"delta": {"content": cut}}) == []
+    *calls, last = stream.pieces({"delta": {}, "finish_reason": "length"})
+    assert last["finish_reason"] == "length" and len(calls) == 1
+
+
+def test_reasoning_is_passed_through_as_reasoning_content() -> None:
+    plan = ToolPlan.of(request(), native=False)
+    body = {"choices": [{"message": {"content": "4", "reasoning_content": "2 and 2"}, "finish_reason": "stop"}]}
+    assert shapes.chat(body, "m", plan)["choices"][0]["message"]["reasoning_content"] == "2 and 2"
+    stream = shapes.ChatStream(plan)
+    (piece,) = stream.pieces({"delta": {"reasoning_content": "2 and"}})
+    assert piece["delta"] == {"reasoning_content": "2 and"}
 
 
 def test_a_non_streamed_prompted_call_has_the_openai_shape() -> None:

@@ -131,9 +131,15 @@ def bearer_token(request: Request) -> str | None:
     return None
 
 
+def header_key(request: Request) -> str | None:
+    """The key sent in a header: `Authorization: Bearer`, else `x-api-key` (Anthropic's SDK and clients)."""
+    return bearer_token(request) or header(request, b"x-api-key") or None
+
+
 async def authenticate(request: Request, body: dict[str, Any] | None = None) -> Principal:
-    """The caller, from `Authorization: Bearer`, else `api_key` in the body, else in the query."""
-    presented = bearer_token(request)
+    """The caller, from `Authorization: Bearer` (or `x-api-key`), else `api_key` in the body, else in the
+    query."""
+    presented = header_key(request)
     if presented is None and body is not None and isinstance(body.get("api_key"), str):
         presented = body["api_key"]
     if presented is None:
@@ -294,7 +300,7 @@ async def parse(
     the body is read: a refusal answers at once (uvicorn discards what the client still sends; curl
     stops sending when it sees the answer, a client that sent `Expect: 100-continue` sends nothing)."""
     principal: Principal | None = None
-    if gate is not None and _large(request) and (bearer_token(request) or request.query_params.get("api_key")):
+    if gate is not None and _large(request) and (header_key(request) or request.query_params.get("api_key")):
         principal = await authenticate(request)
         await gate(principal)
     principal, body = await _keyed_body(request, principal)

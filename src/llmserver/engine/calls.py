@@ -26,7 +26,9 @@ from llmserver.pool.admission import Admission, Ticket
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
-PROMPT_PARAM = {"/v1/chat/completions": "messages", "/v1/embeddings": "input"}
+PROMPT_PARAM = {
+    "/v1/chat/completions": "messages", "/v1/embeddings": "input", "/v1/responses": "input", "/v1/messages": "messages",
+}  # fmt: skip
 
 
 class InstanceCalls:

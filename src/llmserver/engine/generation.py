@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from llmserver.asgi_ext import Writer  # bytes straight to a stream's client; False: no more for now
 from llmserver.auth.keys import Principal
-from llmserver.engine import shapes, translate
+from llmserver.engine import reasoning, shapes, translate
 from llmserver.engine.calls import InstanceCalls, stalled_error
 from llmserver.engine.client import Sink, parse_event
 from llmserver.engine.schemas import check_schema
@@ -52,6 +52,8 @@ RAW_PROMPT_TOKENS = 8
 # More bytes than any token of any tokenizer spells: a prompt's byte count over this is a lower
 # bound of its tokens.
 MAX_TOKEN_BYTES = 256
+# What of a chat payload llama-server's /apply-template renders.
+TEMPLATE_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 
 
 def closed_on_failure(ticket: Ticket) -> AbstractContextManager[None]:
@@ -216,10 +218,14 @@ class GenerationService:
 
     async def _chat_payload(self, ticket: Ticket, request: ChatRequest) -> tuple[JSON, ToolPlan]:
         messages = await self._prepared(ticket, request.messages)
-        # The slot is taken: its instance's chat template decides how tools are served.
+        # The slot is taken: its instance's chat template decides how tools and reasoning are served.
         instance = ticket.lease.instance
-        plan = ToolPlan.of(request, native=instance is not None and instance.native_tools)
-        payload = translate.chat_payload(request, self._max_tokens(request), plan.payload(messages))
+        template = instance.template if instance is not None else reasoning.Template()
+        plan = ToolPlan.of(request, native=template.tools)
+        max_tokens = self._max_tokens(request)
+        payload = translate.chat_payload(request, max_tokens, plan.payload(messages))
+        effort, budget = request.reasoning_effort, request._thinking_budget
+        payload.update(reasoning.fields(effort, budget, max_tokens, template, ticket.model))
         await self._resize(ticket, self.inputs.bound(messages), payload)
         return payload, plan
 
@@ -236,6 +242,22 @@ class GenerationService:
 
         head = translate.head("chatcmpl", "chat.completion.chunk", ticket.model)
         return await self._stream(ticket, "/v1/chat/completions", prepared, head, request)
+
+    async def count_tokens(self, ticket: Ticket, request: ChatRequest) -> int:
+        """The prompt tokens of a chat request, as its instance's template and tokenizer make them (its
+        images count as their place in the template only); nothing is generated or charged."""
+        payload, _ = await self._call_first(ticket, lambda: self._chat_payload(ticket, request))
+        with closed_on_failure(ticket):
+            client = ticket.lease.instance.client if ticket.lease.instance is not None else None
+            if client is None:
+                raise ServerError("The instance went away.")
+            template = {key: payload[key] for key in TEMPLATE_FIELDS if key in payload}
+            prompt = (await client.post_json("/apply-template", template, timeout=self.calls.timeout))["prompt"]
+            counted = {"content": prompt, "add_special": True, "parse_special": True}
+            tokens = (await client.post_json("/tokenize", counted, timeout=self.calls.timeout))["tokens"]
+        ticket.close("ok")
+        await ticket.shared()
+        return len(tokens)
 
     async def _completion_payload(self, ticket: Ticket, request: CompletionRequest) -> JSON:
         await self.admission.take_slot(ticket)
@@ -410,7 +432,9 @@ def check_keep_alive(keep_alive: float | None, most: float) -> float | None:
 def _generated(event_choice: JSON) -> bool:
     """Whether a stream event carries a generated token."""
     delta = event_choice.get("delta") or {}
-    return bool(event_choice.get("text") or delta.get("content") or delta.get("tool_calls"))
+    return bool(
+        event_choice.get("text") or delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
+    )
 
 
 def schema_errors(param: str | None) -> AbstractContextManager[None]:

@@ -122,9 +122,12 @@ def chat(body: JSON, model: str, plan: ToolPlan, top_logprobs: int = 0) -> JSON:
     elif plan.schema is not None and content:
         content = unfenced(content)
     answer: JSON = {"role": "assistant", "content": content if not calls else (content or None)}
+    if message.get("reasoning_content"):
+        answer["reasoning_content"] = message["reasoning_content"]
     if calls:
         answer["tool_calls"] = [tool_call(call) for call in calls]
-        reason = "tool_calls"
+        if reason != "length":  # calls cut by max_tokens: the complete ones, and still "length"
+            reason = "tool_calls"
     return {
         **translate.head("chatcmpl", "chat.completion", model),
         "choices": [
@@ -186,6 +189,8 @@ class ChatStream:
         if delta.get("role") and not self.role_sent:  # llama.cpp repeats it in its progress events
             out["role"] = delta["role"]
             self.role_sent = True
+        if delta.get("reasoning_content"):
+            out["reasoning_content"] = delta["reasoning_content"]
         if self.plan.prompted:
             if delta.get("content"):
                 self.held.append(delta["content"])
@@ -208,7 +213,8 @@ class ChatStream:
         logprobs = {"content": self.held_logprobs, "refusal": None} if self.held_logprobs else None
         if calls:
             deltas = [{"tool_calls": [tool_call(call, index)]} for index, call in enumerate(calls)]
-            return [*(_piece(delta) for delta in deltas), _piece({}, "tool_calls", logprobs)]
+            finish = "length" if reason == "length" else "tool_calls"
+            return [*(_piece(delta) for delta in deltas), _piece({}, finish, logprobs)]
         return [_piece({"content": content or ""}, None, logprobs), _piece({}, reason)]
 
 

@@ -16,6 +16,7 @@ Two ways, chosen per instance from its chat template (llama-server's /props):
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,7 +119,7 @@ class ToolPlan:
             if self.schema is not None:
                 fields["response_format"] = json_schema_format(self.schema)
             return fields
-        converted = prompted_history(messages)
+        converted = prompted_history(messages, calls_as_json=self.prompted)
         if self.prompted:
             converted = _with_instructions(converted, self._instructions())
             fields["response_format"] = json_schema_format(self._answer_schema())
@@ -171,32 +172,80 @@ class ToolPlan:
         return {"anyOf": [with_calls, answer]}
 
     def read(self, content: str, finish_reason: str) -> tuple[str | None, list[JSON]]:
-        """A prompted answer's content and tool calls (in OpenAI's shape). An answer cut short, or one
-        that somehow does not parse, stays content as it came."""
+        """A prompted answer's content and tool calls (in OpenAI's shape). The grammar admits nothing but
+        our JSON, so an answer that does not parse was cut (by max_tokens): its complete calls are
+        returned (perhaps none), or the part of its direct answer it holds; never our JSON itself."""
         if not self.prompted:
             return content, []
         try:
             answer = json.loads(content)
         except json.JSONDecodeError:
-            return content, []
+            return _cut(content)
         if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
-            calls = [
-                {
-                    "id": new_call_id(),
-                    "type": "function",
-                    "function": {
-                        "name": str(call.get("name", "")),
-                        "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False),
-                    },
-                }
-                for call in answer["tool_calls"]
-                if isinstance(call, dict)
-            ]
-            return None, calls
+            return None, _calls(answer["tool_calls"])
         if isinstance(answer, dict) and "response" in answer:
             response = answer["response"]
             return (response if isinstance(response, str) else json.dumps(response, ensure_ascii=False)), []
         return content, []
+
+
+def _calls(calls: list[Any]) -> list[JSON]:
+    return [
+        {
+            "id": new_call_id(),
+            "type": "function",
+            "function": {
+                "name": str(call.get("name", "")),
+                "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False),
+            },
+        }
+        for call in calls
+        if isinstance(call, dict) and "name" in call and "arguments" in call
+    ]
+
+
+def _cut(content: str) -> tuple[str | None, list[JSON]]:
+    """A prompted answer cut short: the calls it completed, or the start of its direct answer."""
+    decoder = json.JSONDecoder()
+    head = content.lstrip()
+    opening = CALLS_OPENING.match(head)
+    if opening is not None:
+        at = opening.end()
+        calls: list[Any] = []
+        while 0 < at < len(head):
+            at = _skip_space(head, at)
+            try:
+                call, at = decoder.raw_decode(head, at)
+            except json.JSONDecodeError:
+                break
+            calls.append(call)
+            at = _skip_space(head, at)
+            if head[at : at + 1] != ",":
+                break
+            at += 1
+        return None, _calls(calls)
+    key = head.find('"response"')
+    if key < 0:
+        return None, []
+    value = head[_skip_space(head, head.find(":", key) + 1) :]
+    if not value.startswith('"'):
+        return value, []  # a structured answer's JSON, cut: the client's own schema, not ours
+    for end in range(len(value), max(len(value) - 8, 0), -1):  # the cut may fall inside an escape
+        try:
+            text = json.loads(value[:end] + '"')
+        except json.JSONDecodeError:
+            continue
+        return str(text), []
+    return "", []
+
+
+CALLS_OPENING = re.compile(r'\{\s*"tool_calls"\s*:\s*\[')
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
 
 
 def json_schema_format(schema: JSON) -> JSON:
@@ -213,9 +262,12 @@ def native_message(message: ChatMessage) -> JSON:
     return out
 
 
-def prompted_history(messages: list[ChatMessage]) -> list[JSON]:
-    """The conversation for a template without tools: an assistant's calls become the JSON it would
-    have answered with, and each tool result a user turn that names its call."""
+def prompted_history(messages: list[ChatMessage], calls_as_json: bool) -> list[JSON]:
+    """The conversation for a template without tools. Each tool result becomes a user turn in words,
+    naming its tool (measured on the embedded model: written as JSON, the answer after it copied that
+    JSON back 11 times in 20). An assistant's calls become the JSON it would answer with when this turn
+    is prompted for calls too (`calls_as_json`: the grammar holds the answer to that form), else words:
+    an answer free of the grammar imitates any JSON it is shown."""
     names: dict[str, str] = {}
     result: list[JSON] = []
     for message in messages:
@@ -224,13 +276,20 @@ def prompted_history(messages: list[ChatMessage]) -> list[JSON]:
             for call in message.tool_calls:
                 names[call.id] = call.function.name
                 calls.append({"name": call.function.name, "arguments": _arguments(call.function.arguments)})
-            result.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
+            if calls_as_json:
+                content = json.dumps({"tool_calls": calls}, ensure_ascii=False)
+            else:
+                content = "\n".join(
+                    f"(I called the tool {call['name']} with {json.dumps(call['arguments'], ensure_ascii=False)}.)"
+                    for call in calls
+                )
+            if message.content:
+                content = f"{message_text(message)}\n{content}"
+            result.append({"role": "assistant", "content": content})
         elif message.role == "tool":
             assert message.tool_call_id is not None
-            outcome = {"tool_call_id": message.tool_call_id, "content": message_text(message)}
-            if message.tool_call_id in names:
-                outcome["name"] = names[message.tool_call_id]
-            result.append({"role": "user", "content": json.dumps({"tool_result": outcome}, ensure_ascii=False)})
+            name = names.get(message.tool_call_id, "the tool")
+            result.append({"role": "user", "content": f"Result of {name}: {message_text(message)}"})
         else:
             result.append(content_message(message))
     return result

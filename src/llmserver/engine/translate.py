@@ -72,12 +72,15 @@ def content_message(message: ChatMessage) -> JSON:
     decoded and re-encoded."""
     role = "system" if message.role == "developer" else message.role
     content = message.content
+    out: JSON = {"role": role, "content": message_text(message)}
     if isinstance(content, list):
         # File parts were replaced by their text, and image URLs by our own data URIs, before this.
         assert not any(isinstance(part, FilePart) for part in content), "a file part reached the payload"
         if any(isinstance(part, ImagePart) for part in content):
-            return {"role": role, "content": [_part(part) for part in content]}
-    return {"role": role, "content": message_text(message)}
+            out["content"] = [_part(part) for part in content]
+    if message.reasoning_content and role == "assistant":
+        out["reasoning_content"] = message.reasoning_content  # a thinking template may show it again
+    return out
 
 
 def _part(part: TextPart | ImagePart | FilePart) -> JSON:

@@ -25,13 +25,17 @@ from typing import Any, ClassVar
 import aiohttp
 import psutil
 
+from llmserver.catalog import gguf_pooling
 from llmserver.engine.client import LlamaServerClient
+from llmserver.engine.reasoning import Template
 from llmserver.errors import APIError
 from llmserver.settings import ModelConfig
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# A conversation rendered with thinking on and off: a template that thinks renders it otherwise.
+THINKING_PROBE = {"messages": [{"role": "user", "content": "1+1?"}]}
 PROBE_TIMEOUT = 2.0  # seconds for a health probe's connect, and again for its answer
 
 
@@ -86,6 +90,15 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def embedding_pooling(model_file: Path) -> str:
+    """The pooling an embedding model's instances use when `pooling` is not set: the GGUF's own, else mean."""
+    declared = gguf_pooling(model_file)
+    if declared in (None, "none"):
+        log.info("%s declares no pooling for embeddings: using mean (set pooling to choose)", model_file.name)
+        return "mean"
+    return str(declared)
+
+
 def llama_server_args(
     binary: Path,
     model_file: Path,
@@ -100,8 +113,10 @@ def llama_server_args(
     # An input is embedded in one batch: let a batch hold a whole context.
     embedding = ["--embeddings", "--batch-size", str(model.ctx_size), "--ubatch-size", str(model.ctx_size)]
     embedding = embedding if model.embedding else []
-    if model.pooling is not None:
-        embedding += ["--pooling", model.pooling]
+    if model.embedding:
+        # A GGUF that declares no pooling, or none (any chat model), would start and then refuse every
+        # request ("Pooling type 'none' is not OAI compatible"): it gets mean unless `pooling` is set.
+        embedding += ["--pooling", model.pooling or embedding_pooling(model_file)]
     template = ["--chat-template-file", str(model.chat_template_file.expanduser())] if model.chat_template_file else []
     return [
         str(binary),
@@ -159,9 +174,9 @@ class Instance:
     restarting: bool = False
     ram_used_mb: int = 0
     cpu_percent: float | None = None
-    # Whether the model's chat template renders tools and tool calls itself (llama-server's /props);
-    # if not, the gateway describes them in the prompt (engine/tools.py).
-    native_tools: bool = False
+    # What the model's chat template does (llama-server's /props and /apply-template): renders tools
+    # itself (if not, the gateway describes them in the prompt: engine/tools.py), thinks.
+    template: Template = field(default_factory=Template)
     keep_until: float = 0.0  # a request's keep_alive: not stopped for idleness before this (time.time())
     api_key: str | None = None  # llama-server's --api-key (instance_api_key, or a random one)
     ram_cache: bool = True  # llama-server's RAM prompt cache (off under cache_isolation = "key")
@@ -176,6 +191,10 @@ class Instance:
 
     def __post_init__(self) -> None:
         self.idle.set()
+
+    @property
+    def native_tools(self) -> bool:
+        return self.template.tools
 
     @property
     def pid(self) -> int | None:
@@ -359,7 +378,7 @@ class Instance:
         self.client = LlamaServerClient(
             self.base_url, connections=self.model.most_in_flight + 2, api_key=self.api_key, tls=self.tls
         )
-        self.native_tools = await self.template_has_tools()
+        self.template = await self.learn_template()
         with contextlib.suppress(psutil.Error):
             self._ps = psutil.Process(self.process.pid)
             self._ps.cpu_percent(None)  # primes the interval measure; this first value means nothing
@@ -367,19 +386,31 @@ class Instance:
         self.status = Status.READY
         self.last_activity = time.time()
         log.info(
-            "instance %s (%s) ready in %.1f s; tool calls: %s",
+            "instance %s (%s) ready in %.1f s; tool calls: %s; thinking: %s",
             self.id, self.model.name, time.time() - self.started_at,
             "its chat template's" if self.native_tools else "described in the prompt (the template has no tools)",
+            "yes" if self.template.thinks else "no (the template does not think)",
         )  # fmt: skip
 
-    async def template_has_tools(self) -> bool:
+    async def learn_template(self) -> Template:
+        """What the chat template does: its capabilities in /props, and whether it thinks (rendered with
+        enable_thinking on and off, a thinking template differs)."""
         assert self.client is not None
         try:
             caps = (await self.client.get_json("/props")).get("chat_template_caps") or {}
+            rendered = [
+                (await self.client.post_json("/apply-template", {**THINKING_PROBE, "chat_template_kwargs": {
+                    "enable_thinking": thinking}})).get("prompt")
+                for thinking in (True, False)
+            ]  # fmt: skip
         except APIError as exc:
             log.warning("instance %s: no /props (%s); tools will be described in the prompt", self.id, exc.message)
-            return False
-        return bool(caps.get("supports_tool_calls")) and bool(caps.get("supports_tools"))
+            return Template()
+        return Template(
+            tools=bool(caps.get("supports_tool_calls")) and bool(caps.get("supports_tools")),
+            thinks=rendered[0] != rendered[1],
+            effort=bool(caps.get("supports_reasoning_effort")),
+        )
 
     async def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -586,5 +586,5 @@ class Registry:
         instance.client = LlamaServerClient(
             instance.base_url, connections=pool.config.most_in_flight + 2, api_key=self._api_key, tls=instance.tls
         )
-        instance.native_tools = await instance.template_has_tools()
+        instance.template = await instance.learn_template()
         return instance

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
+from llmserver.errors import InvalidRequest
+
 MAX_STOP_STRINGS = 4
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
@@ -62,6 +64,26 @@ class Sampling(Strict):
 
     def sampling_fields(self) -> dict[str, Any]:
         return {name: value for name in SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+
+
+def refused(what: str) -> Any:
+    """A field the client's API defines that this server does not do: refused (400 naming it) when present."""
+    return Field(default=None, description=f"Refused: {what}.")
+
+
+def absent(value: Any) -> Any:
+    """The check of a `refused` field (its validator): only null (or false) passes."""
+    if value is not None and value is not False:
+        raise ValueError("not supported by this server")
+    return value
+
+
+def string_field(item: dict[str, Any], name: str, where: str) -> str:
+    """`item[name]`, which must be a string (a 400 naming `where.name` if not)."""
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{where}.{name}: a string is required", param=f"{where}.{name}")
+    return value
 
 
 def normalize_stop(stop: list[str] | None) -> list[str]:

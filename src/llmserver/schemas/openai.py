@@ -10,13 +10,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, field_validator, model_validator
 
 from llmserver.errors import InvalidRequest
 from llmserver.schemas.common import MAX_STOP_STRINGS, LogitBias, Sampling, StopStringOrList, Strict
 
 # Accepted and not used: they change nothing about the answer.
 HARMLESS = ("metadata", "store", "service_tier", "safety_identifier")
+# Fields of an assistant message that clients copy back from an earlier answer (the OpenAI SDK, litellm,
+# OpenRouter-style reasoning): accepted and ignored, but for reasoning_content (given to the template).
+ECHOED = (
+    "reasoning_content", "refusal", "annotations", "audio", "function_call", "reasoning", "reasoning_details",
+    "thinking_blocks", "provider_specific_fields",
+)  # fmt: skip
+# OpenAI's reasoning_effort values; each maps to thinking on or off and a budget (engine/reasoning.py).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class TextPart(Strict):
@@ -64,11 +72,17 @@ class ChatMessage(Strict):
     name: str | None = Field(default=None, description="Accepted; chat templates do not show it to the model.")
     tool_calls: list[ToolCall] | None = Field(default=None, description="Assistant messages: the calls it made.")
     tool_call_id: str | None = Field(default=None, description="Tool messages: the call this answers.")
+    # What clients copy back of an earlier answer (ours or another server's): accepted and ignored
+    # (`ECHOED`), but for `reasoning_content`, which goes to the chat template (some render it).
+    reasoning_content: str | None = Field(default=None, description="Assistant messages: the model's reasoning.")
     refusal: str | None = None
-    # What an SDK echoes back of an earlier answer: accepted when empty.
     annotations: list[Any] | None = None
-    audio: None = None
+    audio: dict[str, Any] | None = None
     function_call: None = None
+    reasoning: Any = None
+    reasoning_details: Any = None
+    thinking_blocks: Any = None
+    provider_specific_fields: Any = None
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
@@ -184,17 +198,20 @@ class ChatRequest(_OpenAIRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_cache_key: str | None = Field(default=None, description="Used for prompt-cache affinity.")
     modalities: list[str] | None = Field(default=None, description='Only ["text"] is supported.')
+    # Set by the Anthropic Messages translation (`thinking.budget_tokens`), which has no effort levels.
+    _thinking_budget: int | None = PrivateAttr(default=None)
 
     audio: Any = _refuse("audio output")
     prediction: Any = _refuse("predicted outputs")
     functions: Any = _refuse("the deprecated functions; use tools")
     function_call: Any = _refuse("the deprecated function_call; use tool_choice")
-    reasoning_effort: Any = _refuse("reasoning effort")
+    reasoning_effort: ReasoningEffort | None = Field(
+        default=None, description="For a model whose chat template thinks: thinking off (none) or its budget."
+    )
     verbosity: Any = _refuse("verbosity")
     web_search_options: Any = _refuse("web search")
 
-    @field_validator("audio", "prediction", "functions", "function_call", "reasoning_effort", "verbosity",
-                     "web_search_options")  # fmt: skip
+    @field_validator("audio", "prediction", "functions", "function_call", "verbosity", "web_search_options")
     @classmethod
     def _unsupported(cls, value: Any) -> Any:
         if value is not None:

@@ -1,0 +1,57 @@
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens (a chat request
+underneath: `schemas/anthropic.py`). Its errors are Anthropic's error object (app.py renders them so
+for these paths); its key may come as `x-api-key`, as Anthropic's SDK sends it."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from llmserver.api import translated
+from llmserver.api.deps import FastJSONResponse, body_schema, direct, generation, header, parse, validate
+from llmserver.api.events import EventStream
+from llmserver.engine import anthropic
+from llmserver.schemas.anthropic import PARAMS, MessagesRequest
+from llmserver.schemas.openai import ChatRequest
+
+router = APIRouter()
+
+PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+class CountRequest(MessagesRequest):
+    max_tokens: int = 1  # not needed to count
+
+
+@router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest), response_model=None)
+@direct
+async def create_message(request: Request) -> FastJSONResponse | EventStream:
+    principal, body = await parse(request, MessagesRequest, gate=generation(request).admission.precheck)
+    with translated.renamed([], PARAMS):
+        chat_body, origins, budget = body.chat()
+
+    def adjust(chat: ChatRequest) -> None:
+        chat._thinking_budget = budget
+
+    return await translated.answer(
+        request, principal, chat_body, origins, PARAMS, "/v1/messages",
+        shape=anthropic.message, events=anthropic.stream, adjust=adjust,
+    )  # fmt: skip
+
+
+@router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountRequest), response_model=None)
+@direct
+async def count_tokens(request: Request) -> FastJSONResponse:
+    """The prompt's tokens as the model's template and tokenizer make them. It is a request (admitted,
+    counted in the key's rpm, recorded in the ledger) that generates and charges nothing."""
+    service = generation(request)
+    principal, body = await parse(request, CountRequest)
+    with translated.renamed([], PARAMS):
+        chat_body, origins, budget = body.chat()
+    with translated.renamed(origins, PARAMS):
+        chat = validate(ChatRequest, {**chat_body, "max_tokens": 1, "stream": False})
+        chat.stream_options = None
+        chat._thinking_budget = budget
+        ticket = await service.admit(principal, chat, "/v1/messages/count_tokens", header(request, b"x-session-id"))
+        request.state.tally = ticket.tally
+        tokens = await service.count_tokens(ticket, chat)
+    return FastJSONResponse({"input_tokens": tokens})

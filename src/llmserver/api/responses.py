@@ -1,0 +1,26 @@
+"""OpenAI's Responses API: POST /v1/responses (a chat request underneath: `schemas/responses.py`)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from llmserver.api import translated
+from llmserver.api.deps import FastJSONResponse, body_schema, direct, generation, parse
+from llmserver.api.events import EventStream
+from llmserver.engine import responses
+from llmserver.schemas.responses import PARAMS, ResponsesRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest), response_model=None)
+@direct
+async def create_response(request: Request) -> FastJSONResponse | EventStream:
+    principal, body = await parse(request, ResponsesRequest, gate=generation(request).admission.precheck)
+    with translated.renamed([], PARAMS):
+        chat_body, origins = body.chat()
+    return await translated.answer(
+        request, principal, chat_body, origins, PARAMS, "/v1/responses",
+        shape=lambda answer: responses.response(answer, body),
+        events=lambda stream, model: responses.stream(stream, body, model),
+    )  # fmt: skip

@@ -1,0 +1,155 @@
+"""Anthropic's Messages API answer shapes, from the chat answer a message is (`schemas/anthropic.py`).
+
+A non-streamed message is built from the chat completion; a streamed one from the chat stream's
+chunks (`engine/responses.chat_chunks`) as Anthropic's events: message_start, then per content block
+(thinking, text, each tool_use) content_block_start, its deltas and content_block_stop, then
+message_delta (the stop reason and the counts) and message_stop. A failure mid-stream is an `error`
+event, as Anthropic sends one. Errors before the answer are Anthropic's error object (`error_body`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import orjson
+
+from llmserver.engine.responses import chat_chunks
+
+JSON = dict[str, Any]
+
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# Our error types → Anthropic's (the HTTP status stays ours).
+ERROR_TYPES = {
+    "context_length_exceeded": "invalid_request_error",
+    "model_not_found": "not_found_error",
+    "unsupported_media_type": "invalid_request_error",
+    "unprocessable_file": "invalid_request_error",
+    "insufficient_quota": "rate_limit_error",
+    "upstream_error": "api_error",
+    "server_error": "api_error",
+    "timeout_error": "api_error",
+}
+
+
+def error_body(error: JSON) -> JSON:
+    """Our error envelope's content as Anthropic's error object."""
+    kind = str(error.get("type", "api_error"))
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(kind, kind), "message": error.get("message", "")}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{random.getrandbits(96):024x}"
+
+
+def usage(counts: JSON | None) -> JSON:
+    counts = counts or {}
+    cached = int((counts.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    return {
+        "input_tokens": int(counts.get("prompt_tokens", 0)) - cached,
+        "output_tokens": int(counts.get("completion_tokens", 0)),
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _input(arguments: str) -> Any:
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def message(answer: JSON) -> JSON:
+    """A chat completion (ours) as an Anthropic message."""
+    choice = answer["choices"][0]
+    chat = choice["message"]
+    content: list[JSON] = []
+    if chat.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": chat["reasoning_content"], "signature": ""})
+    if chat.get("content"):
+        content.append({"type": "text", "text": chat["content"]})
+    for call in chat.get("tool_calls") or []:
+        function = call["function"]
+        content.append({"type": "tool_use", "id": call["id"], "name": function["name"],
+                        "input": _input(function["arguments"])})  # fmt: skip
+    return {
+        "id": new_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "model": answer["model"],
+        "content": content,
+        "stop_reason": STOP_REASONS.get(choice.get("finish_reason"), "end_turn"),
+        "stop_sequence": None,
+        "usage": usage(answer.get("usage")),
+    }
+
+
+def sse(event: JSON) -> bytes:
+    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+async def stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerator[bytes, Any]:
+    """Anthropic's events for a chat stream (already open: its first step has run)."""
+    start: JSON = {
+        "id": new_id("msg"), "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": usage(None),
+    }  # fmt: skip
+    yield sse({"type": "message_start", "message": start}) + sse({"type": "ping"})
+    index = -1
+    block: str | None = None  # the kind of the block being streamed
+    finish, counts = "stop", None
+
+    def open_block(kind: str, content_block: JSON) -> bytes:
+        nonlocal index, block
+        out = close_block()
+        index += 1
+        block = kind
+        return out + sse({"type": "content_block_start", "index": index, "content_block": content_block})
+
+    def close_block() -> bytes:
+        nonlocal block
+        if block is None:
+            return b""
+        block = None
+        return sse({"type": "content_block_stop", "index": index})
+
+    async for chunk in chat_chunks(chat):
+        out: list[bytes] = []
+        if "error" in chunk:
+            yield close_block() + sse(error_body(chunk["error"]))
+            return
+        counts = chunk.get("usage") or counts
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if block != "thinking":
+                    out.append(open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
+                text = delta["reasoning_content"]
+                out.append(sse({"type": "content_block_delta", "index": index,
+                                "delta": {"type": "thinking_delta", "thinking": text}}))  # fmt: skip
+            if delta.get("content"):
+                if block != "text":
+                    out.append(open_block("text", {"type": "text", "text": ""}))
+                out.append(sse({"type": "content_block_delta", "index": index,
+                                "delta": {"type": "text_delta", "text": delta["content"]}}))  # fmt: skip
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                if call.get("id"):
+                    out.append(open_block("tool_use", {"type": "tool_use", "id": call["id"],
+                                                       "name": function.get("name", ""), "input": {}}))  # fmt: skip
+                if function.get("arguments"):
+                    partial = {"type": "input_json_delta", "partial_json": function["arguments"]}
+                    out.append(sse({"type": "content_block_delta", "index": index, "delta": partial}))
+            if choice.get("finish_reason"):
+                finish = choice["finish_reason"]
+        if out:
+            yield b"".join(out)
+    final = usage(counts)
+    ending = {"stop_reason": STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None}
+    yield (
+        close_block() + sse({"type": "message_delta", "delta": ending, "usage": final}) + sse({"type": "message_stop"})
+    )

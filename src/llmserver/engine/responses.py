@@ -1,0 +1,259 @@
+"""The Responses API's answer shapes, from the chat answer a response is (`schemas/responses.py`).
+
+A non-streamed response is built from the chat completion; a streamed one from the chat stream's
+chunks as they come (`chat_chunks`), turned into the Responses events: response.created and
+response.in_progress, then for each output item (reasoning, the message, each function call) its
+output_item.added, deltas and done events, and last response.completed (response.incomplete when
+max_output_tokens cut it). A failure mid-stream is an `error` event followed by response.failed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import orjson
+
+from llmserver.schemas.responses import ResponsesRequest
+
+JSON = dict[str, Any]
+
+
+async def chat_chunks(stream: AsyncGenerator[bytes, Any]) -> AsyncIterator[JSON]:
+    """The chunks (parsed) of one of our chat streams, until its `[DONE]`; the stream is closed after."""
+    pending = b""
+    try:
+        async for data in stream:
+            pending += data
+            while b"\n\n" in pending:
+                event, pending = pending.split(b"\n\n", 1)
+                payload = event.removeprefix(b"data: ")
+                if payload == b"[DONE]":
+                    return
+                if payload:
+                    yield orjson.loads(payload)
+    finally:
+        await stream.aclose()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{random.getrandbits(96):024x}"
+
+
+def usage(counts: JSON | None) -> JSON:
+    """A chat usage object in the Responses shape (reasoning tokens are not counted apart by llama.cpp)."""
+    counts = counts or {}
+    prompt, completion = int(counts.get("prompt_tokens", 0)), int(counts.get("completion_tokens", 0))
+    cached = int((counts.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+class Response:
+    """One response object: its fixed fields from the request, its output and status as they come."""
+
+    def __init__(self, request: ResponsesRequest, model: str) -> None:
+        self.id = new_id("resp")
+        self.created = int(time.time())
+        self.request = request
+        self.model = model
+        self.output: list[JSON] = []
+
+    def body(self, status: str, counts: JSON | None = None, error: JSON | None = None) -> JSON:
+        request = self.request
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "model": self.model,
+            "output": self.output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": {"effort": request.reasoning.effort if request.reasoning else None, "summary": None},
+            "store": False,
+            "temperature": request.temperature,
+            "text": {"format": (request.text.format if request.text else None) or {"type": "text"}},
+            "tool_choice": request.tool_choice or "auto",
+            "tools": request.tools or [],
+            "top_p": request.top_p,
+            "truncation": "disabled",
+            "usage": usage(counts) if counts is not None else None,
+            "user": request.user,
+            "metadata": request.metadata or {},
+        }
+
+
+def reasoning_item(text: str, status: str = "completed") -> JSON:
+    return {
+        "id": new_id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
+def message_item(text: str, status: str = "completed") -> JSON:
+    return {
+        "id": new_id("msg"),
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else [],
+    }
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> JSON:
+    return {
+        "id": new_id("fc"),
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def response(answer: JSON, request: ResponsesRequest) -> JSON:
+    """A chat completion (ours) as a response object."""
+    choice = answer["choices"][0]
+    message = choice["message"]
+    shaped = Response(request, answer["model"])
+    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+    if message.get("reasoning_content"):
+        shaped.output.append(reasoning_item(message["reasoning_content"]))
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not calls:
+        shaped.output.append(message_item(message.get("content") or "", status))
+    for call in calls:
+        shaped.output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    return shaped.body(status, answer.get("usage"))
+
+
+def sse(event: JSON) -> bytes:
+    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+class _Events:
+    """The Responses events of one stream, numbered."""
+
+    def __init__(self, shaped: Response) -> None:
+        self.shaped = shaped
+        self.sequence = 0
+        self.item: JSON | None = None  # the output item being streamed
+        self.text: list[str] = []
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        self.sequence += 1
+        return sse({"type": kind, "sequence_number": self.sequence, **fields})
+
+    @property
+    def index(self) -> int:
+        return len(self.shaped.output)
+
+    def open(self, item: JSON) -> list[bytes]:
+        out = self.close()
+        self.item, self.text = item, []
+        out.append(self.event("response.output_item.added", output_index=self.index, item=item))
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.index,
+                                  content_index=0, part=part))  # fmt: skip
+        return out
+
+    def close(self, status: str = "completed") -> list[bytes]:
+        item = self.item
+        if item is None:
+            return []
+        self.item = None
+        text, at, out = "".join(self.text), self.index, []
+        if item["type"] == "reasoning":
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=at,
+                                  content_index=0, text=text))  # fmt: skip
+            item = reasoning_item(text, status) | {"id": item["id"]}
+        elif item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=at, content_index=0,
+                                  text=text, logprobs=[]))  # fmt: skip
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=at,
+                                  content_index=0, part=part))  # fmt: skip
+            item = message_item(text, status) | {"id": item["id"]}
+        else:
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                                  name=item["name"], arguments=text))  # fmt: skip
+            item = {**item, "arguments": text, "status": "completed"}
+        out.append(self.event("response.output_item.done", output_index=at, item=item))
+        self.shaped.output.append(item)
+        return out
+
+    def delta(self, kind: str, text: str) -> bytes:
+        assert self.item is not None
+        self.text.append(text)
+        if kind == "reasoning":
+            return self.event("response.reasoning_text.delta", item_id=self.item["id"], output_index=self.index,
+                              content_index=0, delta=text)  # fmt: skip
+        if kind == "message":
+            return self.event("response.output_text.delta", item_id=self.item["id"], output_index=self.index,
+                              content_index=0, delta=text, logprobs=[])  # fmt: skip
+        return self.event("response.function_call_arguments.delta", item_id=self.item["id"],
+                          output_index=self.index, delta=text)  # fmt: skip
+
+
+async def stream(chat: AsyncGenerator[bytes, Any], request: ResponsesRequest, model: str) -> AsyncGenerator[bytes, Any]:
+    """The Responses events of a chat stream (already open: its first step has run)."""
+    shaped = Response(request, model)
+    events = _Events(shaped)
+    yield events.event("response.created", response=shaped.body("in_progress")) + events.event(
+        "response.in_progress", response=shaped.body("in_progress")
+    )
+    finish, counts = "stop", None
+    async for chunk in chat_chunks(chat):
+        out: list[bytes] = []
+        if "error" in chunk:
+            error = chunk["error"]
+            out.extend(events.close("incomplete"))
+            out.append(events.event("error", code=error.get("type"), message=error.get("message"),
+                                    param=error.get("param")))  # fmt: skip
+            failed = {"code": error.get("type"), "message": error.get("message")}
+            out.append(events.event("response.failed", response=shaped.body("failed", counts, failed)))
+            yield b"".join(out)
+            return
+        counts = chunk.get("usage") or counts
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if events.item is None or events.item["type"] != "reasoning":
+                    out.extend(events.open(reasoning_item("", "in_progress") | {"content": []}))
+                out.append(events.delta("reasoning", delta["reasoning_content"]))
+            if delta.get("content"):
+                if events.item is None or events.item["type"] != "message":
+                    out.extend(events.open(message_item("", "in_progress")))
+                out.append(events.delta("message", delta["content"]))
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                if call.get("id"):
+                    out.extend(events.open(call_item(call["id"], function.get("name", ""), "", "in_progress")))
+                if function.get("arguments"):
+                    out.append(events.delta("function_call", function["arguments"]))
+            if choice.get("finish_reason"):
+                finish = choice["finish_reason"]
+        if out:
+            yield b"".join(out)
+    status = "incomplete" if finish == "length" else "completed"
+    out = events.close(status)
+    if not shaped.output:  # an empty answer is still one (empty) message, as a non-streamed one has
+        out += events.open(message_item("", "in_progress")) + events.close(status)
+    kind = "response.incomplete" if status == "incomplete" else "response.completed"
+    yield b"".join([*out, events.event(kind, response=shaped.body(status, counts))])

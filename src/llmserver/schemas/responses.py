@@ -1,0 +1,245 @@
+"""OpenAI's Responses API request (`POST /v1/responses`), read as the chat request it amounts to.
+
+A response is one chat completion: `instructions` and `input` become the messages, function tools
+and `text.format` the chat's tools and response_format, `reasoning.effort` its reasoning_effort.
+Everything after that is the chat path's: admission, quotas, the ledger, affinity, prompted or
+native tools, images and files. Each field is honoured, accepted without effect, or refused with a
+400 naming it, as for chat (docs/api/responses.md has the table). Nothing is stored: `store` is
+accepted and nothing is kept, and a response cannot be retrieved or continued by id
+(`previous_response_id` is refused by name): prompts and answers stay out of the database, as the
+async jobs' privacy rules want, and a client sends its whole conversation each turn, as with chat.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from llmserver.errors import InvalidRequest
+from llmserver.schemas.common import Strict, absent, refused, string_field
+from llmserver.schemas.openai import ReasoningEffort
+
+JSON = dict[str, Any]
+
+# A chat parameter → what the same thing is called in a Responses request (for the errors).
+PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
+
+
+class TextConfig(Strict):
+    format: JSON | None = Field(default=None, description='{"type": "text" | "json_object" | "json_schema", …}')
+    verbosity: Literal["medium"] | None = Field(default=None, description="Only medium (the default) is supported.")
+
+
+class ReasoningConfig(Strict):
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        default=None, description="Accepted; the reasoning itself is returned, not a summary."
+    )
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class StreamOptions(Strict):
+    include_obfuscation: bool | None = None  # no effect
+
+
+class ResponsesRequest(Strict):
+    api_key: str | None = Field(default=None, description="The API key, when not sent as a Bearer token.")
+    model: str | None = Field(default=None, description="Model name; default: the first configured model.")
+    input: str | list[JSON] = Field(description="A text, or a list of input items (messages, function calls, …).")
+    instructions: str | None = Field(default=None, description="A system message put first.")
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, description="llama.cpp: sample from the k likeliest tokens.")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-1, le=2**63 - 1)
+    tools: list[JSON] | None = Field(default=None, max_length=128, description="Function tools only.")
+    tool_choice: str | JSON | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    keep_alive: float | None = Field(default=None, ge=0)
+    user: str | None = Field(default=None, description="Used for prompt-cache affinity.")
+    prompt_cache_key: str | None = Field(default=None, description="Used for prompt-cache affinity.")
+    truncation: Literal["disabled"] | None = Field(default=None, description='Only "disabled" is supported.')
+    # Accepted without effect.
+    metadata: dict[str, str] | None = None
+    store: bool | None = Field(default=None, description="Accepted; responses are never stored.")
+    include: list[str] | None = Field(default=None, description="Accepted; nothing extra is included.")
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_retention: str | None = None
+    # Refused by name.
+    previous_response_id: Any = refused("responses are not stored; send the whole conversation in input")
+    conversation: Any = refused("conversations are not stored; send the whole conversation in input")
+    background: Any = refused("background responses; use the async mode of /v1/chat/completions")
+    prompt: Any = refused("stored prompt templates")
+    top_logprobs: Any = refused("logprobs; use /v1/chat/completions")
+    max_tool_calls: Any = refused("a tool-call budget")
+    context_management: Any = refused("context management")
+
+    @field_validator(
+        "previous_response_id", "conversation", "background", "prompt", "top_logprobs", "max_tool_calls",
+        "context_management",
+    )  # fmt: skip
+    @classmethod
+    def _unsupported(cls, value: Any) -> Any:
+        return absent(value)
+
+    def chat(self) -> tuple[JSON, list[str]]:
+        """The chat request this response is (to validate as any chat request), and where in this request
+        each of its messages came from (to name them in errors)."""
+        chat_messages, origins = messages(self.instructions, self.input)
+        body: JSON = {
+            "model": self.model,
+            "messages": chat_messages,
+            "max_tokens": self.max_output_tokens,
+            "stream": self.stream,
+            "user": self.user,
+            "prompt_cache_key": self.prompt_cache_key,
+            "keep_alive": self.keep_alive,
+            **{name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")},
+        }
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.tools:
+            body["tools"] = [_tool(tool, index) for index, tool in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _tool_choice(self.tool_choice)
+        if self.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.text is not None and self.text.format is not None:
+            body["response_format"] = _format(self.text.format)
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
+        return {name: value for name, value in body.items() if value is not None}, origins
+
+
+def messages(instructions: str | None, given: str | list[JSON]) -> tuple[list[JSON], list[str]]:
+    """The chat messages of a Responses input: items in order, a run of function calls one assistant
+    message, each function call output a tool message; and the parameter each came from."""
+    out: list[JSON] = [{"role": "system", "content": instructions}] if instructions else []
+    origins = ["instructions"] if instructions else []
+    if isinstance(given, str):
+        return [*out, {"role": "user", "content": given}], [*origins, "input"]
+    if not given:
+        raise InvalidRequest("input: must hold at least one item", param="input")
+    reasoning: str | None = None  # an echoed reasoning item: given to the assistant turn after it
+    for index, item in enumerate(given):
+        where = f"input.{index}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append(_message(item, where))
+        elif kind == "function_call":
+            call = {
+                "id": string_field(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": string_field(item, "name", where),
+                    "arguments": string_field(item, "arguments", where),
+                },
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)
+                continue
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            content = output if isinstance(output, str) else _parts(output, f"{where}.output", "user")
+            out.append({"role": "tool", "tool_call_id": string_field(item, "call_id", where), "content": content})
+        elif kind == "reasoning":
+            texts = [part.get("text") for part in item.get("content") or [] if isinstance(part, dict)]
+            reasoning = "".join(text for text in texts if isinstance(text, str)) or None
+            continue
+        else:
+            raise InvalidRequest(
+                f"{where}.type: {kind!r} items are not supported (message, function_call, function_call_output "
+                "and reasoning are)",
+                param=f"{where}.type",
+            )
+        origins.append(where)
+        if reasoning and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"] = reasoning
+        reasoning = None
+    return out, origins
+
+
+def _message(item: JSON, where: str) -> JSON:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise InvalidRequest(f"{where}.role: must be user, system, developer or assistant", param=f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    return {"role": role, "content": _parts(content, f"{where}.content", role)}
+
+
+def _parts(content: Any, where: str, role: str) -> list[JSON]:
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}: must be a string or a list of content parts", param=where)
+    parts: list[JSON] = []
+    for index, part in enumerate(content):
+        at = f"{where}.{index}"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": string_field(part, "text", at)})
+        elif kind == "refusal":
+            parts.append({"type": "text", "text": string_field(part, "refusal", at)})
+        elif kind == "input_image" and role != "assistant":
+            if part.get("file_id") is not None or not isinstance(part.get("image_url"), str):
+                raise InvalidRequest(f"{at}: an image is sent as image_url (a URL or data: URI)", param=at)
+            image: JSON = {"url": part["image_url"]}
+            if part.get("detail") in ("auto", "low", "high"):
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
+        elif kind == "input_file" and role != "assistant":
+            if part.get("file_id") is not None or part.get("file_url") is not None:
+                raise InvalidRequest(f"{at}: a file is sent inline as file_data (a data: URI)", param=at)
+            file = {"filename": part.get("filename"), "file_data": part.get("file_data")}
+            parts.append({"type": "file", "file": file})
+        else:
+            raise InvalidRequest(f"{at}.type: {kind!r} is not a content part taken here", param=f"{at}.type")
+    return parts
+
+
+def _tool(tool: JSON, index: int) -> JSON:
+    if tool.get("type") != "function":
+        raise InvalidRequest(
+            f"tools.{index}.type: {tool.get('type')!r} tools are not supported; only function tools are",
+            param=f"tools.{index}.type",
+        )
+    unknown = set(tool) - {"type", "name", "description", "parameters", "strict"}
+    if unknown:
+        raise InvalidRequest(f"Unrecognized request argument supplied: tools.{index}.{min(unknown)}", param="tools")
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: str | JSON) -> str | JSON:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if choice.get("type") == "allowed_tools":
+        raise InvalidRequest("tool_choice: allowed_tools is not supported", param="tool_choice")
+    raise InvalidRequest('tool_choice: "none", "auto", "required" or {"type": "function", "name"}', param="tool_choice")
+
+
+def _format(form: JSON) -> JSON:
+    kind = form.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        schema = {key: form[key] for key in ("name", "description", "schema", "strict") if form.get(key) is not None}
+        schema.setdefault("name", "answer")
+        return {"type": "json_schema", "json_schema": schema}
+    raise InvalidRequest("text.format.type: text, json_object or json_schema", param="text.format.type")
