@@ -27,13 +27,13 @@ class CountRequest(MessagesRequest):
 async def create_message(request: Request) -> FastJSONResponse | EventStream:
     principal, body = await parse(request, MessagesRequest, gate=generation(request).admission.precheck)
     with translated.renamed([], PARAMS):
-        chat_body, origins, budget = body.chat()
+        chat_body, origins, budget, names = body.chat()
 
     def adjust(chat: ChatRequest) -> None:
         chat._thinking_budget = budget
 
     return await translated.answer(
-        request, principal, chat_body, origins, PARAMS, "/v1/messages",
+        request, principal, chat_body, origins, names, "/v1/messages",
         shape=anthropic.message, events=anthropic.stream, adjust=adjust,
     )  # fmt: skip
 
@@ -46,8 +46,8 @@ async def count_tokens(request: Request) -> FastJSONResponse:
     service = generation(request)
     principal, body = await parse(request, CountRequest)
     with translated.renamed([], PARAMS):
-        chat_body, origins, budget = body.chat()
-    with translated.renamed(origins, PARAMS):
+        chat_body, origins, budget, names = body.chat()
+    with translated.renamed(origins, names):
         chat = validate(ChatRequest, {**chat_body, "max_tokens": 1, "stream": False})
         chat.stream_options = None
         chat._thinking_budget = budget

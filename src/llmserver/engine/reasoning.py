@@ -50,8 +50,8 @@ def fields(effort: str | None, budget: int | None, max_tokens: int, template: Te
         if effort == "none":
             return {}
         raise InvalidRequest(
-            f"reasoning_effort: the chat template of {model!r} does not think, so an effort has no effect "
-            "(leave it out, or use a model whose template thinks).",
+            f"reasoning_effort: the chat template of {model!r} does not think, so reasoning cannot be asked of it "
+            "(leave this out, or use a model whose template thinks).",
             param="reasoning_effort",
         )
     if effort == "none":

@@ -26,6 +26,7 @@ PARAMS = {
     "stop": "stop_sequences",
     "user": "metadata.user_id",
     "reasoning_effort": "thinking",
+    "response_format": "output_config.format",
 }
 # Anthropic's server tools (web search, code execution, …) are typed `<name>_<date>`; ours are "custom".
 CUSTOM_TOOL_FIELDS = {"type", "name", "description", "input_schema", "cache_control"}
@@ -43,6 +44,16 @@ class Thinking(Strict):
     display: str | None = None
 
 
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: JSON = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
 class MessagesRequest(Strict):
     api_key: str | None = Field(default=None, description="The API key, when not sent as x-api-key or Bearer.")
     model: str | None = Field(default=None, description="Model name; default: the first configured model.")
@@ -58,22 +69,29 @@ class MessagesRequest(Strict):
     tool_choice: JSON | None = None
     thinking: Thinking | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
     keep_alive: float | None = Field(default=None, ge=0)
     # Accepted without effect.
     service_tier: str | None = None
+    cache_control: JSON | None = Field(default=None, description="Accepted; llama.cpp caches prompts by itself.")
+    inference_geo: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
     # Refused by name.
     container: Any = refused("code-execution containers")
     mcp_servers: Any = refused("MCP servers")
     context_management: Any = refused("context management")
-    output_format: Any = refused("structured outputs here; use /v1/chat/completions with response_format")
+    diagnostics: Any = refused("diagnostics")
 
-    @field_validator("container", "mcp_servers", "context_management", "output_format")
+    @field_validator("container", "mcp_servers", "context_management", "diagnostics")
     @classmethod
     def _unsupported(cls, value: Any) -> Any:
         return absent(value)
 
-    def chat(self) -> tuple[JSON, list[str], int | None]:
-        """The chat request this is, where each of its messages came from, and the thinking budget."""
+    def chat(self) -> tuple[JSON, list[str], int | None, dict[str, str]]:
+        """The chat request this is, where each of its messages came from, the thinking budget, and the
+        names of its parameters in this request."""
         chat_messages, origins = messages(self.system, self.messages)
         body: JSON = {
             "model": self.model,
@@ -93,11 +111,18 @@ class MessagesRequest(Strict):
             body["tools"] = [_tool(tool, index) for index, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
             body.update(_tool_choice(self.tool_choice))
-        budget = None
+        budget, names = None, PARAMS
+        effort = self.output_config.effort if self.output_config else None
         if self.thinking is not None:
-            body["reasoning_effort"] = "none" if self.thinking.type == "disabled" else "high"
+            body["reasoning_effort"] = "none" if self.thinking.type == "disabled" else effort or "high"
             budget = self.thinking.budget_tokens if self.thinking.type == "enabled" else None
-        return {name: value for name, value in body.items() if value is not None}, origins, budget
+        elif effort is not None:
+            body["reasoning_effort"] = "xhigh" if effort == "max" else effort
+            names = {**PARAMS, "reasoning_effort": "output_config.effort"}
+        if self.output_config is not None and self.output_config.format is not None:
+            schema = self.output_config.format.schema_
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+        return {name: value for name, value in body.items() if value is not None}, origins, budget, names
 
 
 def messages(system: str | list[JSON] | None, given: list[JSON]) -> tuple[list[JSON], list[str]]:

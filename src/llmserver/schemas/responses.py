@@ -173,7 +173,16 @@ def messages(instructions: str | None, given: str | list[JSON]) -> tuple[list[JS
     return out, origins
 
 
+# A message item's fields: what a client writes, and what it copies back of one of our output items.
+MESSAGE_FIELDS = {"type", "role", "content", "id", "status", "phase"}
+
+
 def _message(item: JSON, where: str) -> JSON:
+    unknown = set(item) - MESSAGE_FIELDS
+    if unknown:
+        raise InvalidRequest(
+            f"Unrecognized request argument supplied: {where}.{min(unknown)}", param=f"{where}.{min(unknown)}"
+        )
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise InvalidRequest(f"{where}.role: must be user, system, developer or assistant", param=f"{where}.role")

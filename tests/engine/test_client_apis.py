@@ -1,0 +1,262 @@
+"""The Responses and Messages APIs read as chat requests, and chat answers (and streams) shaped back;
+the reasoning fields. Against the real server and SDKs: tests/e2e/test_client_apis.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import orjson
+import pytest
+
+from llmserver.api.translated import _rename
+from llmserver.engine import anthropic, reasoning, responses
+from llmserver.errors import InvalidRequest
+from llmserver.schemas.anthropic import MessagesRequest
+from llmserver.schemas.openai import ChatRequest
+from llmserver.schemas.responses import PARAMS, ResponsesRequest
+
+THINKS = reasoning.Template(thinks=True)
+
+
+@pytest.mark.parametrize(
+    ("effort", "budget", "expected"),
+    [
+        (None, None, {}),
+        ("none", None, {"chat_template_kwargs": {"enable_thinking": False}}),
+        ("minimal", None, {"chat_template_kwargs": {"enable_thinking": True}, "thinking_budget_tokens": 50}),
+        ("low", None, {"chat_template_kwargs": {"enable_thinking": True}, "thinking_budget_tokens": 100}),
+        ("medium", None, {"chat_template_kwargs": {"enable_thinking": True}, "thinking_budget_tokens": 200}),
+        ("high", None, {"chat_template_kwargs": {"enable_thinking": True}}),
+        ("high", 64, {"chat_template_kwargs": {"enable_thinking": True}, "thinking_budget_tokens": 64}),
+        ("high", 4000, {"chat_template_kwargs": {"enable_thinking": True}, "thinking_budget_tokens": 400}),
+    ],
+)
+def test_an_effort_is_thinking_on_or_off_and_a_share_of_max_tokens(
+    effort: str | None, budget: int | None, expected: dict[str, Any]
+) -> None:
+    assert reasoning.fields(effort, budget, 400, THINKS, "m") == expected
+
+
+def test_a_template_that_does_not_think_refuses_an_effort_but_none() -> None:
+    plain = reasoning.Template()
+    assert reasoning.fields("none", None, 400, plain, "m") == {}
+    with pytest.raises(InvalidRequest) as refused:
+        reasoning.fields("low", None, 400, plain, "m")
+    assert refused.value.param == "reasoning_effort"
+    with_levels = reasoning.Template(thinks=True, effort=True)
+    assert reasoning.fields("low", None, 400, with_levels, "m")["reasoning_effort"] == "low"
+
+
+def chat_of_response(**fields: Any) -> tuple[ChatRequest, list[str]]:
+    body, origins = ResponsesRequest.model_validate(fields).chat()
+    return ChatRequest.model_validate(body), origins
+
+
+def test_a_responses_input_becomes_the_chat_conversation() -> None:
+    chat, origins = chat_of_response(
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris and Rome?"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Two."}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city":"Rome"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+            {"type": "function_call_output", "call_id": "c2", "output": "25 C"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Warm."}]},
+        ],
+        tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "strict": True}},
+        reasoning={"effort": "low"},
+        max_output_tokens=50,
+    )  # fmt: skip
+    roles = [message.role for message in chat.messages]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "assistant"]
+    assert origins == ["instructions", "input.0", "input.2", "input.4", "input.5", "input.6"]
+    calls = chat.messages[2].tool_calls or []
+    assert [call.id for call in calls] == ["c1", "c2"] and chat.messages[2].reasoning_content == "Two."
+    assert chat.tools is not None and chat.tools[0].function.name == "get_weather"
+    assert chat.response_format is not None and chat.response_format.type == "json_schema"
+    assert (chat.max_tokens, chat.reasoning_effort) == (50, "low")
+    assert chat.tool_choice is not None and not isinstance(chat.tool_choice, str)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"input": [{"type": "web_search_call"}]}, "input.0.type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input.0.content.0"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input.0.arguments"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"input": []}, "input"),
+    ],
+)
+def test_a_responses_input_it_cannot_read_is_refused_by_name(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        ResponsesRequest.model_validate(fields).chat()
+    assert refused.value.param == param
+
+
+def test_chat_errors_are_renamed_to_the_clients_parameters() -> None:
+    origins = ["instructions", "input.0", "input.2"]
+    assert _rename("messages.2.content.1", origins, PARAMS) == "input.2.content.1"
+    assert _rename("messages.7", origins, PARAMS) == "input"
+    assert _rename("max_tokens", origins, PARAMS) == "max_output_tokens"
+    assert _rename("response_format.json_schema", origins, PARAMS) == "text.format.json_schema"
+    assert _rename("temperature", origins, PARAMS) == "temperature"
+
+
+def test_anthropic_messages_become_the_chat_conversation() -> None:
+    request = MessagesRequest.model_validate({
+        "max_tokens": 100,
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "Read this."},
+                {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Hello"}},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+            ]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "Look it up.", "signature": "s"},
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "18 C"}]},
+                {"type": "text", "text": "And now?"},
+            ]},
+        ],
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "thinking": {"type": "enabled", "budget_tokens": 30},
+        "stop_sequences": ["END"],
+        "metadata": {"user_id": "u1"},
+    })  # fmt: skip
+    body, origins, budget, _ = request.chat()
+    chat = ChatRequest.model_validate(body)
+    assert [message.role for message in chat.messages] == ["system", "user", "assistant", "tool", "user"]
+    assert origins == ["system", "messages.0", "messages.1", "messages.2", "messages.2"]
+    parts = chat.messages[1].content
+    assert isinstance(parts, list) and [part.type for part in parts] == ["text", "file", "image_url"]
+    assistant = chat.messages[2]
+    assert assistant.reasoning_content == "Look it up." and assistant.tool_calls is not None
+    assert json.loads(assistant.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert (chat.tool_choice, chat.parallel_tool_calls, chat.stop, chat.user) == ("required", False, ["END"], "u1")
+    assert (chat.reasoning_effort, budget) == ("high", 30)
+
+
+def test_anthropic_output_config_is_an_effort_and_a_schema() -> None:
+    request = MessagesRequest.model_validate({
+        "max_tokens": 100, "messages": [{"role": "user", "content": "x"}],
+        "output_config": {"effort": "max", "format": {"type": "json_schema", "schema": {"type": "object"}}},
+    })  # fmt: skip
+    body, _, budget, names = request.chat()
+    chat = ChatRequest.model_validate(body)
+    assert (chat.reasoning_effort, budget, names["reasoning_effort"]) == ("xhigh", None, "output_config.effort")
+    assert chat.response_format is not None and chat.response_format.type == "json_schema"
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "system", "content": "x"}], "messages.0.role"),
+        ([{"role": "user", "content": [{"type": "search_result"}]}], "messages.0.content.0.type"),
+        ([{"role": "user", "content": [{"type": "document", "source": {"type": "url", "url": "http://x"}}]}],
+         "messages.0.content.0.source"),
+        ([{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}],
+         "messages.0.content.0.input"),
+    ],
+)  # fmt: skip
+def test_anthropic_blocks_it_cannot_read_are_refused_by_name(messages: list[Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        MessagesRequest.model_validate({"max_tokens": 5, "messages": messages}).chat()
+    assert refused.value.param == param
+
+
+ANSWER = {
+    "model": "m",
+    "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": "Let me look.", "reasoning_content": "Paris.",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+        ],
+    }}],
+    "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
+              "prompt_tokens_details": {"cached_tokens": 4}},
+}  # fmt: skip
+
+
+def test_a_chat_answer_as_a_response_and_as_a_message() -> None:
+    shaped = responses.response(ANSWER, ResponsesRequest.model_validate({"input": "x"}))
+    assert [item["type"] for item in shaped["output"]] == ["reasoning", "message", "function_call"]
+    assert shaped["status"] == "completed" and shaped["usage"]["input_tokens_details"] == {"cached_tokens": 4}
+    assert shaped["output"][2]["call_id"] == "c1"
+    message = anthropic.message(ANSWER)
+    assert [block["type"] for block in message["content"]] == ["thinking", "text", "tool_use"]
+    assert message["stop_reason"] == "tool_use" and message["content"][2]["input"] == {"city": "Paris"}
+    assert message["usage"]["input_tokens"] + message["usage"]["cache_read_input_tokens"] == 10
+
+
+def chat_stream(*chunks: dict[str, Any]) -> AsyncGenerator[bytes, Any]:
+    async def body() -> AsyncGenerator[bytes, Any]:
+        for chunk in chunks:
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return body()
+
+
+def events(stream: AsyncGenerator[bytes, Any]) -> list[dict[str, Any]]:
+    async def read() -> bytes:
+        return b"".join([chunk async for chunk in stream])
+
+    raw = asyncio.run(read())
+    return [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+
+
+STREAMED = (
+    {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"reasoning_content": "Hm"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": " there"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+    {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}},
+)
+
+
+def test_a_chat_stream_as_responses_events() -> None:
+    got = events(responses.stream(chat_stream(*STREAMED), ResponsesRequest.model_validate({"input": "x"}), "m"))
+    assert [event["type"] for event in got] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.incomplete",
+    ]  # fmt: skip
+    assert [event["sequence_number"] for event in got] == list(range(1, len(got) + 1))
+    final = got[-1]["response"]
+    assert final["output"][1]["content"][0]["text"] == "Hi there" and final["usage"]["output_tokens"] == 4
+
+
+def test_a_chat_stream_as_anthropic_events() -> None:
+    got = events(anthropic.stream(chat_stream(*STREAMED), "m"))
+    assert [event["type"] for event in got] == [
+        "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop",
+    ]  # fmt: skip
+    assert got[-2]["delta"]["stop_reason"] == "max_tokens" and got[-2]["usage"]["output_tokens"] == 4
+
+
+def test_a_failure_mid_stream_is_each_apis_error_event() -> None:
+    failure = {"error": {"message": "The stream failed.", "type": "server_error", "code": 500}}
+    got = events(
+        responses.stream(chat_stream(STREAMED[2], failure), ResponsesRequest.model_validate({"input": "x"}), "m")
+    )
+    assert [event["type"] for event in got][-2:] == ["error", "response.failed"]
+    got = events(anthropic.stream(chat_stream(STREAMED[2], failure), "m"))
+    assert got[-1] == {"type": "error", "error": {"type": "api_error", "message": "The stream failed."}}
