@@ -18,8 +18,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -293,6 +293,16 @@ def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+@contextmanager
+def started(data_dir: Path, config: str) -> Iterator[Server]:
+    """A server with `config` in `data_dir`, stopped when the block ends."""
+    server = Server(data_dir=data_dir, config=config).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def make_key(data_dir: Path, name: str, admin: bool = False, **limits: object) -> str:

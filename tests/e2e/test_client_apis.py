@@ -21,11 +21,11 @@ import anthropic
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel
 
 from llmserver.catalog import embedded_model_path
+from tests.e2e.test_compat import Person
 from tests.e2e.test_errors import assert_error
-from tests.support import MODEL, Server, make_key_record, store_rows, wait_for
+from tests.support import MODEL, Server, make_key_record, started, store_rows, wait_for
 
 THINK = "smol-think"
 TEMPLATE = Path(__file__).parent.parent / "templates" / "chatml_think.jinja"
@@ -59,16 +59,10 @@ WRAPPERS = ('"tool_calls"', '"tool_result"', '{"response"')
 LONG_QUESTION = "Explain in detail why the sky is blue."
 
 
-class Person(BaseModel):
-    name: str
-    age: int
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    running = Server(data_dir=tmp_path_factory.mktemp("client-apis"), config=CONFIG).start()
-    yield running
-    running.stop()
+    with started(tmp_path_factory.mktemp("client-apis"), CONFIG) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -370,28 +364,21 @@ def test_anthropic_errors_and_its_key_header(server: Server, key: str) -> None:
 # Reasoning
 
 
+def greedy(**fields: Any) -> Any:
+    return {"model": THINK, "messages": [{"role": "user", "content": LONG_QUESTION}], "max_tokens": 40,
+            "temperature": 0, **fields}  # fmt: skip
+
+
 def test_a_thinking_template_is_detected_and_reasoning_passed_through(sdk: openai.OpenAI) -> None:
     # Greedy, and a question the model thinks about at length: a thinking budget cuts it short.
     ask = [{"role": "user", "content": LONG_QUESTION}]
     thought = sdk.chat.completions.create(model=THINK, messages=ask, max_tokens=40, temperature=0)  # type: ignore[arg-type]
     reasoning = getattr(thought.choices[0].message, "reasoning_content", None)
     assert isinstance(reasoning, str) and reasoning.strip()
-    plain = sdk.chat.completions.create(
-        model=THINK,
-        messages=ask,
-        max_tokens=40,
-        temperature=0,
-        reasoning_effort="none",  # type: ignore[arg-type]
-    )
+    plain = sdk.chat.completions.create(**greedy(reasoning_effort="none"))
     assert getattr(plain.choices[0].message, "reasoning_content", None) is None and plain.choices[0].message.content
     # A budget of a quarter of max_tokens ends the thinking early: the answer follows.
-    budgeted = sdk.chat.completions.create(
-        model=THINK,
-        messages=ask,
-        max_tokens=40,
-        temperature=0,
-        reasoning_effort="low",  # type: ignore[arg-type]
-    )
+    budgeted = sdk.chat.completions.create(**greedy(reasoning_effort="low"))
     assert budgeted.choices[0].message.content and getattr(budgeted.choices[0].message, "reasoning_content", "")
     stream = sdk.chat.completions.create(model=THINK, messages=ask, max_tokens=20, stream=True)  # type: ignore[arg-type]
     deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
