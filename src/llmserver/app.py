@@ -23,11 +23,10 @@ from llmserver.api.deps import direct_routes, validation_error
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
-from llmserver.engine import anthropic as anthropic_shapes
 from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
-from llmserver.errors import APIError, error_body
+from llmserver.errors import APIError, error_body, for_path
 from llmserver.gateway import GatewayLease
 from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
 from llmserver.inputs.documents import DocumentService
@@ -270,15 +269,12 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     app = request.scope.get("app")
     if exc.status != 499 and app is not None and (metrics := getattr(app.state, "metrics", None)) is not None:
         metrics.refusals.labels(exc.reason or exc.type).inc()
-    body = exc.body()
-    if request.url.path in anthropic.PATHS:  # Anthropic's clients read its own error object
-        body = anthropic_shapes.error_body(body["error"])
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+    return JSONResponse(for_path(request.url.path, exc.body()), status_code=exc.status, headers=exc.headers)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(error_body(500, "server_error", "Internal server error"), status_code=500)
+    return JSONResponse(for_path(request.url.path, error_body(500, "server_error", "Internal server error")), 500)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -286,7 +282,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         error = validation_error(exc.errors())
         _record_refusal(request, error.type)
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(for_path(request.url.path, error.body()), status_code=error.status)
 
     async def http_exception(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -299,9 +295,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         type_ = _STATUS_TYPES.get(
             exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"
         )
-        return JSONResponse(
-            error_body(exc.status_code, type_, message), status_code=exc.status_code, headers=exc.headers
-        )
+        body = for_path(request.url.path, error_body(exc.status_code, type_, message))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, request_validation)

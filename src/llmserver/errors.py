@@ -39,6 +39,33 @@ def error_body(status: int, type_: str, message: str, param: str | None = None) 
     return {"error": error}
 
 
+# Anthropic's Messages API answers its errors in Anthropic's own shape, which its SDK and clients read:
+# `{"type": "error", "error": {"type", "message"}}`, with our types mapped to Anthropic's.
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+ANTHROPIC_TYPES = {
+    "context_length_exceeded": "invalid_request_error",
+    "model_not_found": "not_found_error",
+    "unsupported_media_type": "invalid_request_error",
+    "unprocessable_file": "invalid_request_error",
+    "insufficient_quota": "rate_limit_error",
+    "upstream_error": "api_error",
+    "server_error": "api_error",
+    "timeout_error": "api_error",
+    "client_closed_request": "api_error",
+}
+
+
+def anthropic_error(error: dict[str, Any]) -> dict[str, Any]:
+    """Our envelope's `error` as Anthropic's error object."""
+    kind = str(error.get("type", "api_error"))
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(kind, kind), "message": error.get("message", "")}}
+
+
+def for_path(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """An error body (our envelope) as the API of `path` shapes its errors."""
+    return anthropic_error(body["error"]) if path in ANTHROPIC_PATHS else body
+
+
 class InvalidRequest(APIError):
     status = 400
     type = "invalid_request_error"

@@ -31,7 +31,7 @@ from llmserver.api.deps import scope_header
 from llmserver.api.events import RAW_SEND
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService
-from llmserver.errors import APIError, RequestTooLarge
+from llmserver.errors import APIError, RequestTooLarge, for_path
 from llmserver.logs import new_request_id, request_id
 
 access_log = logging.getLogger("llmserver.access")
@@ -98,7 +98,7 @@ class Front:
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await _send_error(send, _too_large(self.max_bytes))
+            await _send_error(send, _too_large(self.max_bytes), scope["path"])
             return
         if declared is None:  # chunked: count what arrives (no more than a declared length can)
             receive = _counting(receive, self.max_bytes)
@@ -155,8 +155,8 @@ def _too_large(limit: int) -> RequestTooLarge:
     return RequestTooLarge(f"The request body is larger than this server's limit of {limit} bytes.")
 
 
-async def _send_error(send: Send, error: RequestTooLarge) -> None:
-    body = json.dumps(error.body()).encode()
+async def _send_error(send: Send, error: RequestTooLarge, path: str) -> None:
+    body = json.dumps(for_path(path, error.body())).encode()
     await send(
         {
             "type": "http.response.start",

@@ -221,7 +221,9 @@ def test_shell_example(block: Block, readme_server: Server, filled: dict[str, An
     assert ran.returncode == 0, f"{block.page} line {block.line}:\n{script}\n{ran.stdout}\n{ran.stderr}"
     documents_out = answers(ran.stdout)
     for answer in documents_out:
-        assert not (isinstance(answer, dict) and "error" in answer), f"{block.page} line {block.line}: {answer}"
+        # A response object's `error` is null when it succeeded; Anthropic's errors say `"type": "error"`.
+        failed = isinstance(answer, dict) and (answer.get("error") is not None or answer.get("type") == "error")
+        assert not failed, f"{block.page} line {block.line}: {answer}"
     if block.shown is not None:
         shown = json.loads(re.sub(r'"\.\.\.', '"', block.shown).replace("...", "0"))
         assert documents_out, f"{block.page} line {block.line} printed nothing"

@@ -10,12 +10,13 @@ from llmserver.api import translated
 from llmserver.api.deps import FastJSONResponse, body_schema, direct, generation, header, parse, validate
 from llmserver.api.events import EventStream
 from llmserver.engine import anthropic
+from llmserver.errors import ANTHROPIC_PATHS
 from llmserver.schemas.anthropic import PARAMS, MessagesRequest
 from llmserver.schemas.openai import ChatRequest
 
 router = APIRouter()
 
-PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+PATHS = ANTHROPIC_PATHS
 
 
 class CountRequest(MessagesRequest):

@@ -4,7 +4,7 @@ A non-streamed message is built from the chat completion; a streamed one from th
 chunks (`engine/responses.chat_chunks`) as Anthropic's events: message_start, then per content block
 (thinking, text, each tool_use) content_block_start, its deltas and content_block_stop, then
 message_delta (the stop reason and the counts) and message_stop. A failure mid-stream is an `error`
-event, as Anthropic sends one. Errors before the answer are Anthropic's error object (`error_body`).
+event, as Anthropic sends one. Errors before the answer are Anthropic's error object (`errors.for_path`).
 """
 
 from __future__ import annotations
@@ -17,27 +17,11 @@ from typing import Any
 import orjson
 
 from llmserver.engine.responses import chat_chunks
+from llmserver.errors import anthropic_error
 
 JSON = dict[str, Any]
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
-# Our error types → Anthropic's (the HTTP status stays ours).
-ERROR_TYPES = {
-    "context_length_exceeded": "invalid_request_error",
-    "model_not_found": "not_found_error",
-    "unsupported_media_type": "invalid_request_error",
-    "unprocessable_file": "invalid_request_error",
-    "insufficient_quota": "rate_limit_error",
-    "upstream_error": "api_error",
-    "server_error": "api_error",
-    "timeout_error": "api_error",
-}
-
-
-def error_body(error: JSON) -> JSON:
-    """Our error envelope's content as Anthropic's error object."""
-    kind = str(error.get("type", "api_error"))
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(kind, kind), "message": error.get("message", "")}}
 
 
 def new_id(prefix: str) -> str:
@@ -120,7 +104,7 @@ async def stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerator
     async for chunk in chat_chunks(chat):
         out: list[bytes] = []
         if "error" in chunk:
-            yield close_block() + sse(error_body(chunk["error"]))
+            yield close_block() + sse(anthropic_error(chunk["error"]))
             return
         counts = chunk.get("usage") or counts
         for choice in chunk.get("choices") or []:
