@@ -77,6 +77,11 @@ class EmbeddingService:
             payload = {"input": request.input, "encoding_format": request.encoding_format}
             try:
                 body = await self.calls.call(ticket, ENDPOINT, payload)
+            except InvalidRequest as exc:
+                # llama-server names no parameter: its pooling is the model's (configured, or the GGUF's)
+                if exc.param is None:
+                    exc.param = "model" if "pooling" in exc.message.lower() else "input"
+                raise
             except UpstreamError:
                 context = self.context(ticket.model)
                 if any(text_bound(item) > context for item in _inputs(request) if isinstance(item, str)):
