@@ -249,6 +249,7 @@ GENERATING = (
     "/v1/completions",
     "/v1/embeddings",
     "/v1/responses",
+    "/v1/responses/input_tokens",
     *anthropic.PATHS,
 )
 

@@ -121,7 +121,9 @@ def test_a_streamed_response_assembles_in_the_sdk(sdk: openai.OpenAI) -> None:
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert "response.output_text.delta" in kinds and final.status == "completed" and final.output_text
     # Cut by max_output_tokens, a stream ends as OpenAI's does: response.incomplete.
-    events = list(sdk.responses.create(model=MODEL, input="Count to ten.", max_output_tokens=6, stream=True))
+    events = list(
+        sdk.responses.create(model=MODEL, input=LONG_QUESTION, max_output_tokens=6, temperature=0, stream=True)
+    )
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     last = events[-1]
     assert last.type == "response.incomplete" and last.response.incomplete_details is not None
@@ -142,8 +144,23 @@ def test_a_function_call_round_trip_leaks_no_json(sdk: openai.OpenAI) -> None:
     assert calls and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments), dict)
     turn = [*asked, *(call.model_dump(exclude_none=True) for call in calls)]
     turn += [{"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"} for call in calls]
-    second = sdk.responses.create(model=MODEL, input=turn, tools=[WEATHER], tool_choice="none", max_output_tokens=40)  # type: ignore[arg-type]
+    second = sdk.responses.create(
+        model=MODEL,
+        input=turn,
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=40,
+        temperature=0,  # type: ignore[arg-type]
+    )
     assert second.output_text and not any(wrapper in second.output_text for wrapper in WRAPPERS)
+
+
+def test_input_tokens_are_what_the_response_reads(server: Server, key: str, sdk: openai.OpenAI) -> None:
+    body = {"model": MODEL, "instructions": "Be brief.", "input": "Name a colour.", "tools": [WEATHER]}
+    counted = post(server, key, "/v1/responses/input_tokens", body)
+    assert counted.status_code == 200 and counted.json()["object"] == "response.input_tokens"
+    response = sdk.responses.create(**body, max_output_tokens=2)  # type: ignore[arg-type]
+    assert response.usage is not None and counted.json()["input_tokens"] == response.usage.input_tokens
 
 
 def test_structured_output_through_text_format(sdk: openai.OpenAI) -> None:
@@ -196,8 +213,8 @@ def test_the_openai_agents_sdk_runs_on_responses_and_on_chat(server: Server, key
     set_tracing_disabled(True)  # it would send its traces to OpenAI
     called: list[str] = []
 
-    # Scripted: the tool is required on the first turn, and gone once called, so that the next turn
-    # answers in words (the embedded model would call it again and again).
+    # Scripted: the tool is required on the first turn, one call at a time, and gone once called, so
+    # that the next turn answers in words (the embedded model would call it again and again).
     @function_tool(is_enabled=lambda context, agent: not called)
     def get_weather(city: str) -> str:
         """The current weather in a city."""
@@ -208,7 +225,12 @@ def test_the_openai_agents_sdk_runs_on_responses_and_on_chat(server: Server, key
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0) as client:
             agent = Agent(
                 name="weather", instructions="Answer briefly.", tools=[get_weather], model=model(MODEL, client),
-                model_settings=ModelSettings(tool_choice="required", max_tokens=60),
+                # One call at a time (with parallel calls allowed, the embedded model repeats its call until
+                # max_tokens cuts it), greedy and with room to end: the SDK takes an incomplete response
+                # (cut by max_tokens) for an error.
+                model_settings=ModelSettings(
+                    tool_choice="required", parallel_tool_calls=False, max_tokens=300, temperature=0
+                ),
             )  # fmt: skip
             return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
 
@@ -288,7 +310,7 @@ def test_a_message_with_usage_in_the_ledger(
 
 def test_a_streamed_message_assembles_in_the_sdk(claude: anthropic.Anthropic) -> None:
     with claude.messages.stream(
-        model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Count to three."}]
+        model=MODEL, max_tokens=6, messages=[{"role": "user", "content": LONG_QUESTION}], extra_body={"temperature": 0}
     ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
@@ -312,6 +334,7 @@ def test_tool_use_and_its_result(claude: anthropic.Anthropic) -> None:
     results = [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C and sunny"} for use in uses]
     turn = [*asked, {"role": "assistant", "content": first.content}, {"role": "user", "content": results}]
     second = claude.messages.create(model=MODEL, max_tokens=40, tools=[ANTHROPIC_WEATHER], tool_choice={"type": "none"},
+                                    extra_body={"temperature": 0},
                                     messages=turn)  # type: ignore[list-item]  # fmt: skip
     text = "".join(block.text for block in second.content if block.type == "text")
     assert text and not any(wrapper in text for wrapper in WRAPPERS)

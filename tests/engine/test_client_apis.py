@@ -51,8 +51,8 @@ def test_a_template_that_does_not_think_refuses_an_effort_but_none() -> None:
 
 
 def chat_of_response(**fields: Any) -> tuple[ChatRequest, list[str]]:
-    body, origins = ResponsesRequest.model_validate(fields).chat()
-    return ChatRequest.model_validate(body), origins
+    chat = ResponsesRequest.model_validate(fields).chat()
+    return ChatRequest.model_validate(chat.body), chat.origins
 
 
 def test_a_responses_input_becomes_the_chat_conversation() -> None:
@@ -135,8 +135,8 @@ def test_anthropic_messages_become_the_chat_conversation() -> None:
         "stop_sequences": ["END"],
         "metadata": {"user_id": "u1"},
     })  # fmt: skip
-    body, origins, budget, _ = request.chat()
-    chat = ChatRequest.model_validate(body)
+    translated = request.chat()
+    chat, origins, budget = ChatRequest.model_validate(translated.body), translated.origins, translated.budget
     assert [message.role for message in chat.messages] == ["system", "user", "assistant", "tool", "user"]
     assert origins == ["system", "messages.0", "messages.1", "messages.2", "messages.2"]
     parts = chat.messages[1].content
@@ -153,8 +153,8 @@ def test_anthropic_output_config_is_an_effort_and_a_schema() -> None:
         "max_tokens": 100, "messages": [{"role": "user", "content": "x"}],
         "output_config": {"effort": "max", "format": {"type": "json_schema", "schema": {"type": "object"}}},
     })  # fmt: skip
-    body, _, budget, names = request.chat()
-    chat = ChatRequest.model_validate(body)
+    translated = request.chat()
+    chat, budget, names = ChatRequest.model_validate(translated.body), translated.budget, translated.names
     assert (chat.reasoning_effort, budget, names["reasoning_effort"]) == ("xhigh", None, "output_config.effort")
     assert chat.response_format is not None and chat.response_format.type == "json_schema"
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from llmserver.api import translated
-from llmserver.api.deps import FastJSONResponse, body_schema, direct, generation, header, parse, validate
+from llmserver.api.deps import FastJSONResponse, body_schema, direct, generation, parse
 from llmserver.api.events import EventStream
 from llmserver.engine import anthropic
 from llmserver.errors import ANTHROPIC_PATHS
 from llmserver.schemas.anthropic import PARAMS, MessagesRequest
-from llmserver.schemas.openai import ChatRequest
 
 router = APIRouter()
 
@@ -28,15 +27,8 @@ class CountRequest(MessagesRequest):
 async def create_message(request: Request) -> FastJSONResponse | EventStream:
     principal, body = await parse(request, MessagesRequest, gate=generation(request).admission.precheck)
     with translated.renamed([], PARAMS):
-        chat_body, origins, budget, names = body.chat()
-
-    def adjust(chat: ChatRequest) -> None:
-        chat._thinking_budget = budget
-
-    return await translated.answer(
-        request, principal, chat_body, origins, names, "/v1/messages",
-        shape=anthropic.message, events=anthropic.stream, adjust=adjust,
-    )  # fmt: skip
+        chat = body.chat()
+    return await translated.answer(request, principal, chat, "/v1/messages", anthropic.message, anthropic.stream)
 
 
 @router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountRequest), response_model=None)
@@ -44,15 +36,9 @@ async def create_message(request: Request) -> FastJSONResponse | EventStream:
 async def count_tokens(request: Request) -> FastJSONResponse:
     """The prompt's tokens as the model's template and tokenizer make them. It is a request (admitted,
     counted in the key's rpm, recorded in the ledger) that generates and charges nothing."""
-    service = generation(request)
     principal, body = await parse(request, CountRequest)
     with translated.renamed([], PARAMS):
-        chat_body, origins, budget, names = body.chat()
-    with translated.renamed(origins, names):
-        chat = validate(ChatRequest, {**chat_body, "max_tokens": 1, "stream": False})
-        chat.stream_options = None
-        chat._thinking_budget = budget
-        ticket = await service.admit(principal, chat, "/v1/messages/count_tokens", header(request, b"x-session-id"))
-        request.state.tally = ticket.tally
-        tokens = await service.count_tokens(ticket, chat)
-    return FastJSONResponse({"input_tokens": tokens})
+        chat = body.chat()
+    return FastJSONResponse(
+        {"input_tokens": await translated.count(request, principal, chat, "/v1/messages/count_tokens")}
+    )

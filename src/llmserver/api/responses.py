@@ -18,9 +18,25 @@ router = APIRouter()
 async def create_response(request: Request) -> FastJSONResponse | EventStream:
     principal, body = await parse(request, ResponsesRequest, gate=generation(request).admission.precheck)
     with translated.renamed([], PARAMS):
-        chat_body, origins = body.chat()
+        chat = body.chat()
     return await translated.answer(
-        request, principal, chat_body, origins, PARAMS, "/v1/responses",
+        request, principal, chat, "/v1/responses",
         shape=lambda answer: responses.response(answer, body),
         events=lambda stream, model: responses.stream(stream, body, model),
     )  # fmt: skip
+
+
+class InputTokensRequest(ResponsesRequest):
+    stream: bool = False
+
+
+@router.post("/v1/responses/input_tokens", openapi_extra=body_schema(InputTokensRequest), response_model=None)
+@direct
+async def input_tokens(request: Request) -> FastJSONResponse:
+    """The prompt tokens a response to this request would read, as the model's template and tokenizer make
+    them. It is a request (admitted, counted in the key's rpm, a ledger row) that generates and charges nothing."""
+    principal, body = await parse(request, InputTokensRequest)
+    with translated.renamed([], PARAMS):
+        chat = body.chat()
+    tokens = await translated.count(request, principal, chat, "/v1/responses/input_tokens")
+    return FastJSONResponse({"object": "response.input_tokens", "input_tokens": tokens})

@@ -13,8 +13,10 @@ from fastapi import Request
 from llmserver.api.deps import FastJSONResponse, cancel_on_disconnect, generation, header, validate
 from llmserver.api.events import EventStream
 from llmserver.auth.keys import Principal
-from llmserver.engine.generation import closed_on_failure
+from llmserver.engine.generation import GenerationService, closed_on_failure
 from llmserver.errors import APIError
+from llmserver.pool.admission import Ticket
+from llmserver.schemas.common import AsChat
 from llmserver.schemas.openai import ChatRequest
 
 JSON = dict[str, Any]
@@ -46,30 +48,43 @@ def _rename(param: str, origins: Sequence[str], names: Mapping[str, str]) -> str
     return names.get(head, head) + (f".{rest}" if rest else "")
 
 
+async def _admitted(
+    request: Request, principal: Principal, chat: AsChat, endpoint: str, **fields: Any
+) -> tuple[GenerationService, ChatRequest, Ticket]:
+    """The chat request (its body and `fields`) validated and admitted (errors renamed by the caller)."""
+    service = generation(request)
+    body = validate(ChatRequest, {**chat.body, **fields})
+    body._thinking_budget = chat.budget
+    ticket = await service.admit(principal, body, endpoint, header(request, b"x-session-id"))
+    request.state.tally = ticket.tally  # for the access log
+    return service, body, ticket
+
+
+async def count(request: Request, principal: Principal, chat: AsChat, endpoint: str) -> int:
+    """The prompt tokens of `chat`: admitted as a request (its rpm, a ledger row) that generates and
+    charges nothing."""
+    with renamed(chat.origins, chat.names):
+        service, body, ticket = await _admitted(request, principal, chat, endpoint, max_tokens=1, stream=False)
+        body.stream_options = None
+        return await service.count_tokens(ticket, body)
+
+
 async def answer(
     request: Request,
     principal: Principal,
-    chat_body: JSON,
-    origins: Sequence[str],
-    names: Mapping[str, str],
+    chat: AsChat,
     endpoint: str,
     shape: Callable[[JSON], JSON],
     events: Callable[[AsyncGenerator[bytes, Any], str], AsyncGenerator[bytes, Any]],
-    adjust: Callable[[ChatRequest], None] | None = None,
 ) -> FastJSONResponse | EventStream:
-    """The chat request `chat_body` admitted and answered as any chat request; its answer shaped by
-    `shape`, or its stream's chunks turned into `events`."""
-    service = generation(request)
-    with renamed(origins, names):
-        chat = validate(ChatRequest, chat_body)
-        if adjust is not None:
-            adjust(chat)
-        ticket = await service.admit(principal, chat, endpoint, header(request, b"x-session-id"))
-        request.state.tally = ticket.tally  # for the access log
+    """`chat` admitted and answered as any chat request; its answer shaped by `shape`, or its stream's
+    chunks turned into `events`."""
+    with renamed(chat.origins, chat.names):
+        service, body, ticket = await _admitted(request, principal, chat, endpoint)
         served = {"x-llmserver-instance": ticket.tally.instance_id or ""}
         with closed_on_failure(ticket):
-            if chat.stream:
-                stream = await service.chat_stream(ticket, chat)
+            if body.stream:
+                stream = await service.chat_stream(ticket, body)
                 return EventStream(events(stream, ticket.model), {**SSE_HEADERS, **served})
-            answered = await cancel_on_disconnect(request, service.chat(ticket, chat))
+            answered = await cancel_on_disconnect(request, service.chat(ticket, body))
         return FastJSONResponse(shape(answered), headers=served)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from llmserver.errors import InvalidRequest
-from llmserver.schemas.common import Strict, absent, refused, string_field
+from llmserver.schemas.common import AsChat, Strict, absent, refused, string_field
 
 JSON = dict[str, Any]
 
@@ -89,9 +89,8 @@ class MessagesRequest(Strict):
     def _unsupported(cls, value: Any) -> Any:
         return absent(value)
 
-    def chat(self) -> tuple[JSON, list[str], int | None, dict[str, str]]:
-        """The chat request this is, where each of its messages came from, the thinking budget, and the
-        names of its parameters in this request."""
+    def chat(self) -> AsChat:
+        """The chat request this is."""
         chat_messages, origins = messages(self.system, self.messages)
         body: JSON = {
             "model": self.model,
@@ -122,7 +121,7 @@ class MessagesRequest(Strict):
         if self.output_config is not None and self.output_config.format is not None:
             schema = self.output_config.format.schema_
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
-        return {name: value for name, value in body.items() if value is not None}, origins, budget, names
+        return AsChat({name: value for name, value in body.items() if value is not None}, origins, names, budget)
 
 
 def messages(system: str | list[JSON] | None, given: list[JSON]) -> tuple[list[JSON], list[str]]:

@@ -7,6 +7,7 @@ argument supplied").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
@@ -64,6 +65,18 @@ class Sampling(Strict):
 
     def sampling_fields(self) -> dict[str, Any]:
         return {name: value for name in SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+
+
+@dataclass
+class AsChat:
+    """A request of another API read as the chat request it amounts to: its chat body (to validate as
+    any chat request), where in the request each chat message came from, the request's own names of
+    chat parameters (both to name them in errors), and a thinking budget (Anthropic's)."""
+
+    body: dict[str, Any]
+    origins: list[str]
+    names: dict[str, str]
+    budget: int | None = None
 
 
 def refused(what: str) -> Any:

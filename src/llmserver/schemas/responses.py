@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from llmserver.errors import InvalidRequest
-from llmserver.schemas.common import Strict, absent, refused, string_field
+from llmserver.schemas.common import AsChat, Strict, absent, refused, string_field
 from llmserver.schemas.openai import ReasoningEffort
 
 JSON = dict[str, Any]
@@ -94,9 +94,8 @@ class ResponsesRequest(Strict):
     def _unsupported(cls, value: Any) -> Any:
         return absent(value)
 
-    def chat(self) -> tuple[JSON, list[str]]:
-        """The chat request this response is (to validate as any chat request), and where in this request
-        each of its messages came from (to name them in errors)."""
+    def chat(self) -> AsChat:
+        """The chat request this response is."""
         chat_messages, origins = messages(self.instructions, self.input)
         body: JSON = {
             "model": self.model,
@@ -120,7 +119,7 @@ class ResponsesRequest(Strict):
             body["response_format"] = _format(self.text.format)
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
-        return {name: value for name, value in body.items() if value is not None}, origins
+        return AsChat({name: value for name, value in body.items() if value is not None}, origins, PARAMS)
 
 
 def messages(instructions: str | None, given: str | list[JSON]) -> tuple[list[JSON], list[str]]:
