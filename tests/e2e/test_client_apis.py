@@ -384,6 +384,23 @@ def test_anthropic_errors_and_its_key_header(server: Server, key: str) -> None:
         assert refused_body.json()["error"]["type"] == kind and refused_body.json()["error"]["message"]
 
 
+# Both
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/responses", {"input": LONG_QUESTION, "max_output_tokens": 400}),
+     ("/v1/messages", {"messages": [{"role": "user", "content": LONG_QUESTION}], "max_tokens": 400})],
+)  # fmt: skip
+def test_a_client_leaving_a_stream_frees_its_slot(server: Server, path: str, body: dict[str, Any]) -> None:
+    key_id, key = make_key_record(server.data_dir, f"leaver{path.replace('/', '-')}")
+    request = {"model": MODEL, "stream": True, "temperature": 0, **body}
+    with httpx.stream("POST", server.url + path, json=request, headers={"x-api-key": key}, timeout=60) as answer:
+        assert answer.status_code == 200
+        next(answer.iter_lines())  # the stream has started: the client leaves
+    assert wait_for(lambda: [row["outcome"] for row in ledger_rows(server, key_id, path)] == ["client_closed"], 10)
+
+
 # Reasoning
 
 

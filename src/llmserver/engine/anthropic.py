@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -78,6 +79,15 @@ def sse(event: JSON) -> bytes:
 
 async def stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerator[bytes, Any]:
     """Anthropic's events for a chat stream (already open: its first step has run)."""
+    try:
+        async with aclosing(_stream(chat, model)) as events:
+            async for event in events:
+                yield event
+    finally:  # also when the client leaves, before or while it is read: the chat stream closes its ticket
+        await chat.aclose()
+
+
+async def _stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerator[bytes, None]:
     start: JSON = {
         "id": new_id("msg"), "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": usage(None),

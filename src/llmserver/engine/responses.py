@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -22,20 +23,17 @@ JSON = dict[str, Any]
 
 
 async def chat_chunks(stream: AsyncGenerator[bytes, Any]) -> AsyncIterator[JSON]:
-    """The chunks (parsed) of one of our chat streams, until its `[DONE]`; the stream is closed after."""
+    """The chunks (parsed) of one of our chat streams, until its `[DONE]` (its caller closes it)."""
     pending = b""
-    try:
-        async for data in stream:
-            pending += data
-            while b"\n\n" in pending:
-                event, pending = pending.split(b"\n\n", 1)
-                payload = event.removeprefix(b"data: ")
-                if payload == b"[DONE]":
-                    return
-                if payload:
-                    yield orjson.loads(payload)
-    finally:
-        await stream.aclose()
+    async for data in stream:
+        pending += data
+        while b"\n\n" in pending:
+            event, pending = pending.split(b"\n\n", 1)
+            payload = event.removeprefix(b"data: ")
+            if payload == b"[DONE]":
+                return
+            if payload:
+                yield orjson.loads(payload)
 
 
 def new_id(prefix: str) -> str:
@@ -213,6 +211,17 @@ class _Events:
 
 async def stream(chat: AsyncGenerator[bytes, Any], request: ResponsesRequest, model: str) -> AsyncGenerator[bytes, Any]:
     """The Responses events of a chat stream (already open: its first step has run)."""
+    try:
+        async with aclosing(_stream(chat, request, model)) as events:
+            async for event in events:
+                yield event
+    finally:  # also when the client leaves, before or while it is read: the chat stream closes its ticket
+        await chat.aclose()
+
+
+async def _stream(
+    chat: AsyncGenerator[bytes, Any], request: ResponsesRequest, model: str
+) -> AsyncGenerator[bytes, None]:
     shaped = Response(request, model)
     events = _Events(shaped)
     yield events.event("response.created", response=shaped.body("in_progress")) + events.event(
