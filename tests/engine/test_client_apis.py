@@ -59,7 +59,10 @@ def test_a_responses_input_becomes_the_chat_conversation() -> None:
     chat, origins = chat_of_response(
         instructions="Be brief.",
         input=[
-            {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris and Rome?"}]},
+            {"role": "user", "content": [
+                {"type": "input_text", "text": "Weather in Paris and Rome?"},
+                {"type": "file", "file": {"filename": "a.txt", "data": "data:text/plain;base64,SGk="}},
+            ]},
             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Two."}]},
             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
             {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city":"Rome"}'},
@@ -76,6 +79,8 @@ def test_a_responses_input_becomes_the_chat_conversation() -> None:
     roles = [message.role for message in chat.messages]
     assert roles == ["system", "user", "assistant", "tool", "tool", "assistant"]
     assert origins == ["instructions", "input.0", "input.2", "input.4", "input.5", "input.6"]
+    parts = chat.messages[1].content
+    assert isinstance(parts, list) and [part.type for part in parts] == ["text", "file"]  # our own parts too
     calls = chat.messages[2].tool_calls or []
     assert [call.id for call in calls] == ["c1", "c2"] and chat.messages[2].reasoning_content == "Two."
     assert chat.tools is not None and chat.tools[0].function.name == "get_weather"

@@ -170,6 +170,8 @@ def _user(blocks: list[Any], where: str) -> list[JSON]:
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
         elif kind == "document":
             parts.append(_document(block, at))
+        elif kind in ("file", "image_url"):
+            parts.append(block)  # our chat parts, as /v1/chat/completions takes them
         else:
             raise InvalidRequest(f"{at}.type: {kind!r} blocks are not supported in a user turn", param=f"{at}.type")
     if parts:

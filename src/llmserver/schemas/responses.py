@@ -214,6 +214,8 @@ def _parts(content: Any, where: str, role: str) -> list[JSON]:
                 raise InvalidRequest(f"{at}: a file is sent inline as file_data (a data: URI)", param=at)
             file = {"filename": part.get("filename"), "file_data": part.get("file_data")}
             parts.append({"type": "file", "file": file})
+        elif kind in ("file", "image_url") and role != "assistant":
+            parts.append(part)  # our chat parts, as /v1/chat/completions takes them
         else:
             raise InvalidRequest(f"{at}.type: {kind!r} is not a content part taken here", param=f"{at}.type")
     return parts
