@@ -97,3 +97,44 @@ def test_reference_table_lists_every_setting() -> None:
 def test_workers_need_a_gateway_on_postgresql() -> None:
     settings = load_settings(workers=2, role="gateway", database_url="postgresql://u@db/llm", redis_url="redis://r")
     assert settings.workers == 2
+
+
+def test_llama_server_knobs_become_its_flags(tmp_path: Path) -> None:
+    from llmserver.pool.instance import llama_server_args
+
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF")
+    model = ModelConfig(
+        name="m", n_gpu_layers="all", flash_attn="on", cache_type_k="q8_0", cache_type_v="q8_0", batch_size=1024,
+        ubatch_size=256, rope_scaling="yarn", rope_freq_base=10000.0, rope_freq_scale=0.5, load_mode="mlock",
+        draft_model=draft, draft_max=8, llama_server_args=["--override-kv", "llama.expert_used_count=int:2"],
+    )  # fmt: skip
+    args = llama_server_args(Path("llama-server"), Path("m.gguf"), model, "127.0.0.1", 8080)
+    tail = args[args.index("--n-gpu-layers") :]
+    assert tail == [
+        "--n-gpu-layers", "all", "--flash-attn", "on", "--cache-type-k", "q8_0", "--cache-type-v", "q8_0",
+        "--batch-size", "1024", "--ubatch-size", "256", "--rope-scaling", "yarn", "--rope-freq-base", "10000.0",
+        "--rope-freq-scale", "0.5", "--load-mode", "mlock", "--spec-draft-model", str(draft), "--spec-draft-n-max",
+        "8", "--override-kv", "llama.expert_used_count=int:2",
+    ]  # fmt: skip
+    assert "--n-gpu-layers" not in llama_server_args(Path("l"), Path("m.gguf"), ModelConfig(name="m"), "h", 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"llama_server_args": ["--port", "9"]}, "--port is set by llmserver itself"),
+        ({"llama_server_args": ["--api-key=x"]}, "--api-key is set by llmserver itself"),
+        ({"llama_server_args": ["-c", "99"]}, "-c is set by llmserver itself"),
+        ({"llama_server_args": ["--path", "/"]}, "--path is set by llmserver itself"),
+        ({"llama_server_args": ["-ctk", "q4_0"]}, "-ctk: use the model setting cache_type_k"),
+        ({"llama_server_args": ["--n-gpu-layers=99"]}, "--n-gpu-layers: use the model setting n_gpu_layers"),
+        ({"cache_type_k": "q3_k"}, "cache_type_k"),
+        ({"embedding": True, "batch_size": 64}, "an embedding model's batch is its ctx_size"),
+        ({"draft_max": 4}, "draft_max needs draft_model"),
+    ],
+)
+def test_llama_server_knobs_are_checked(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        ModelConfig(name="m", **fields)  # type: ignore[arg-type]
+    assert message in str(refused.value)

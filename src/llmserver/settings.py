@@ -44,6 +44,32 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+# ggml's KV cache types (llama-server's --cache-type-k/-v).
+KVCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+# llama-server flags that llmserver sets for every instance (or that would undo what it relies on: its
+# address, its key, its slots and context, its threads, the web UI off, static files, its own log).
+MANAGED_FLAGS = frozenset({
+    "-m", "--model", "-a", "--alias", "--host", "--port", "-np", "--parallel", "--threads-http", "-c", "--ctx-size",
+    "-t", "--threads", "-tb", "--threads-batch", "-cram", "--cache-ram", "--ui", "--no-ui", "--webui", "--no-webui",
+    "--jinja", "--no-jinja", "--ssl-cert-file", "--ssl-key-file", "--api-key", "--api-key-file", "--embedding",
+    "--embeddings", "--pooling", "-mm", "--mmproj", "-mmu", "--mmproj-url", "--chat-template", "--chat-template-file",
+    "--path", "--api-prefix", "--log-file", "-hf", "--hf-repo", "-hfr", "-hff", "--hf-file", "-mu", "--model-url",
+})  # fmt: skip
+# llama-server flags that a model setting names: set there, in one place.
+SETTING_FLAGS = {
+    **dict.fromkeys(("-ngl", "--gpu-layers", "--n-gpu-layers"), "n_gpu_layers"),
+    **dict.fromkeys(("-fa", "--flash-attn"), "flash_attn"),
+    **dict.fromkeys(("-ctk", "--cache-type-k"), "cache_type_k"),
+    **dict.fromkeys(("-ctv", "--cache-type-v"), "cache_type_v"),
+    **dict.fromkeys(("-b", "--batch-size"), "batch_size"),
+    **dict.fromkeys(("-ub", "--ubatch-size"), "ubatch_size"),
+    "--rope-scaling": "rope_scaling", "--rope-freq-base": "rope_freq_base", "--rope-freq-scale": "rope_freq_scale",
+    **dict.fromkeys(("-lm", "--load-mode"), "load_mode"),
+    **dict.fromkeys(("-md", "--model-draft", "--spec-draft-model"), "draft_model"),
+    "--spec-draft-n-max": "draft_max",
+}  # fmt: skip
+
+
 class ModelConfig(BaseModel):
     """One model the server offers, and how its llama-server instances are started."""
 
@@ -92,6 +118,32 @@ class ModelConfig(BaseModel):
     threads: int | None = Field(
         default=None, ge=1, le=1024, description="CPU threads per instance; empty: the CPUs shared out evenly."
     )
+    # llama-server's own knobs, passed on as they are (llama_server_args in pool/instance.py).
+    n_gpu_layers: int | Literal["auto", "all"] | None = Field(
+        default=None, description="Layers offloaded to the GPU (a CUDA or Vulkan build); empty: llama-server's auto."
+    )
+    flash_attn: Literal["on", "off", "auto"] | None = Field(default=None, description="Flash attention.")
+    cache_type_k: KVCacheType | None = Field(
+        default=None, description="KV cache type of K (f16 by default; q8_0 halves its memory)."
+    )
+    cache_type_v: KVCacheType | None = Field(
+        default=None, description="KV cache type of V (a quantized one needs flash attention)."
+    )
+    batch_size: int | None = Field(default=None, ge=1, description="llama-server's logical batch size.")
+    ubatch_size: int | None = Field(default=None, ge=1, description="llama-server's physical batch size.")
+    rope_scaling: Literal["none", "linear", "yarn"] | None = Field(default=None, description="RoPE scaling.")
+    rope_freq_base: float | None = Field(default=None, gt=0, description="RoPE base frequency.")
+    rope_freq_scale: float | None = Field(default=None, gt=0, description="RoPE frequency scaling factor.")
+    load_mode: Literal["auto", "none", "mmap", "mlock", "mmap+mlock"] | None = Field(
+        default=None, description="How the GGUF is loaded: memory-mapped, locked in RAM, …"
+    )
+    draft_model: Path | None = Field(default=None, description="A small GGUF drafting tokens (speculative decoding).")
+    draft_max: int | None = Field(default=None, ge=1, description="Tokens drafted at a time (with draft_model).")
+    llama_server_args: list[str] = Field(
+        default_factory=list,
+        description="More llama-server arguments, as on its command line; not those llmserver sets itself "
+        "(host, port, parallel, context, threads, API key, …) or that a setting above names.",
+    )
     chat_template_file: Path | None = Field(
         default=None,
         description="A Jinja chat template to use instead of the one in the GGUF (for one that lacks tools, say).",
@@ -129,7 +181,24 @@ class ModelConfig(BaseModel):
             raise ValueError(f"chat_template_file not found: {self.chat_template_file}")
         if self.pooling is not None and not self.embedding:
             raise ValueError("pooling is for embedding models (embedding = true)")
+        if self.embedding and (self.batch_size is not None or self.ubatch_size is not None):
+            raise ValueError("an embedding model's batch is its ctx_size (an input is embedded in one batch)")
+        if self.draft_max is not None and self.draft_model is None:
+            raise ValueError("draft_max needs draft_model")
+        if self.draft_model is not None and not self.draft_model.expanduser().is_file():
+            raise ValueError(f"draft_model not found: {self.draft_model}")
         return self
+
+    @field_validator("llama_server_args")
+    @classmethod
+    def _check_extra_args(cls, value: list[str]) -> list[str]:
+        for argument in value:
+            flag = argument.split("=", 1)[0] if argument.startswith("-") else None
+            if flag in MANAGED_FLAGS:
+                raise ValueError(f"{flag} is set by llmserver itself")
+            if flag in SETTING_FLAGS:
+                raise ValueError(f"{flag}: use the model setting {SETTING_FLAGS[flag]}")
+        return value
 
     # Whether `threads` was shared out by the settings rather than configured: a new set of models
     # (`serve --model …`) shares the CPUs out again.

@@ -141,7 +141,28 @@ def llama_server_args(
         *vision,
         *embedding,
         *template,
+        *knobs(model),
+        *model.llama_server_args,
     ]  # fmt: skip
+
+
+# Model settings that are llama-server flags as they are.
+KNOBS = {
+    "n_gpu_layers": "--n-gpu-layers", "flash_attn": "--flash-attn", "cache_type_k": "--cache-type-k",
+    "cache_type_v": "--cache-type-v", "batch_size": "--batch-size", "ubatch_size": "--ubatch-size",
+    "rope_scaling": "--rope-scaling", "rope_freq_base": "--rope-freq-base", "rope_freq_scale": "--rope-freq-scale",
+    "load_mode": "--load-mode", "draft_model": "--spec-draft-model", "draft_max": "--spec-draft-n-max",
+}  # fmt: skip
+
+
+def knobs(model: ModelConfig) -> list[str]:
+    """The llama-server flags of the model's settings that are set."""
+    out: list[str] = []
+    for setting, flag in KNOBS.items():
+        value = getattr(model, setting)
+        if value is not None:
+            out += [flag, str(value.expanduser() if isinstance(value, Path) else value)]
+    return out
 
 
 def slot_context(model: ModelConfig) -> int:
