@@ -79,7 +79,7 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
     from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
     from llmserver.metrics.prometheus import Metrics
     from llmserver.node_http import NodeServer, node_app
-    from llmserver.pool.registry import Publisher
+    from llmserver.pool.registry import NodeIdInUse, Publisher
     from llmserver.pool.supervisor import Supervisor
 
     log = logging.getLogger("llmserver.node")
@@ -109,8 +109,21 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
             )
         )  # fmt: skip
         serving = asyncio.create_task(http.serve(sockets=[listening]), name="node-http")
-    await supervisor.start()
+    try:
+        await publisher.claim()  # before any instance starts: a duplicate node id costs nothing
+    except NodeIdInUse as exc:
+        if http is not None and serving is not None:
+            http.should_exit = True
+            await serving
+        await client.aclose()
+        from llmserver.cli import debugging  # the CLI imports this module
+
+        if debugging():
+            raise
+        raise click.ClickException(str(exc)) from None
+    # Published from now on (none ready yet): the claim is renewed while the instances start.
     publishing = asyncio.create_task(publisher.run(), name="publish")
+    await supervisor.start()
     commands = asyncio.create_task(publisher.serve_commands(), name="node-commands")
     log.info(
         "node %s (incarnation %s) publishes %d instances on %s%s",

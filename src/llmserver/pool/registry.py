@@ -94,6 +94,10 @@ def record(instance: Instance, node_id: str, incarnation: str, in_flight: int = 
     }
 
 
+class NodeIdInUse(Exception):
+    """Another live node publishes under this node id."""
+
+
 class Publisher:
     """A node's side: its instances in the registry, every second."""
 
@@ -105,6 +109,22 @@ class Publisher:
         self._published: set[str] = set()
         self._outage = Outage(log)
         self.published_at = float("-inf")  # monotonic: the last publication Redis took
+
+    async def claim(self) -> None:
+        """Take this node id in the registry, or raise NodeIdInUse when a live node holds it: its record
+        is renewed every second, so it is still there a lease later (a node that just died lets go
+        within a lease, and the claim then succeeds)."""
+        record = json.dumps({"node": self.node_id, "incarnation": self.incarnation, "models": [], "instances": 0})
+        deadline = time.monotonic() + (LEASE_MS + 500) / 1000
+        while not await self._redis.set(NODE_KEY + self.node_id, record, nx=True, px=LEASE_MS):
+            if time.monotonic() > deadline:
+                held = await self._redis.get(NODE_KEY + self.node_id)
+                other = json.loads(held).get("incarnation", "?") if held else "?"
+                raise NodeIdInUse(
+                    f"node id {self.node_id!r} is held by a live node (incarnation {other}): give this node "
+                    "another node_id, or stop that one"
+                )
+            await asyncio.sleep(0.25)
 
     async def run(self) -> None:
         while True:
