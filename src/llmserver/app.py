@@ -26,7 +26,7 @@ from llmserver.auth.quota import QuotaService
 from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
-from llmserver.errors import APIError, error_body, for_path
+from llmserver.errors import ANTHROPIC_PATHS, APIError, error_body, for_path
 from llmserver.gateway import GatewayLease
 from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
 from llmserver.inputs.documents import DocumentService
@@ -250,7 +250,7 @@ GENERATING = (
     "/v1/embeddings",
     "/v1/responses",
     "/v1/responses/input_tokens",
-    *anthropic.PATHS,
+    *ANTHROPIC_PATHS,
 )
 
 

@@ -10,12 +10,9 @@ from llmserver.api import translated
 from llmserver.api.deps import FastJSONResponse, body_schema, direct, generation, parse
 from llmserver.api.events import EventStream
 from llmserver.engine import anthropic
-from llmserver.errors import ANTHROPIC_PATHS
 from llmserver.schemas.anthropic import PARAMS, MessagesRequest
 
 router = APIRouter()
-
-PATHS = ANTHROPIC_PATHS
 
 
 class CountRequest(MessagesRequest):

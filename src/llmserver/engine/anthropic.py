@@ -10,23 +10,17 @@ event, as Anthropic sends one. Errors before the answer are Anthropic's error ob
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
-import orjson
-
-from llmserver.engine.responses import chat_chunks
+from llmserver.engine.responses import chat_chunks, new_id
+from llmserver.engine.shapes import named_sse
 from llmserver.errors import anthropic_error
 
 JSON = dict[str, Any]
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{random.getrandbits(96):024x}"
 
 
 def usage(counts: JSON | None) -> JSON:
@@ -73,10 +67,6 @@ def message(answer: JSON) -> JSON:
     }
 
 
-def sse(event: JSON) -> bytes:
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
-
-
 async def stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerator[bytes, Any]:
     """Anthropic's events for a chat stream (already open: its first step has run)."""
     try:
@@ -92,7 +82,7 @@ async def _stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerato
         "id": new_id("msg"), "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": usage(None),
     }  # fmt: skip
-    yield sse({"type": "message_start", "message": start}) + sse({"type": "ping"})
+    yield named_sse({"type": "message_start", "message": start}) + named_sse({"type": "ping"})
     index = -1
     block: str | None = None  # the kind of the block being streamed
     finish, counts = "stop", None
@@ -102,19 +92,19 @@ async def _stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerato
         out = close_block()
         index += 1
         block = kind
-        return out + sse({"type": "content_block_start", "index": index, "content_block": content_block})
+        return out + named_sse({"type": "content_block_start", "index": index, "content_block": content_block})
 
     def close_block() -> bytes:
         nonlocal block
         if block is None:
             return b""
         block = None
-        return sse({"type": "content_block_stop", "index": index})
+        return named_sse({"type": "content_block_stop", "index": index})
 
     async for chunk in chat_chunks(chat):
         out: list[bytes] = []
         if "error" in chunk:
-            yield close_block() + sse(anthropic_error(chunk["error"]))
+            yield close_block() + named_sse(anthropic_error(chunk["error"]))
             return
         counts = chunk.get("usage") or counts
         for choice in chunk.get("choices") or []:
@@ -123,12 +113,12 @@ async def _stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerato
                 if block != "thinking":
                     out.append(open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
                 text = delta["reasoning_content"]
-                out.append(sse({"type": "content_block_delta", "index": index,
+                out.append(named_sse({"type": "content_block_delta", "index": index,
                                 "delta": {"type": "thinking_delta", "thinking": text}}))  # fmt: skip
             if delta.get("content"):
                 if block != "text":
                     out.append(open_block("text", {"type": "text", "text": ""}))
-                out.append(sse({"type": "content_block_delta", "index": index,
+                out.append(named_sse({"type": "content_block_delta", "index": index,
                                 "delta": {"type": "text_delta", "text": delta["content"]}}))  # fmt: skip
             for call in delta.get("tool_calls") or []:
                 function = call.get("function") or {}
@@ -137,7 +127,7 @@ async def _stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerato
                                                        "name": function.get("name", ""), "input": {}}))  # fmt: skip
                 if function.get("arguments"):
                     partial = {"type": "input_json_delta", "partial_json": function["arguments"]}
-                    out.append(sse({"type": "content_block_delta", "index": index, "delta": partial}))
+                    out.append(named_sse({"type": "content_block_delta", "index": index, "delta": partial}))
             if choice.get("finish_reason"):
                 finish = choice["finish_reason"]
         if out:
@@ -145,5 +135,7 @@ async def _stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerato
     final = usage(counts)
     ending = {"stop_reason": STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None}
     yield (
-        close_block() + sse({"type": "message_delta", "delta": ending, "usage": final}) + sse({"type": "message_stop"})
+        close_block()
+        + named_sse({"type": "message_delta", "delta": ending, "usage": final})
+        + named_sse({"type": "message_stop"})
     )

@@ -9,7 +9,6 @@ max_output_tokens cut it). A failure mid-stream is an `error` event followed by 
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -17,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from llmserver.engine import translate
+from llmserver.engine.shapes import named_sse
 from llmserver.schemas.responses import ResponsesRequest
 
 JSON = dict[str, Any]
@@ -37,7 +38,7 @@ async def chat_chunks(stream: AsyncGenerator[bytes, Any]) -> AsyncIterator[JSON]
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{random.getrandbits(96):024x}"
+    return translate.new_id(prefix, "_")
 
 
 def usage(counts: JSON | None) -> JSON:
@@ -140,10 +141,6 @@ def response(answer: JSON, request: ResponsesRequest) -> JSON:
     return shaped.body(status, answer.get("usage"))
 
 
-def sse(event: JSON) -> bytes:
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
-
-
 class _Events:
     """The Responses events of one stream, numbered."""
 
@@ -155,7 +152,7 @@ class _Events:
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.sequence += 1
-        return sse({"type": kind, "sequence_number": self.sequence, **fields})
+        return named_sse({"type": kind, "sequence_number": self.sequence, **fields})
 
     @property
     def index(self) -> int:

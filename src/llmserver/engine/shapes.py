@@ -18,6 +18,11 @@ def sse(event: JSON) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
+def named_sse(event: JSON) -> bytes:
+    """An event named by its `type` (`event:` and `data:` lines), as the Responses and Messages APIs send them."""
+    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
 class Chunks:
     """A stream's chunks: its head (id, object, created, model) serialised once, each choice after it."""
 

@@ -24,12 +24,12 @@ from llmserver.schemas.openai import (
 JSON = dict[str, Any]
 
 
-def new_id(prefix: str) -> str:
+def new_id(prefix: str, separator: str = "-") -> str:
     """`prefix-` and 24 random hex digits, as OpenAI's ids: from Python's generator (seeded from the
     system, and again in a forked child), not a system call each (os.urandom costs several µs on a
     busy VM, once per answer). Names, not secrets; and not a counter, which would tell any caller how
     many requests the gateway has served."""
-    return f"{prefix}-{random.getrandbits(96):024x}"
+    return f"{prefix}{separator}{random.getrandbits(96):024x}"
 
 
 def head(prefix: str, object_: str, model: str) -> JSON:
