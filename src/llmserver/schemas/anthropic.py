@@ -14,7 +14,7 @@ import base64
 import json
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from llmserver.errors import InvalidRequest
 from llmserver.schemas.common import AsChat, Strict, absent, refused, string_field
@@ -86,8 +86,8 @@ class MessagesRequest(Strict):
 
     @field_validator("container", "mcp_servers", "context_management", "diagnostics")
     @classmethod
-    def _unsupported(cls, value: Any) -> Any:
-        return absent(value)
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return absent(cls, value, info)
 
     def chat(self) -> AsChat:
         """The chat request this is."""

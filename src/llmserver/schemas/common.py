@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationInfo
 
 from llmserver.errors import InvalidRequest
 
@@ -84,10 +84,11 @@ def refused(what: str) -> Any:
     return Field(default=None, description=f"Refused: {what}.")
 
 
-def absent(value: Any) -> Any:
-    """The check of a `refused` field (its validator): only null (or false) passes."""
+def absent(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """The check of a `refused` field (its validator): only null (or false) passes; the refusal says why."""
     if value is not None and value is not False:
-        raise ValueError("not supported by this server")
+        described = model.model_fields[str(info.field_name)].description or ""
+        raise ValueError(f"not supported by this server: {described.removeprefix('Refused: ').rstrip('.')}")
     return value
 
 

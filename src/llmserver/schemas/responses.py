@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from llmserver.errors import InvalidRequest
 from llmserver.schemas.common import AsChat, Strict, absent, refused, string_field
@@ -91,8 +91,8 @@ class ResponsesRequest(Strict):
         "context_management",
     )  # fmt: skip
     @classmethod
-    def _unsupported(cls, value: Any) -> Any:
-        return absent(value)
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return absent(cls, value, info)
 
     def chat(self) -> AsChat:
         """The chat request this response is."""
