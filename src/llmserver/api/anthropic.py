@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from llmserver.api import translated
-from llmserver.api.deps import FastJSONResponse, body_schema, direct, generation, parse
+from llmserver.api.deps import FastJSONResponse, body_schema, direct
 from llmserver.api.events import EventStream
 from llmserver.engine import anthropic
 from llmserver.schemas.anthropic import PARAMS, MessagesRequest
@@ -22,9 +22,7 @@ class CountRequest(MessagesRequest):
 @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest), response_model=None)
 @direct
 async def create_message(request: Request) -> FastJSONResponse | EventStream:
-    principal, body = await parse(request, MessagesRequest, gate=generation(request).admission.precheck)
-    with translated.renamed([], PARAMS):
-        chat = body.chat()
+    principal, _, chat = await translated.read(request, MessagesRequest, PARAMS)
     return await translated.answer(request, principal, chat, "/v1/messages", anthropic.message, anthropic.stream)
 
 
@@ -33,9 +31,7 @@ async def create_message(request: Request) -> FastJSONResponse | EventStream:
 async def count_tokens(request: Request) -> FastJSONResponse:
     """The prompt's tokens as the model's template and tokenizer make them. It is a request (admitted,
     counted in the key's rpm, recorded in the ledger) that generates and charges nothing."""
-    principal, body = await parse(request, CountRequest)
-    with translated.renamed([], PARAMS):
-        chat = body.chat()
+    principal, _, chat = await translated.read(request, CountRequest, PARAMS)
     return FastJSONResponse(
         {"input_tokens": await translated.count(request, principal, chat, "/v1/messages/count_tokens")}
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from llmserver.api import translated
-from llmserver.api.deps import FastJSONResponse, body_schema, direct, generation, parse
+from llmserver.api.deps import FastJSONResponse, body_schema, direct
 from llmserver.api.events import EventStream
 from llmserver.engine import responses
 from llmserver.schemas.responses import PARAMS, ResponsesRequest
@@ -16,9 +16,7 @@ router = APIRouter()
 @router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest), response_model=None)
 @direct
 async def create_response(request: Request) -> FastJSONResponse | EventStream:
-    principal, body = await parse(request, ResponsesRequest, gate=generation(request).admission.precheck)
-    with translated.renamed([], PARAMS):
-        chat = body.chat()
+    principal, body, chat = await translated.read(request, ResponsesRequest, PARAMS)
     return await translated.answer(
         request, principal, chat, "/v1/responses",
         shape=lambda answer: responses.response(answer, body),
@@ -35,8 +33,6 @@ class InputTokensRequest(ResponsesRequest):
 async def input_tokens(request: Request) -> FastJSONResponse:
     """The prompt tokens a response to this request would read, as the model's template and tokenizer make
     them. It is a request (admitted, counted in the key's rpm, a ledger row) that generates and charges nothing."""
-    principal, body = await parse(request, InputTokensRequest)
-    with translated.renamed([], PARAMS):
-        chat = body.chat()
+    principal, _, chat = await translated.read(request, InputTokensRequest, PARAMS)
     tokens = await translated.count(request, principal, chat, "/v1/responses/input_tokens")
     return FastJSONResponse({"object": "response.input_tokens", "input_tokens": tokens})

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
-from llmserver.api.deps import FastJSONResponse, cancel_on_disconnect, generation, header, validate
+from llmserver.api.deps import FastJSONResponse, cancel_on_disconnect, generation, header, parse, validate
 from llmserver.api.events import EventStream
 from llmserver.auth.keys import Principal
 from llmserver.engine.generation import GenerationService, closed_on_failure
 from llmserver.errors import APIError
 from llmserver.pool.admission import Ticket
-from llmserver.schemas.common import AsChat
+from llmserver.schemas.common import AsChat, AsChatRequest
 from llmserver.schemas.openai import ChatRequest
 
 JSON = dict[str, Any]
@@ -46,6 +46,18 @@ def _rename(param: str, origins: Sequence[str], names: Mapping[str, str]) -> str
             return origins[int(index)] + (f".{tail}" if tail else "")
         return names.get("messages", head)
     return names.get(head, head) + (f".{rest}" if rest else "")
+
+
+Translatable = TypeVar("Translatable", bound=AsChatRequest)
+
+
+async def read(
+    request: Request, kind: type[Translatable], names: Mapping[str, str]
+) -> tuple[Principal, Translatable, AsChat]:
+    """The caller, the request as `kind`, and the chat request it is (its refusals named by `names`)."""
+    principal, body = await parse(request, kind, gate=generation(request).admission.precheck)
+    with renamed([], names):
+        return principal, body, body.chat()
 
 
 async def _admitted(

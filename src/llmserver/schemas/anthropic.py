@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from llmserver.errors import InvalidRequest
-from llmserver.schemas.common import AsChat, Strict, absent, refused, string_field
+from llmserver.schemas.common import AsChat, AsChatRequest, Strict, absent, refused, string_field
 
 JSON = dict[str, Any]
 
@@ -54,7 +54,7 @@ class OutputConfig(Strict):
     format: OutputFormat | None = None
 
 
-class MessagesRequest(Strict):
+class MessagesRequest(AsChatRequest):
     api_key: str | None = Field(default=None, description="The API key, when not sent as x-api-key or Bearer.")
     model: str | None = Field(default=None, description="Model name; default: the first configured model.")
     max_tokens: int = Field(ge=1)

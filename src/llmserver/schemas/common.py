@@ -79,6 +79,13 @@ class AsChat:
     budget: int | None = None
 
 
+class AsChatRequest(Strict):
+    """A request of another API that is a chat request underneath."""
+
+    def chat(self) -> AsChat:
+        raise NotImplementedError
+
+
 def refused(what: str) -> Any:
     """A field the client's API defines that this server does not do: refused (400 naming it) when present."""
     return Field(default=None, description=f"Refused: {what}.")

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from llmserver.errors import InvalidRequest
-from llmserver.schemas.common import AsChat, Strict, absent, refused, string_field
+from llmserver.schemas.common import AsChat, AsChatRequest, Strict, absent, refused, string_field
 from llmserver.schemas.openai import ReasoningEffort
 
 JSON = dict[str, Any]
@@ -48,7 +48,7 @@ class StreamOptions(Strict):
     include_obfuscation: bool | None = None  # no effect
 
 
-class ResponsesRequest(Strict):
+class ResponsesRequest(AsChatRequest):
     api_key: str | None = Field(default=None, description="The API key, when not sent as a Bearer token.")
     model: str | None = Field(default=None, description="Model name; default: the first configured model.")
     input: str | list[JSON] = Field(description="A text, or a list of input items (messages, function calls, …).")
