@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -433,3 +434,51 @@ def tls_certificates(folder: Path, addresses: list[str]) -> tuple[Path, Path, Pa
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return paths
+
+
+def stream(server: Server, key: str, model: str) -> str | None:
+    """One streamed chat request; None if it ended well, else what went wrong."""
+    body = {"model": model, "stream": True, "max_tokens": 12, "messages": [{"role": "user", "content": "Count."}]}
+    try:
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json=body,
+            headers={"Authorization": f"Bearer {key}"}, timeout=120,
+        ) as answer:  # fmt: skip
+            if answer.status_code != 200:
+                return f"{answer.status_code}: {answer.read().decode()}"
+            text = "".join(answer.iter_text())
+    except httpx.HTTPError as exc:
+        return repr(exc)
+    return None if text.rstrip().endswith("data: [DONE]") and '"error"' not in text else text[-300:]
+
+
+class SteadyStreams:
+    """A steady load: one thread per server given, each sending streamed requests one after another until
+    the block ends; `failures` says what went wrong with any of them, `done` how many ended."""
+
+    def __init__(self, servers: list[Server], key: str, model: str) -> None:
+        self.failures: list[str] = []
+        self.done = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._load, args=(s, key, model)) for s in servers]
+
+    def _load(self, server: Server, key: str, model: str) -> None:
+        while not self._stop.is_set():
+            outcome = stream(server, key, model)
+            if outcome is not None:
+                self.failures.append(outcome)
+            self.done += 1
+
+    def reach(self, done: int, timeout: float = 60) -> bool:
+        """Wait until `done` requests have ended."""
+        return wait_for(lambda: self.done >= done, timeout)
+
+    def __enter__(self) -> SteadyStreams:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(120)

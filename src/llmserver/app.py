@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
-from llmserver import __version__, console, tracing
+from llmserver import __version__, console, model_catalog, tracing
 from llmserver.api import anthropic, embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api import responses as responses_api
 from llmserver.api.deps import direct_routes, validation_error
@@ -40,8 +40,9 @@ from llmserver.middleware import Front
 from llmserver.pool.admission import Admission
 from llmserver.pool.registry import Registry
 from llmserver.pool.router import Router
+from llmserver.pool.scheduler import Scheduler
 from llmserver.pool.supervisor import Supervisor
-from llmserver.settings import Settings
+from llmserver.settings import ModelConfig, Settings
 from llmserver.store import open_store
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ _STATUS_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     413: "request_too_large",
     415: "unsupported_media_type",
     422: "unprocessable_file",
@@ -78,6 +80,12 @@ def create_app(settings: Settings) -> FastAPI:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         tracing.configure(settings.otlp_endpoint, "llmserver")
         store = await open_store(settings.store_url)
+        try:  # the models: the catalog's, with the config file's brought in (model_catalog.py)
+            entries = await model_catalog.seed(store, settings)
+        except BaseException:
+            await store.close()
+            raise
+        settings.models = model_catalog.models_of(entries)
         gateway = settings.gateway_name
         admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
         supervisor = Supervisor(settings)
@@ -151,6 +159,20 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.jobs = job_service
         app.state.started_at = time.time()
         registry = supervisor.remote = _registry(settings, supervisor)
+
+        async def use_models(models: list[ModelConfig]) -> None:
+            await supervisor.apply(models)
+            app.state.generation.use_models(models)
+            app.state.embeddings.use_models(models)
+            inputs.vision_models = {model.name for model in models if model.vision_capable}
+
+        catalog = app.state.catalog = model_catalog.CatalogFollower(store, use_models)
+        scheduler = None
+        if registry is not None:
+            supervisor.on_new_pool = registry.adopt
+            scheduler = Scheduler(
+                store, registry.client, gateway, catalog, lease_seconds=settings.scheduler_lease_seconds
+            )
         probes: dict[str, Probe] = {"database": store.ping}
         if shared is not None:
             probes["redis"] = redis_probe(shared.client)
@@ -168,6 +190,9 @@ def create_app(settings: Settings) -> FastAPI:
             await supervisor.start()
             if registry is not None:
                 await registry.start()
+            catalog.start(entries)
+            if scheduler is not None:
+                scheduler.start()
             # What startup built (routes, schemas, models) lives as long as the process: out of the
             # collector's way, so that collections under load walk only what requests allocate. And
             # the youngest generation is collected every 20,000 allocations, not every 700: a tiny
@@ -181,6 +206,9 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             # Should a step below hang, say where: the tasks still waiting, with their stacks.
             overdue = asyncio.get_running_loop().call_later(settings.drain_timeout + 15, _log_pending_tasks)
+            if scheduler is not None:
+                await scheduler.stop()
+            await catalog.stop()
             await job_service.stop(grace=settings.drain_timeout)
             if registry is not None:
                 await registry.stop()

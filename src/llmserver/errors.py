@@ -105,6 +105,11 @@ class MethodNotAllowed(APIError):
     type = "invalid_request_error"
 
 
+class Conflict(APIError):
+    status = 409
+    type = "conflict_error"
+
+
 class RequestTooLarge(APIError):
     status = 413
     type = "request_too_large"

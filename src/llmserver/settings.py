@@ -148,6 +148,11 @@ class ModelConfig(BaseModel):
         default=None,
         description="A Jinja chat template to use instead of the one in the GGUF (for one that lacks tools, say).",
     )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels a node must have (its node_labels) to run this model's instances; the scheduler "
+        "places them only there.",
+    )
     embedding: bool = Field(
         default=False,
         description="Serve /v1/embeddings (instances start in llama-server's embedding mode) instead of chat.",
@@ -269,6 +274,18 @@ class Settings(BaseSettings):
         default="all",
         description="`all`: the gateway starts and supervises its own instances. `gateway`: it starts none and routes "
         "to the instances that `llmserver node` processes publish in Redis (redis_url).",
+    )
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description='`llmserver node`: labels of this host (gpu = "a100", zone = "eu", …) that a model\'s '
+        "node_selector may ask for.",
+    )
+    scheduler_lease_seconds: float = Field(
+        default=5.0,
+        ge=1,
+        le=300,
+        description="Role `gateway`: how long the scheduler's leadership lasts unrenewed (renewed every second); "
+        "another gateway takes over this long after the leader stops.",
     )
     node_id: str = Field(
         default="", max_length=200, description="`llmserver node`'s name in the instance registry; empty: host name."
@@ -555,17 +572,16 @@ class Settings(BaseSettings):
         "(time, level, logger, message, and a request's id, key, model, instance, status, durations, tokens).",
     )
 
+    # Whether models were configured (a file's [[models]], --model, LLMSERVER_MODELS) rather than the
+    # embedded default stood in for none: the model catalog (model_catalog.py) seeds only given ones.
+    _models_given: bool = PrivateAttr(default=False)
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        self._models_given = bool(self.models)
         if not self.models:
             self.models = [ModelConfig(name=DEFAULT_MODEL_NAME)]
-        # llama.cpp threads spin while they wait: instances that together run more threads than
-        # there are CPUs slow each other down many times over. Share the CPUs out by default.
-        always_running = sum(max(1, m.min_instances) for m in self.models)
-        for m in self.models:
-            if m.threads is None or m._threads_computed:
-                m.threads = max(1, default_threads() // always_running)
-                m._threads_computed = True
+        share_threads(self.models)
         names = [m.name for m in self.models]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -647,6 +663,17 @@ class Settings(BaseSettings):
         return next((m for m in self.models if m.name == name), None)
 
 
+def share_threads(models: list[ModelConfig]) -> None:
+    """llama.cpp threads spin while they wait: instances that together run more threads than there are
+    CPUs slow each other down many times over. The CPUs are shared out among the models that do not
+    set `threads`."""
+    always_running = sum(max(1, m.min_instances) for m in models)
+    for m in models:
+        if m.threads is None or m._threads_computed:
+            m.threads = max(1, default_threads() // max(1, always_running))
+            m._threads_computed = True
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
     """Build the settings from flags (`overrides`, None values ignored), environment and file."""
     toml_file = config_file
@@ -670,4 +697,6 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         raise FileNotFoundError(f"config file not found: {config_file}")
     given = {key: value for key, value in overrides.items() if value is not None}
     loaded = _Loaded(**given)
-    return Settings.model_construct(**dict(loaded))
+    settings = Settings.model_construct(**dict(loaded))
+    settings._models_given = loaded._models_given
+    return settings

@@ -173,16 +173,17 @@ def tls_files(root: Path) -> tuple[Path, Path, Path]:
     return paths
 
 
-def add_host(index: int, namespace: str) -> None:
-    """A test host: a network namespace with its veth pair on the bridge, at NET.(10 + index)."""
+def add_host(index: int, namespace: str, bridge: str = BRIDGE, net: str = NET, veth: str = "llms-") -> None:
+    """A test host: a network namespace with its veth pair (`veth`h/n + index) on the bridge, at net.(10 + index)."""
     subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)  # left by a killed run
+    outside, inside = f"{veth}h{index}", f"{veth}n{index}"
     ip("netns", "add", namespace)
-    ip("link", "add", f"llms-h{index}", "type", "veth", "peer", "name", f"llms-n{index}")
-    ip("link", "set", f"llms-n{index}", "netns", namespace)
-    ip("link", "set", f"llms-h{index}", "master", BRIDGE)
-    ip("link", "set", f"llms-h{index}", "up")
-    ip("netns", "exec", namespace, "ip", "addr", "add", f"{NET}.{10 + index}/24", "dev", f"llms-n{index}")
-    ip("netns", "exec", namespace, "ip", "link", "set", f"llms-n{index}", "up")
+    ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+    ip("link", "set", inside, "netns", namespace)
+    ip("link", "set", outside, "master", bridge)
+    ip("link", "set", outside, "up")
+    ip("netns", "exec", namespace, "ip", "addr", "add", f"{net}.{10 + index}/24", "dev", inside)
+    ip("netns", "exec", namespace, "ip", "link", "set", inside, "up")
     ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
 
 

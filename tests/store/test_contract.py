@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from llmserver.store import Store, UsageBatch
+from llmserver.store.migrations import POSTGRES
 from tests.auth.test_quota import with_store as run
 
 
@@ -148,9 +149,9 @@ def test_db_migrate_and_a_gateway_that_refuses_an_unmigrated_database(postgres: 
     assert not_served.returncode == 2 and "llmserver db migrate" in not_served.stderr
     assert len(not_served.stderr.strip().splitlines()) == 1  # one line, no traceback
     migrated = llmserver("db", "migrate")
-    assert migrated.returncode == 0 and "schema version 2" in migrated.stdout, migrated.stderr
+    assert migrated.returncode == 0 and f"schema version {len(POSTGRES)}" in migrated.stdout, migrated.stderr
     again = llmserver("db", "migrate")  # nothing left to apply
-    assert again.returncode == 0 and "schema version 2" in again.stdout
+    assert again.returncode == 0 and f"schema version {len(POSTGRES)}" in again.stdout
     created = llmserver("keys", "create", "--name", "pg")
     assert created.returncode == 0 and created.stdout.strip().splitlines()[-1].startswith("llms-")
     assert "pg" in llmserver("keys", "list").stdout
@@ -177,5 +178,38 @@ def test_a_swept_job_with_a_webhook_gets_its_failure_webhook(database_url: str) 
         assert (item.tracking_id, item.url) == ("hooked", "https://example.test/hook")
         failure = {"message": "gone", "type": "server_error", "code": 500}
         assert json.loads(item.payload) == {"status": "failed", "tracking_id": "hooked", "error": failure}
+
+    run(database_url, test)
+
+
+def test_the_model_catalog_counts_revisions_and_refuses_what_would_overwrite(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        assert await store.catalog() == []
+        first = await store.catalog_put("m", '{"name":"m"}', "api", create=True)
+        assert first is not None and first.revision == 1
+        assert await store.catalog_put("m", '{"name":"m","parallel":2}', "api", create=True) is None  # taken
+        assert await store.catalog_put("other", '{"name":"other"}', "api", create=False) is None  # absent
+        second = await store.catalog_put("m", '{"name":"m","parallel":2}', "api", create=False)
+        assert second is not None and second.revision == 2 and second.settings() == {"name": "m", "parallel": 2}
+        assert [(e.name, e.revision, e.origin) for e in await store.catalog()] == [("m", 2, "api")]
+        assert await store.catalog_delete("m") is True
+        assert await store.catalog_delete("m") is False
+        assert await store.catalog() == []
+
+    run(database_url, test)
+
+
+def test_a_named_lease_has_one_holder_until_it_lapses(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        assert await store.lease_take("scheduler", "gw-1", 0.3) is True
+        assert await store.lease_take("scheduler", "gw-2", 0.3) is False  # held
+        assert await store.lease_take("scheduler", "gw-1", 0.3) is True  # renewed by its holder
+        await asyncio.sleep(0.4)
+        assert await store.lease_take("scheduler", "gw-2", 30) is True  # lapsed: taken over
+        assert await store.lease_take("scheduler", "gw-1", 30) is False
+        await store.lease_release("scheduler", "gw-1")  # not the holder: nothing happens
+        assert await store.lease_take("scheduler", "gw-1", 30) is False
+        await store.lease_release("scheduler", "gw-2")
+        assert await store.lease_take("scheduler", "gw-1", 30) is True
 
     run(database_url, test)

@@ -1,13 +1,17 @@
-"""GET /v1/models: the seed's model list, with each model's 30-day average speed once it has one."""
+"""GET /v1/models: the seed's model list, with each model's 30-day average speed once it has one; and
+the model catalog's admin API, GET/POST/PATCH/DELETE /api/models."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
-from llmserver.api.deps import authenticate, settings, speed
+from llmserver import model_catalog
+from llmserver.api.deps import admin_body, authenticate, require_admin, settings, speed, store, supervisor
 from llmserver.auth.keys import may_use
+from llmserver.errors import NotFound
 
 router = APIRouter()
 
@@ -29,3 +33,64 @@ async def list_models(request: Request) -> dict[str, Any]:
         entry["embedding"] = model.embedding
         data.append(entry)
     return {"object": "list", "data": data}
+
+
+# The model catalog (admin keys only): model_catalog.py
+
+
+def _catalog(request: Request) -> model_catalog.CatalogFollower:
+    follower: model_catalog.CatalogFollower = request.app.state.catalog
+    return follower
+
+
+def _status(request: Request, name: str) -> dict[str, Any]:
+    """How a model runs, as this gateway sees it."""
+    pool = supervisor(request).pools.get(name)
+    if pool is None:
+        return {"instances": 0, "ready_instances": 0, "queue_depth": 0, "blocked": None}
+    return {
+        "instances": len(pool.live()),
+        "ready_instances": sum(1 for i in pool.instances if i.accepting),
+        "queue_depth": pool.queue_depth,
+        "blocked": pool.blocked,
+    }
+
+
+@router.get("/api/models")
+async def list_catalog(request: Request) -> dict[str, Any]:
+    await require_admin(request)
+    entries = await store(request).catalog()
+    return {"object": "list", "data": [model_catalog.entry_body(e, _status(request, e.name)) for e in entries]}
+
+
+@router.get("/api/models/{name}")
+async def get_model(request: Request, name: str) -> dict[str, Any]:
+    await require_admin(request)
+    entry = await model_catalog.find(store(request), name)
+    if entry is None:
+        raise NotFound(f"The model catalog has no model {name!r}.", param="name")
+    return model_catalog.entry_body(entry, _status(request, name))
+
+
+@router.post("/api/models", status_code=201, response_model=None)
+async def add_model(request: Request) -> JSONResponse:
+    """Add a model to the catalog: every gateway serves it within seconds (this one at once)."""
+    entry = await model_catalog.add(store(request), await admin_body(request))
+    await _catalog(request).refresh()
+    return JSONResponse(model_catalog.entry_body(entry, _status(request, entry.name)), status_code=201)
+
+
+@router.patch("/api/models/{name}")
+async def update_model(request: Request, name: str) -> dict[str, Any]:
+    """Change a model's settings: those an instance must restart for roll its instances over one by one."""
+    entry = await model_catalog.update(store(request), name, await admin_body(request))
+    await _catalog(request).refresh()
+    return model_catalog.entry_body(entry, _status(request, name))
+
+
+@router.delete("/api/models/{name}")
+async def remove_model(request: Request, name: str) -> dict[str, Any]:
+    """Remove a model: its instances drain, and its requests are answered 404."""
+    entry = await model_catalog.remove(store(request), name)
+    await _catalog(request).refresh()
+    return model_catalog.entry_body(entry)

@@ -125,6 +125,26 @@ def open_checked_store(settings: Settings, *, migrate: bool = False) -> int:
     return asyncio.run(check())
 
 
+def check_catalog(settings: Settings) -> None:
+    """The config file's models brought into the model catalog before a server starts: a file and a
+    catalog that disagree (model_catalog.py) are one clean line, exit status 1."""
+    import asyncio
+
+    from llmserver.model_catalog import CatalogConflict, seed
+
+    async def check() -> None:
+        store = await open_cli_store(settings)
+        try:
+            await seed(store, settings)
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(check())
+    except CatalogConflict as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def check_model_files(settings: Settings) -> None:
     """Every model file found (or downloaded) before a server or node starts: a missing one is one
     clean line (ModelFileError, exit status 2), not a start-up traceback."""

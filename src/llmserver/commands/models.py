@@ -1,13 +1,22 @@
-"""`llmserver models`: the configured models and their files; `models pull` downloads ahead of time."""
+"""`llmserver models`: the configured models and their files; `models pull` downloads ahead of time;
+`models list|add|update|remove`: the model catalog in the database."""
 
 from __future__ import annotations
 
+import tomllib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
+from llmserver import model_catalog
 from llmserver.catalog import BUILTIN, ModelFileError, mmproj_path, model_path
 from llmserver.commands import load, models_from_args, settings_options
+from llmserver.errors import APIError
+from llmserver.store import CatalogEntry, Store
+
+T = TypeVar("T")
 
 
 @click.group(invoke_without_command=True)
@@ -48,3 +57,95 @@ def pull(config_file: Path | None, data_dir: Path | None, names: tuple[str, ...]
         click.echo(f"{model.name}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
         if mmproj is not None:
             click.echo(f"{model.name} (vision): {mmproj} ({mmproj.stat().st_size / 2**20:.1f} MiB)")
+
+
+# The model catalog (model_catalog.py): what every gateway serves, in the shared database.
+
+
+def _settings_from(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs: each value read as TOML (2, 1.5, true, "text", ["a", "b"]), else as text."""
+    fields: dict[str, Any] = {}
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if not equals or not key.strip():
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--set")
+        try:
+            fields[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            fields[key.strip()] = value
+    return fields
+
+
+def _catalog(settings_file: Path | None, data_dir: Path | None, use: Callable[[Store], Awaitable[T]]) -> T:
+    from llmserver.commands.keys import _with_store
+
+    try:
+        return _with_store(load(settings_file, data_dir=data_dir), use)
+    except APIError as exc:
+        raise click.ClickException(exc.message) from None
+
+
+def _show(entry: CatalogEntry) -> str:
+    return f"{entry.name}  revision {entry.revision}  ({entry.origin})  {entry.config}"
+
+
+@models.command("list")
+@settings_options
+def list_catalog(config_file: Path | None, data_dir: Path | None) -> None:
+    """The model catalog: every model the gateways serve, with its settings (those not at their default)."""
+    entries = _catalog(config_file, data_dir, lambda store: store.catalog())
+    for entry in entries:
+        click.echo(_show(entry))
+    if not entries:
+        click.echo("the model catalog is empty: add a model with `llmserver models add NAME`", err=True)
+
+
+set_option = click.option(
+    "--set", "pairs", multiple=True, metavar="KEY=VALUE",
+    help="A model setting (repeatable), as in a [[models]] table: --set min_instances=2 --set ctx_size=8192.",
+)  # fmt: skip
+
+
+@models.command()
+@settings_options
+@click.argument("name")
+@click.option("--path", default=None, help="The GGUF file, as the nodes see it (default: the embedded model).")
+@click.option("--hf-repo", default=None, help="A Hugging Face repo to fetch the GGUF from (with --hf-file).")
+@click.option("--hf-file", default=None, help="The GGUF file in --hf-repo.")
+@set_option
+def add(
+    config_file: Path | None, data_dir: Path | None, name: str, path: str | None, hf_repo: str | None,
+    hf_file: str | None, pairs: tuple[str, ...],
+) -> None:  # fmt: skip
+    """Add a model to the catalog; running gateways serve it within seconds."""
+    given = {"path": path, "hf_repo": hf_repo, "hf_file": hf_file}
+    fields = {
+        "name": name,
+        **{key: value for key, value in given.items() if value is not None},
+        **_settings_from(pairs),
+    }
+    click.echo(_show(_catalog(config_file, data_dir, lambda store: model_catalog.add(store, fields))))
+
+
+@models.command()
+@settings_options
+@click.argument("name")
+@set_option
+@click.option("--reset", multiple=True, metavar="KEY", help="A setting back to its default (repeatable).")
+def update(
+    config_file: Path | None, data_dir: Path | None, name: str, pairs: tuple[str, ...], reset: tuple[str, ...]
+) -> None:
+    """Change a model's settings; its instances roll over to them one at a time where they must restart."""
+    changes: dict[str, Any] = {**_settings_from(pairs), **dict.fromkeys(reset)}
+    if not changes:
+        raise click.UsageError("nothing to change: give --set KEY=VALUE or --reset KEY")
+    click.echo(_show(_catalog(config_file, data_dir, lambda store: model_catalog.update(store, name, changes))))
+
+
+@models.command()
+@settings_options
+@click.argument("name")
+def remove(config_file: Path | None, data_dir: Path | None, name: str) -> None:
+    """Remove a model from the catalog: its instances drain, and its requests are answered 404."""
+    entry = _catalog(config_file, data_dir, lambda store: model_catalog.remove(store, name))
+    click.echo(f"removed {entry.name} (revision {entry.revision})")

@@ -62,6 +62,8 @@ def node(
             "instance_tls_ca), or instance_plain_http = true on a private network you trust"
         )
     logs.configure(settings.log_level, settings.log_format)
+    if not settings._models_given:  # no [[models]]: the scheduler assigns what this node runs
+        settings.models = []
     check_model_files(settings)
     listening = None
     if settings.node_port:
@@ -79,6 +81,7 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
     from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
     from llmserver.metrics.prometheus import Metrics
     from llmserver.node_http import NodeServer, node_app
+    from llmserver.pool.assignments import Assignments
     from llmserver.pool.registry import NodeIdInUse, Publisher
     from llmserver.pool.supervisor import Supervisor
 
@@ -91,6 +94,10 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(stop_signal, stop.set)
     publisher = Publisher(client, supervisor, node_id)
+    supervisor.drain_wait = publisher.settle  # a drain waits for the gateways' requests on the instance
+    assignments = Assignments(client, supervisor, settings, node_id) if not settings.models else None
+    if assignments is not None:
+        publisher.extra = assignments.record
     live: dict[str, Probe] = {
         "publishing": fresh_probe("the instances were last published", lambda: publisher.published_at),
         "models": models_probe(supervisor.pools),
@@ -125,9 +132,13 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
     publishing = asyncio.create_task(publisher.run(), name="publish")
     await supervisor.start()
     commands = asyncio.create_task(publisher.serve_commands(), name="node-commands")
+    assigned = asyncio.create_task(assignments.run(), name="assignments") if assignments is not None else None
     log.info(
-        "node %s (incarnation %s) publishes %d instances on %s%s",
-        node_id, publisher.incarnation, len(supervisor.all_instances()), settings.instance_host,
+        "node %s (incarnation %s) publishes %s on %s%s",
+        node_id, publisher.incarnation,
+        f"{len(supervisor.all_instances())} instances" if assignments is None
+        else "the instances the scheduler assigns it (no [[models]] in its config)",
+        settings.instance_host,
         f"; /health, /ready and /metrics on http://{settings.node_http_host}:{settings.node_port}"
         if listening is not None else "",
     )  # fmt: skip
@@ -136,6 +147,8 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
     finally:
         publishing.cancel()
         commands.cancel()
+        if assigned is not None:
+            assigned.cancel()
         if http is not None and serving is not None:
             http.should_exit = True
             await serving

@@ -14,6 +14,7 @@ import click
 
 from llmserver import __version__, logs
 from llmserver.commands import (
+    check_catalog,
     check_model_files,
     load,
     log_level_option,
@@ -84,6 +85,7 @@ def serve(
     logs.configure(settings.log_level, settings.log_format)
     # The database first: a schema to migrate, or a server that cannot be reached, is one clean line.
     open_checked_store(settings)
+    check_catalog(settings)
     if settings.role == "gateway" and not settings.redis_url:
         raise click.UsageError(
             "a gateway finds the nodes' instances in Redis: set --redis-url (or LLMSERVER_REDIS_URL)"

@@ -18,7 +18,7 @@ from llmserver.inputs.prepare import text_bound
 from llmserver.pool.admission import Admission, Ticket, outcome_of
 from llmserver.pool.instance import slot_context
 from llmserver.schemas.openai import EmbeddingRequest
-from llmserver.settings import Settings
+from llmserver.settings import ModelConfig, Settings
 
 JSON = dict[str, Any]
 ENDPOINT = "/v1/embeddings"
@@ -30,9 +30,13 @@ class EmbeddingService:
     def __init__(self, settings: Settings, admission: Admission, calls: InstanceCalls) -> None:
         self.admission = admission
         self.calls = calls
-        self.models = {model.name: model for model in settings.models if model.embedding}
-        self.chat_models = {model.name for model in settings.models if not model.embedding}
+        self.use_models(settings.models)
         self.max_keep_alive = settings.max_keep_alive
+
+    def use_models(self, models: list[ModelConfig]) -> None:
+        """The models served now (at start, and after each change to the model catalog)."""
+        self.models = {model.name: model for model in models if model.embedding}
+        self.chat_models = {model.name for model in models if not model.embedding}
 
     def _model(self, requested: str | None) -> str:
         if requested is None:

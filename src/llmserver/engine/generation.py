@@ -40,7 +40,7 @@ from llmserver.pool.affinity import affinity_key
 from llmserver.pool.instance import slot_context
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
 from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest
-from llmserver.settings import Settings
+from llmserver.settings import ModelConfig, Settings
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +87,20 @@ class GenerationService:
         self.inputs = inputs
         self.calls = calls
         self.recorder = recorder
-        chat_models = [model.name for model in settings.models if not model.embedding]
-        self.default_model = chat_models[0] if chat_models else settings.models[0].name
-        self.embedding_models = {model.name for model in settings.models if model.embedding}
+        self.use_models(settings.models)
         self.default_max_tokens = settings.default_max_tokens
         self.max_tokens_limit = settings.max_tokens_limit
         self.max_messages = settings.max_messages
         self.max_pattern_cost = settings.max_pattern_cost
         self.max_keep_alive = settings.max_keep_alive
+
+    def use_models(self, models: list[ModelConfig]) -> None:
+        """The models served now (at start, and after each change to the model catalog)."""
+        chat_models = [model.name for model in models if not model.embedding]
+        self.default_model = chat_models[0] if chat_models else (models[0].name if models else "")
+        self.embedding_models = {model.name for model in models if model.embedding}
         # A request's prompt and completion together never exceed its slot's context.
-        self._context = {model.name: slot_context(model) for model in settings.models}
+        self._context = {model.name: slot_context(model) for model in models}
 
     # Step 1: admission, for every endpoint
 

@@ -82,6 +82,10 @@ class ModelPool:
         self.share: int | None = None
         # Set by the registry, which publishes this gateway's requests in flight and waiting when
         # they change, and (`load_shared`) awaits the changes made so far reaching the others.
+        self.rolling = asyncio.Lock()  # held while the instances roll over to new settings (supervisor)
+        # Why no instance can be started at all (its model file cannot be had): requests fail at once.
+        self.unstartable: str | None = None
+        self.closed: APIError | None = None  # the model was removed: every request fails with this
         self.on_load: Callable[[], None] = lambda: None
         self.load_shared: Callable[[], Awaitable[None]] | None = None
 
@@ -132,6 +136,12 @@ class ModelPool:
         """A slot on an instance, counted as in flight for `key_id` until `release`; with an
         affinity key, on the instance that key prefers unless the load guard says otherwise; not on
         `avoid` (the instance a retried request just failed on) while another one is accepting."""
+        if self.closed is not None:
+            raise type(self.closed)(self.closed.message, param=self.closed.param)
+        if self.unstartable is not None and not self.instances:
+            raise _because("no_instance", Overloaded(
+                f"No instance of {self.name!r} can be started: {self.unstartable}.", retry_after=30
+            ))  # fmt: skip
         instance = self._free_instance(affinity, avoid)
         if instance is not None and not self._waiters:
             self._begin(instance, key_id)
@@ -191,6 +201,15 @@ class ModelPool:
 
     def _holds_or_waits(self, key_id: str) -> bool:
         return any(key_id in i.users for i in self.instances) or any(w.key_id == key_id for w in self._waiters)
+
+    def close(self, error: APIError) -> None:
+        """The model is gone (removed from the catalog): every waiting request fails with `error`."""
+        self.closed = error
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(type(error)(error.message, param=error.param))
+        self.on_load()
 
     def report_failure(self, instance: Instance) -> None:
         """A request could not reach this instance: the pool's owner decides whether it died."""

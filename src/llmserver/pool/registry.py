@@ -41,7 +41,7 @@ import os
 import secrets
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -64,6 +64,8 @@ KEY = "llmserver:instance:"
 NODE_KEY = "llmserver:node:"
 LOAD_KEY = "llmserver:load:"
 LOAD_CHANNEL = "llmserver:load"
+ASSIGN_KEY = "llmserver:assign:"  # + node id: what the scheduler (pool/scheduler.py) has it run
+STATUS_KEY = "llmserver:schedule"  # the scheduler's last round: the catalog, and what it could not place
 LEASE_MS = 3000
 STOPPED_MS = 5000  # how long a cleanly stopped node's instances stay in the registry, marked stopped
 ACTIVE_WINDOW = 10.0  # seconds: a gateway's load names the instances it used this recently
@@ -91,6 +93,7 @@ def record(instance: Instance, node_id: str, incarnation: str, in_flight: int = 
         "node": node_id,
         "incarnation": incarnation,
         "scheme": "http" if instance.tls is None else "https",
+        "idle_seconds": 0.0 if in_flight else round(max(0.0, time.time() - instance.last_activity), 1),
     }
 
 
@@ -109,6 +112,9 @@ class Publisher:
         self._published: set[str] = set()
         self._outage = Outage(log)
         self.published_at = float("-inf")  # monotonic: the last publication Redis took
+        # More of the node's record: a node that takes assignments adds its labels and model checks.
+        self.extra: Callable[[], dict[str, Any]] = dict
+        self._in_flight: collections.Counter[str] = collections.Counter()  # per instance, every gateway's
 
     async def claim(self) -> None:
         """Take this node id in the registry, or raise NodeIdInUse when a live node holds it: its record
@@ -140,6 +146,7 @@ class Publisher:
                 in_flight.update(load["in_flight"])
                 for instance_id, when in load.get("active", {}).items():
                     active[instance_id] = max(active.get(instance_id, 0.0), float(when))
+        self._in_flight = in_flight
         for instance in live:  # the gateways' requests are its activity (idle_timeout counts from it)
             if active.get(instance.id, 0.0) > instance.last_activity:
                 instance.last_activity = active[instance.id]
@@ -153,6 +160,7 @@ class Publisher:
             "instances": len(live),
             "memory_used_mb": self._supervisor.memory_used_mb(),
             "memory_budget_mb": self._supervisor.memory_budget_mb,
+            **self.extra(),
         }
         pipe.set(NODE_KEY + self.node_id, json.dumps(node), px=LEASE_MS)
         for instance in live:
@@ -171,6 +179,20 @@ class Publisher:
         self._outage.recovered("node %s publishes its instances again", self.node_id)
         self._published = {i.id for i in live}
         self.published_at = time.monotonic()
+
+    async def settle(self, instance: Instance, timeout: float) -> None:
+        """A draining instance's requests through every gateway finished (up to `timeout`): its draining
+        state published at once, the gateways given two of their reads to stop routing to it, then
+        their requests in flight on it waited for (the node sees none of them itself)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self.publish()
+                await asyncio.sleep(2 * READ_EVERY + 0.2)
+                while True:
+                    await self.publish()
+                    if not self._in_flight[instance.id]:
+                        return
+                    await asyncio.sleep(0.2)
 
     async def withdraw(self) -> None:
         """At a clean stop: the node's instances leave the registry at once, marked stopped for a
@@ -265,6 +287,7 @@ class Registry:
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self._redis = client
+        self.client = client
         self._pools = pools
         self._api_key = api_key
         self._tls = tls  # verifies the certificates of instances published with https
@@ -282,13 +305,17 @@ class Registry:
         self._loads: dict[str, dict[str, Any]] = {}  # the other gateways' latest, by gateway id
         self._tasks: list[asyncio.Task[None]] = []
         for pool in pools.values():
-            pool.on_load = self._changed
-            pool.load_shared = self.shared
+            self.adopt(pool)
         self._outage = Outage(log)
         self._unknown: set[str] = set()
         self._recovered_at = 0.0
         self.read_at = float("-inf")  # monotonic: the last read of the registry that succeeded
         self.published: dict[str, int] = {}  # instances published per node, at the last read
+
+    def adopt(self, pool: ModelPool) -> None:
+        """A pool whose load this gateway shares (each one at start, and each the catalog adds)."""
+        pool.on_load = self._changed
+        pool.load_shared = self.shared
 
     async def start(self, first_read: float = 5.0) -> None:
         """Read the registry once before the gateway takes requests (within `first_read` seconds:
@@ -411,12 +438,17 @@ class Registry:
             await self._redis.set(self._load_key, json.dumps(self._own_load()), px=LEASE_MS)
             records = await scan_json(self._redis, KEY)
             loads = await scan_json(self._redis, LOAD_KEY)
+            schedule = await self._redis.get(STATUS_KEY)
         except redis_unreachable() as exc:
             self._outage.failed("the instance registry cannot be read (Redis: %s): routing to the instances known", exc)
             return None
         if self._outage.recovered("the instance registry can be read again"):
             self._recovered_at = time.monotonic()
         self.read_at = time.monotonic()
+        # What the scheduler could not place, and why: the reason a request for it waits in vain.
+        blocked = json.loads(schedule).get("blocked", {}) if schedule else {}
+        for name, pool in self._pools.items():
+            pool.blocked = blocked.get(name)
         return {r["instance_id"]: r for r in records}, loads
 
     def _own_load(self) -> dict[str, Any]:

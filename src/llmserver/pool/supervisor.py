@@ -27,17 +27,17 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import psutil
 
-from llmserver.catalog import llama_server_binary, mmproj_path, model_path
+from llmserver.catalog import ModelFileError, estimate_mb, llama_server_binary, mmproj_path, model_path
 from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamError
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
 from llmserver.pool.pool import ModelPool
 from llmserver.pool.registry import Registry, RemoteInstance
-from llmserver.settings import Settings, is_loopback
+from llmserver.settings import ModelConfig, Settings, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +48,9 @@ class Supervisor:
     def __init__(self, settings: Settings, *, check_interval: float = 0.5) -> None:
         self.settings = settings
         self.check_interval = check_interval
-        self.pools: dict[str, ModelPool] = {
-            m.name: ModelPool(
-                m,
-                queue_timeout=settings.queue_timeout,
-                on_pressure=self.scale_up,
-                on_failure=self.unreachable,
-                affinity_margin=settings.affinity_margin if settings.routing == "affinity" else -1,
-            )
-            for m in settings.models
-        }
+        self.pools: dict[str, ModelPool] = {m.name: self._new_pool(m) for m in settings.models}
+        # Called with each pool a catalog change adds (the registry hooks a gateway's pools to it).
+        self.on_new_pool: Callable[[ModelPool], None] = lambda pool: None
         budget = settings.memory_budget_mb or int(psutil.virtual_memory().total / 2**20 * 0.8)
         self.memory_budget_mb = budget
         self._binary: Path | None = None
@@ -78,6 +71,18 @@ class Supervisor:
         # instance_api_key (shared with other gateways for a node's instances), a random one.
         self.instance_key = settings.instance_key or secrets.token_urlsafe(32)
         self.remote: Registry | None = None  # a gateway of role `gateway`: the nodes' instances
+        # A node's: waits for the gateways' requests on a draining instance (Publisher.settle).
+        self.drain_wait: Callable[[Instance, float], Awaitable[None]] | None = None
+
+    def _new_pool(self, model: ModelConfig) -> ModelPool:
+        settings = self.settings
+        return ModelPool(
+            model,
+            queue_timeout=settings.queue_timeout,
+            on_pressure=self.scale_up,
+            on_failure=self.unreachable,
+            affinity_margin=settings.affinity_margin if settings.routing == "affinity" else -1,
+        )
 
     # Lifecycle
 
@@ -142,13 +147,13 @@ class Supervisor:
 
     def estimate_mb(self, pool: ModelPool) -> int:
         """RAM one more instance of a model will take: the most one of its instances was measured to
-        use, else its file size with a margin."""
+        use, else an estimate from its GGUF file and context (catalog.estimate_mb)."""
         measured = max([pool.measured_mb, *(i.ram_used_mb for i in pool.instances)])
         if measured:
             pool.measured_mb = measured
             return measured
         file = self._files.get(pool.name)
-        return int(file.stat().st_size / 2**20 * 1.5) if file is not None else 0
+        return estimate_mb(pool.config, file) if file is not None else 0
 
     # Starting, stopping, scaling
 
@@ -220,6 +225,10 @@ class Supervisor:
         if node is not None:
             raise InvalidRequest(
                 "This server runs its instances itself: `node` is for gateways of role gateway.", param="node"
+            )
+        if pool.name not in self._files:
+            raise UpstreamError(
+                f"The model {name!r} cannot be started here: {pool.blocked or 'its files are being found'}."
             )
         if len(pool.live()) >= pool.config.max_instances:
             raise InvalidRequest(
@@ -300,26 +309,31 @@ class Supervisor:
     def _may_autostart(self, pool: ModelPool) -> bool:
         return (
             not self._stopping
+            and pool.name in self._files
+            and not pool.rolling.locked()
             and time.monotonic() >= pool.next_start_at
             and not any(i.status == Status.STARTING for i in pool.instances)
         )
 
-    async def drain(self, instance: Instance, timeout: float | None = None) -> None:
+    async def drain(self, instance: Instance, timeout: float | None = None, pool: ModelPool | None = None) -> None:
         """No new requests; wait for those in flight up to `timeout`; stop; leave the pool."""
         if self.remote is not None and isinstance(instance, RemoteInstance):
             await self.remote.drain(instance, (self.settings.drain_timeout if timeout is None else timeout) + 10)
             return
         instance.status = Status.DRAINING
+        wait = self.settings.drain_timeout if timeout is None else timeout
+        if self.drain_wait is not None:
+            await self.drain_wait(instance, wait)
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.settings.drain_timeout if timeout is None else timeout):
+            async with asyncio.timeout(wait):
                 await instance.idle.wait()
         if instance.in_flight:
             log.warning("instance %s still had %d requests in flight when drained", instance.id, instance.in_flight)
         await instance.stop()
         instance.status = Status.STOPPED
         self._claimed_ports.discard(instance.port)
-        pool = self.pools[instance.model.name]
-        if instance in pool.instances:
+        pool = pool or self.pools.get(instance.model.name)
+        if pool is not None and instance in pool.instances:
             pool.instances.remove(instance)
         log.info("instance %s (%s) drained and stopped", instance.id, instance.model.name)
 
@@ -327,6 +341,95 @@ class Supervisor:
         task: asyncio.Task[None] = asyncio.create_task(coroutine)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    # The catalog's changes
+
+    async def apply(self, models: list[ModelConfig]) -> None:
+        """The models as the catalog (or, on a node, the scheduler) now has them: a new one gets a pool
+        (its min_instances start with the next ticks), a removed one fails its waiting requests with 404
+        and drains its instances, a changed one takes the settings that need no restart at once
+        (`LIVE_SETTINGS`) and rolls its instances over for the others: one new instance with the new
+        settings ready before one old instance is drained, one at a time."""
+        wanted = {model.name: model for model in models}
+        for name in [name for name in self.pools if name not in wanted]:
+            gone = self.pools.pop(name)
+            log.info("model %s removed: draining its %d instances", name, len(gone.live()))
+            gone.close(ModelNotFound(f"The model {name!r} does not exist.", param="model"))
+            for instance in list(gone.instances):
+                if instance.status != Status.STOPPED:
+                    self._spawn(self._retire(gone, instance))
+        for name, model in wanted.items():
+            existing = self.pools.get(name)
+            if existing is None:
+                pool = self.pools[name] = self._new_pool(model)
+                self.on_new_pool(pool)
+                log.info("model %s added (min_instances %d)", name, model.min_instances)
+                if self.local and self._binary is not None:
+                    self._spawn(self._find_files(pool))
+                continue
+            pool = existing
+            if restart_settings(pool.config) == restart_settings(model):
+                for setting in LIVE_SETTINGS:  # in place: the instances share this object
+                    setattr(pool.config, setting, getattr(model, setting))
+                self._shed(pool)
+                continue
+            log.info("model %s changed (%s): rolling its instances over", name,
+                     ", ".join(changed_settings(pool.config, model)))  # fmt: skip
+            pool.config = model
+            if self.local and self._binary is not None:
+                self._spawn(self._roll(pool))
+        self.settings.models = list(wanted.values())
+
+    async def _find_files(self, pool: ModelPool) -> bool:
+        """A model's GGUF files (downloaded if need be); False, with the reason in `pool.blocked`, if they
+        cannot be had here."""
+        cache, endpoint = self.settings.model_cache_dir, self.settings.hf_endpoint
+        try:
+            self._files[pool.name] = await asyncio.to_thread(model_path, pool.config, cache, endpoint)
+            self._mmproj[pool.name] = await asyncio.to_thread(mmproj_path, pool.config, cache, endpoint)
+        except ModelFileError as exc:
+            self._files.pop(pool.name, None)
+            pool.blocked = pool.unstartable = f"its model file cannot be had here ({exc})"
+            log.error("model %s: %s", pool.name, exc)
+            return False
+        pool.blocked = pool.unstartable = None
+        return True
+
+    async def _roll(self, pool: ModelPool) -> None:
+        """Replace the instances that run older settings than their pool's, one at a time, each after its
+        successor is ready: requests never find the model without an instance that serves."""
+        async with pool.rolling:
+            if not await self._find_files(pool):
+                return
+            while not self._stopping and self.pools.get(pool.name) is pool:
+                old = [i for i in pool.live() if i.model is not pool.config and i.status != Status.DRAINING]
+                if not old:
+                    return
+                try:
+                    await self._add_instance(pool)
+                except InstanceStartError as exc:
+                    log.error("rolling update of %s stopped: a new instance failed to start (%s); the old ones "
+                              "keep serving", pool.name, exc)  # fmt: skip
+                    return
+                retiring = min(old, key=lambda i: (i.in_flight, i.last_activity))
+                await self.drain(retiring)
+            log.info("rolling update of %s done: every instance runs its new settings", pool.name)
+
+    def _shed(self, pool: ModelPool) -> None:
+        """Instances beyond a lowered max_instances drain, the least busy first."""
+        live = [i for i in pool.live() if i.status != Status.DRAINING]
+        for instance in sorted(live, key=lambda i: (i.in_flight, i.last_activity))[
+            : len(live) - pool.config.max_instances
+        ]:
+            log.info("instance %s (%s): beyond max_instances (%d), draining it", instance.id, pool.name,
+                     pool.config.max_instances)  # fmt: skip
+            instance.status = Status.DRAINING
+            self._spawn(self.drain(instance))
+
+    async def _retire(self, pool: ModelPool, instance: Instance) -> None:
+        """Drain an instance of a pool that is no longer served."""
+        instance.status = Status.DRAINING
+        await self.drain(instance, pool=pool)
 
     # The loop
 
@@ -390,8 +493,8 @@ class Supervisor:
             bound = self.stall_bound(instance.model.name)
             if await instance.answers_slots(bound) or not instance.accepting or not instance.in_flight:
                 return
-            pool = self.pools[instance.model.name]
-            pool.stalls += 1
+            if (pool := self.pools.get(instance.model.name)) is not None:
+                pool.stalls += 1
             instance.stalled = True
             self.crashed(instance, f"made no progress for {bound:.0f} s with {instance.in_flight} requests in flight")
         finally:
@@ -439,7 +542,8 @@ class Supervisor:
                 await asyncio.sleep(delay)
                 try:
                     await self._launch(instance)
-                    self.pools[instance.model.name].dispatch()
+                    if (pool := self.pools.get(instance.model.name)) is not None:
+                        pool.dispatch()
                     return
                 except InstanceStartError:
                     instance.status = Status.FAILED
@@ -455,7 +559,8 @@ class Supervisor:
         await asyncio.sleep(self.settings.restart_window)
         if self._stopping or instance.status != Status.FAILED or instance.restarting:
             return
-        if instance not in self.pools[instance.model.name].instances:
+        pool = self.pools.get(instance.model.name)
+        if pool is None or instance not in pool.instances:
             return
         log.warning("instance %s (%s): trying again after %.0f s given up", instance.id, instance.model.name,
                     self.settings.restart_window)  # fmt: skip
@@ -498,3 +603,20 @@ class Supervisor:
             log.info("instance %s (%s) idle for %.0f s: stopping it", instance.id, pool.name, pool.config.idle_timeout)
             instance.status = Status.DRAINING
             self._spawn(self.drain(instance, timeout=0))
+
+
+# Settings a running instance takes without a restart (the gateway and supervisor read them).
+LIVE_SETTINGS = ("min_instances", "max_instances", "idle_timeout", "max_queue")
+
+
+def restart_settings(model: ModelConfig) -> dict[str, object]:
+    """What an instance was started with: a change to any of these rolls the model's instances over."""
+    fields = model.model_dump(mode="json", exclude=set(LIVE_SETTINGS))
+    if model._threads_computed:
+        fields.pop("threads")  # shared out anew whenever the catalog changes
+    return fields
+
+
+def changed_settings(old: ModelConfig, new: ModelConfig) -> list[str]:
+    before, after = old.model_dump(mode="json"), new.model_dump(mode="json")
+    return sorted(key for key in before if before[key] != after[key])

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from llmserver.store.interfaces import (
     NO_LIMITS,
+    CatalogEntry,
+    CatalogStore,
     GatewayHolder,
     GatewayStore,
     JobRecord,
@@ -33,6 +35,8 @@ from llmserver.store.interfaces import (
 
 __all__ = [
     "NO_LIMITS",
+    "CatalogEntry",
+    "CatalogStore",
     "GatewayHolder",
     "GatewayStore",
     "JobRecord",

@@ -261,7 +261,43 @@ class GatewayStore(Protocol):
         ...
 
 
-class Store(KeyStore, QuotaStore, UsageStore, JobStore, OutboxStore, GatewayStore, Protocol):
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One model of the catalog: its settings (a ModelConfig's, as JSON), where they came from (`file`: a
+    gateway's config file seeded them; `api`: the admin API or `llmserver models`), and a revision that
+    counts its changes."""
+
+    name: str
+    config: str
+    origin: str
+    revision: int
+    updated_at: float
+
+    def settings(self) -> dict[str, object]:
+        loaded: dict[str, object] = json.loads(self.config)
+        return loaded
+
+
+class CatalogStore(Protocol):
+    """The model catalog, and named leases (one holder at a time, on the store's clock)."""
+
+    async def catalog(self) -> list[CatalogEntry]: ...
+
+    async def catalog_put(self, name: str, config: str, origin: str, *, create: bool | None) -> CatalogEntry | None:
+        """Write a model's settings, its revision one more: `create` True inserts only (None if the name
+        exists), False updates only (None if it does not), None either."""
+        ...
+
+    async def catalog_delete(self, name: str) -> bool: ...
+
+    async def lease_take(self, name: str, holder: str, seconds: float) -> bool:
+        """Hold the lease `name` for `seconds` if nobody does, its lease lapsed, or `holder` holds it."""
+        ...
+
+    async def lease_release(self, name: str, holder: str) -> None: ...
+
+
+class Store(KeyStore, QuotaStore, UsageStore, JobStore, OutboxStore, GatewayStore, CatalogStore, Protocol):
     """Everything at once: what `open_store` returns."""
 
     @property

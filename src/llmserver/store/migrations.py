@@ -126,6 +126,22 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE jobs ADD COLUMN webhook_url TEXT;
     """,
+    # 8: the model catalog (each model's settings as JSON, where they came from, a revision that
+    # counts its changes) and named leases (the scheduler's leader).
+    """
+    CREATE TABLE models (
+        name       TEXT PRIMARY KEY,
+        config     TEXT NOT NULL,
+        origin     TEXT NOT NULL,
+        revision   INTEGER NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE TABLE leases (
+        name        TEXT PRIMARY KEY,
+        holder      TEXT NOT NULL,
+        lease_until REAL NOT NULL
+    );
+    """,
 ]
 
 POSTGRES: list[str] = [
@@ -220,5 +236,20 @@ POSTGRES: list[str] = [
     # 2: as SQLite's 7: a pending job's webhook URL, for the sweep's failure webhook.
     """
     ALTER TABLE jobs ADD COLUMN webhook_url TEXT;
+    """,
+    # 3: as SQLite's 8: the model catalog and named leases.
+    """
+    CREATE TABLE models (
+        name       TEXT PRIMARY KEY,
+        config     TEXT NOT NULL,
+        origin     TEXT NOT NULL,
+        revision   INTEGER NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL
+    );
+    CREATE TABLE leases (
+        name        TEXT PRIMARY KEY,
+        holder      TEXT NOT NULL,
+        lease_until DOUBLE PRECISION NOT NULL
+    );
     """,
 ]

@@ -21,6 +21,7 @@ from llmserver.outage import Outage
 from llmserver.store import redact
 from llmserver.store.interfaces import (
     NO_LIMITS,
+    CatalogEntry,
     GatewayHolder,
     JobRecord,
     KeyLimits,
@@ -469,6 +470,41 @@ class PostgresStore:
                 "UPDATE webhook_outbox SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = $1", gateway_id
             )
         return Sweep(len(held), charged, failed)
+
+    # The model catalog and named leases
+
+    async def catalog(self) -> list[CatalogEntry]:
+        rows = await self._fetch("SELECT * FROM models ORDER BY name")
+        return [CatalogEntry(r["name"], r["config"], r["origin"], r["revision"], r["updated_at"]) for r in rows]
+
+    async def catalog_put(self, name: str, config: str, origin: str, *, create: bool | None) -> CatalogEntry | None:
+        async with self._transaction() as conn:
+            revision = await conn.fetchval("SELECT revision FROM models WHERE name = $1 FOR UPDATE", name)
+            if (create is True and revision is not None) or (create is False and revision is None):
+                return None
+            row = await conn.fetchrow(
+                f"INSERT INTO models (name, config, origin, revision, updated_at) VALUES ($1, $2, $3, $4, {NOW})"
+                " ON CONFLICT (name) DO UPDATE SET config = excluded.config, origin = excluded.origin,"
+                " revision = excluded.revision, updated_at = excluded.updated_at RETURNING updated_at",
+                name, config, origin, (revision or 0) + 1,
+            )  # fmt: skip
+        assert row is not None
+        return CatalogEntry(name, config, origin, (revision or 0) + 1, row["updated_at"])
+
+    async def catalog_delete(self, name: str) -> bool:
+        return _count(await self._execute("DELETE FROM models WHERE name = $1", name)) == 1
+
+    async def lease_take(self, name: str, holder: str, seconds: float) -> bool:
+        taken = await self._fetchrow(
+            f"INSERT INTO leases (name, holder, lease_until) VALUES ($1, $2, {NOW} + $3)"
+            " ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, lease_until = excluded.lease_until"
+            f" WHERE leases.holder = excluded.holder OR leases.lease_until < {NOW} RETURNING holder",
+            name, holder, seconds,
+        )  # fmt: skip
+        return taken is not None
+
+    async def lease_release(self, name: str, holder: str) -> None:
+        await self._execute("DELETE FROM leases WHERE name = $1 AND holder = $2", name, holder)
 
 
 LEDGER_COLUMNS = [

@@ -19,6 +19,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from llmserver.store.interfaces import (
     NO_LIMITS,
+    CatalogEntry,
     GatewayHolder,
     JobRecord,
     KeyLimits,
@@ -428,3 +429,44 @@ class SQLiteStore:
                 "UPDATE webhook_outbox SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = ?", (gateway_id,)
             )
         return Sweep(len(held), sum(charge[2] for charge in charges), failed)
+
+    # The model catalog and named leases
+
+    @_in_thread
+    def catalog(self) -> list[CatalogEntry]:
+        rows = self._db.execute("SELECT * FROM models ORDER BY name").fetchall()
+        return [CatalogEntry(r["name"], r["config"], r["origin"], r["revision"], r["updated_at"]) for r in rows]
+
+    @_in_thread
+    def catalog_put(self, name: str, config: str, origin: str, *, create: bool | None) -> CatalogEntry | None:
+        with self._transaction() as db:
+            row = db.execute("SELECT revision FROM models WHERE name = ?", (name,)).fetchone()
+            if (create is True and row is not None) or (create is False and row is None):
+                return None
+            revision, now = (row["revision"] if row is not None else 0) + 1, time.time()
+            db.execute(
+                "INSERT INTO models (name, config, origin, revision, updated_at) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (name) DO UPDATE SET config = excluded.config, origin = excluded.origin,"
+                " revision = excluded.revision, updated_at = excluded.updated_at",
+                (name, config, origin, revision, now),
+            )
+        return CatalogEntry(name, config, origin, revision, now)
+
+    @_in_thread
+    def catalog_delete(self, name: str) -> bool:
+        return self._db.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 1
+
+    @_in_thread
+    def lease_take(self, name: str, holder: str, seconds: float) -> bool:
+        now = time.time()
+        cursor = self._db.execute(
+            "INSERT INTO leases (name, holder, lease_until) VALUES (?, ?, ?)"
+            " ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, lease_until = excluded.lease_until"
+            " WHERE leases.holder = excluded.holder OR leases.lease_until < ?",
+            (name, holder, now + seconds, now),
+        )
+        return cursor.rowcount == 1
+
+    @_in_thread
+    def lease_release(self, name: str, holder: str) -> None:
+        self._db.execute("DELETE FROM leases WHERE name = ? AND holder = ?", (name, holder))

@@ -1,0 +1,124 @@
+"""A node's side of the scheduler (pool/scheduler.py): it runs what it is assigned, and says what it can run.
+
+A node started with no [[models]] in its config takes assignments. Every second it reads its
+assignment (`llmserver:assign:NODE`) and hands the models in it to its supervisor, each kept at its
+assigned count (`Supervisor.apply`: a new model starts, a lower count drains the least busy instances,
+a new revision of a model's settings rolls its instances over one at a time). It also checks every
+model of the catalog the scheduler last published (`llmserver:schedule`) once per revision — whether
+its GGUF file is here, and what an instance would take (catalog.estimate_mb) — and publishes the
+results in its node record with its labels, so that the scheduler places nothing where it cannot run.
+A model whose instance fails to start here is reported the same way, and placed elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from llmserver.catalog import ModelFileError, estimate_mb, mmproj_path, model_path
+from llmserver.outage import redis_unreachable
+from llmserver.pool.registry import ASSIGN_KEY, STATUS_KEY
+from llmserver.settings import ModelConfig, Settings, share_threads
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+    from llmserver.pool.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+READ_EVERY = 1.0
+
+
+class Assignments:
+    def __init__(self, client: redis.asyncio.Redis, supervisor: Supervisor, settings: Settings, node_id: str) -> None:
+        self._redis = client
+        self._supervisor = supervisor
+        self._settings = settings
+        self._key = ASSIGN_KEY + node_id
+        self.checks: dict[str, dict[str, Any]] = {}  # model → {revision, estimate_mb | unavailable}
+        self._applied: bytes | str | None = None  # the assignment last applied, as read
+        self._revisions: dict[str, int] = {}
+
+    def record(self) -> dict[str, Any]:
+        """What the node's record carries for the scheduler."""
+        return {"scheduled": True, "labels": self._settings.node_labels, "checks": self.checks}
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except redis_unreachable():
+                pass  # the publisher logs the outage; the instances run on as assigned
+            except Exception:
+                log.exception("assignments")
+            await asyncio.sleep(READ_EVERY)
+
+    async def step(self) -> None:
+        assignment, status = await self._redis.mget([self._key, STATUS_KEY])
+        if status:
+            await self._check(json.loads(status).get("catalog") or {})
+        self._note_failures()
+        if assignment == self._applied:
+            return
+        assigned = json.loads(assignment)["models"] if assignment else {}
+        models: list[ModelConfig] = []
+        for name, given in assigned.items():
+            count = int(given["count"])
+            try:
+                model = ModelConfig.model_validate(
+                    {**given["config"], "min_instances": count, "max_instances": max(1, count)}
+                )
+            except ValidationError as exc:
+                self._unavailable(name, int(given["revision"]), f"its settings are not valid here: {exc}")
+                continue
+            models.append(model)
+        share_threads(models)
+        counts = ", ".join(f"{m.name} {m.min_instances}" for m in models) or "nothing"
+        log.info("assigned: %s", counts)
+        await self._supervisor.apply(models)
+        self._applied = assignment
+        self._revisions = {name: int(given["revision"]) for name, given in assigned.items()}
+
+    async def _check(self, catalog: dict[str, dict[str, Any]]) -> None:
+        """Each catalog model checked here once per revision: its file, and an instance's estimated size."""
+        for name in list(self.checks):
+            if name not in catalog:
+                del self.checks[name]
+        for name, entry in catalog.items():
+            revision = int(entry["revision"])
+            if self.checks.get(name, {}).get("revision") == revision:
+                continue
+            self.checks[name] = await asyncio.to_thread(self._check_one, name, entry["config"], revision)
+
+    def _check_one(self, name: str, config: dict[str, Any], revision: int) -> dict[str, Any]:
+        settings = self._settings
+        try:
+            model = ModelConfig.model_validate(config)
+        except ValidationError as exc:
+            return {"revision": revision, "unavailable": f"its settings are not valid here: {exc}"}
+        try:
+            path = model_path(model, settings.model_cache_dir, settings.hf_endpoint, download=False)
+            mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint, download=False)
+        except ModelFileError as exc:
+            if model.hf_repo is not None:
+                return {"revision": revision}  # not downloaded yet: fetched when an instance starts
+            return {"revision": revision, "unavailable": str(exc)}
+        return {"revision": revision, "estimate_mb": estimate_mb(model, path)}
+
+    def _note_failures(self) -> None:
+        """A model whose instances cannot start here (its file, a failing start) is reported, so that the
+        scheduler places it elsewhere."""
+        for name, pool in self._supervisor.pools.items():
+            revision = self._revisions.get(name)
+            why = pool.unstartable or (pool.blocked if pool.start_backoff and not pool.ready else None)
+            if why and revision is not None and not self.checks.get(name, {}).get("unavailable"):
+                self._unavailable(name, revision, why)
+
+    def _unavailable(self, name: str, revision: int, why: str) -> None:
+        log.warning("model %s (revision %d) cannot run here: %s", name, revision, why)
+        self.checks[name] = {"revision": revision, "unavailable": why}

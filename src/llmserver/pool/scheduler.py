@@ -1,0 +1,384 @@
+"""The scheduler: which node runs how many instances of which model, for every gateway at once.
+
+Exactly one gateway of role `gateway` schedules at a time: the holder of the `scheduler` lease in the
+database (`CatalogStore.lease_take`, on the database's clock, renewed every `TICK`); when it stops
+renewing (a kill, a lost host), another gateway takes the lease over once it lapses
+(`scheduler_lease_seconds`). Each tick the leader reads the model catalog (its own gateway's copy),
+the nodes that take assignments (their records in Redis: labels, memory budget, and per model of the
+catalog whether its file is there and what an instance is estimated to take), the instances they
+publish, and the requests waiting at every gateway (their loads), and writes each node its
+assignment: `llmserver:assign:NODE` → `{"models": {NAME: {"count": N, "config": {...}, "revision": R}}}`.
+A node (`Assignments` below, in `llmserver node`) runs exactly that: a model's instances started up
+to its count, drained down to it, and rolled over one at a time when the config's revision changes.
+
+The rules, in order, each tick (`plan`, a pure function):
+1. A node that stopped publishing (its record lapsed) loses its assignment; so does a model the
+   catalog no longer has, or one the node says it cannot run (its file is missing there).
+2. Each model gets at least `min_instances`, placed where the memory budget has room; and one more,
+   up to `max_instances`, while requests for it wait at any gateway and none of its instances is still
+   starting (on demand, from zero too).
+3. Where no node has room for a model with requests waiting, the least recently used idle instances
+   of other models (nothing in flight, nothing waiting for them) on one node are stopped to make it;
+   never a busy one. Restoring `min_instances` never stops anything.
+4. An instance idle for its model's `idle_timeout` goes, down to `min_instances`, one per tick.
+5. A node is chosen among those whose labels hold the model's `node_selector` and whose file check
+   passed: the fewest instances of that model first (spreading them), then the most free memory.
+   Memory is the node's budget less what its assignment is expected to take: each model's largest
+   measured RSS, else the node's estimate from the GGUF file (catalog.estimate_mb).
+What could not be placed, and why, is written to `llmserver:schedule` for every gateway: a request
+that waits for such a model ends in 503 with that reason (pool.blocked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from llmserver.outage import redis_unreachable
+from llmserver.pool.registry import ASSIGN_KEY, KEY, LOAD_KEY, NODE_KEY, STATUS_KEY, scan_json
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+    from llmserver.store import CatalogEntry, CatalogStore
+
+log = logging.getLogger(__name__)
+
+LEASE = "scheduler"
+TICK = 1.0
+UNKNOWN_ESTIMATE_MB = 1024  # a model no node could size yet (a Hugging Face file not downloaded)
+
+
+@dataclass(frozen=True)
+class Model:
+    """A catalog model, as the scheduler needs it."""
+
+    name: str
+    config: dict[str, Any]
+    revision: int
+    min_instances: int = 1
+    max_instances: int = 1
+    idle_timeout: float = 300.0
+    node_selector: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, entry: CatalogEntry) -> Model:
+        config: dict[str, Any] = entry.settings()
+        return cls(
+            name=entry.name,
+            config=config,
+            revision=entry.revision,
+            min_instances=int(config.get("min_instances", 1)),
+            max_instances=int(config.get("max_instances", 1)),
+            idle_timeout=float(config.get("idle_timeout", 300.0)),
+            node_selector=dict(config.get("node_selector") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node that takes assignments, from its record."""
+
+    id: str
+    budget_mb: int
+    labels: dict[str, str] = field(default_factory=dict)
+    # Per catalog model (name → revision checked, and an estimate in MiB or why it cannot run there).
+    checks: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def cannot_run(self, model: Model) -> str | None:
+        check = self.checks.get(model.name)
+        if check is None or check.get("revision") != model.revision:
+            return None  # not checked yet: assume it can (a start that fails is reported and moved)
+        unavailable = check.get("unavailable")
+        return str(unavailable) if unavailable else None
+
+    def estimate(self, model: Model) -> int | None:
+        check = self.checks.get(model.name) or {}
+        value = check.get("estimate_mb")
+        return int(value) if isinstance(value, int | float) and check.get("revision") == model.revision else None
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    id: str
+    node: str
+    model: str
+    ram_mb: int = 0
+    in_flight: int = 0
+    idle_seconds: float = 0.0
+    ready: bool = True
+
+
+@dataclass
+class Plan:
+    assignments: dict[str, dict[str, int]]
+    blocked: dict[str, str]
+    events: list[str]
+
+
+def plan(
+    models: list[Model],
+    nodes: list[NodeView],
+    instances: list[InstanceView],
+    queued: dict[str, int],
+    current: dict[str, dict[str, int]],
+) -> Plan:
+    """The assignments that follow from the state given, by the rules in this module's docstring."""
+    by_name = {m.name: m for m in models}
+    live = {n.id: n for n in nodes}
+    events: list[str] = []
+    blocked: dict[str, str] = {}
+    assign: dict[str, dict[str, int]] = {node_id: {} for node_id in live}
+    for node_id, counts in current.items():
+        if node_id not in live:
+            if counts:
+                events.append(f"node {node_id} is gone: its instances ({_counts(counts)}) are placed again")
+            continue
+        for name, count in counts.items():
+            model = by_name.get(name)
+            why = live[node_id].cannot_run(model) if model is not None else None
+            if model is None:
+                events.append(f"{name} left the catalog: its instances on {node_id} go")
+            elif why:
+                events.append(f"{name} cannot run on {node_id} ({why}): placed elsewhere")
+            elif count > 0:
+                assign[node_id][name] = count
+
+    measured: dict[str, int] = {}
+    for instance in instances:
+        measured[instance.model] = max(measured.get(instance.model, 0), instance.ram_mb)
+
+    def estimate(model: Model, node: NodeView | None = None) -> int:
+        if measured.get(model.name):
+            return measured[model.name]
+        sized = [n.estimate(model) for n in ([node] if node else []) + list(live.values())]
+        return next((s for s in sized if s), UNKNOWN_ESTIMATE_MB)
+
+    def free(node: NodeView) -> int:
+        planned = sum(estimate(by_name[name], node) * count for name, count in assign[node.id].items())
+        return node.budget_mb - planned
+
+    def fits(model: Model, node: NodeView) -> bool:
+        labels_hold = all(node.labels.get(k) == v for k, v in model.node_selector.items())
+        return labels_hold and node.cannot_run(model) is None
+
+    published: Counter[tuple[str, str]] = Counter((i.node, i.model) for i in instances)
+    for model in sorted(models, key=lambda m: m.name):
+        total = sum(counts.get(model.name, 0) for counts in assign.values())
+        starting = sum(
+            max(0, counts.get(model.name, 0) - published[(node_id, model.name)]) for node_id, counts in assign.items()
+        )
+        want = max(total, model.min_instances)
+        waiting = queued.get(model.name, 0)
+        if waiting and starting == 0 and total < model.max_instances:
+            want = max(want, total + 1)
+        want = min(want, model.max_instances)
+        # Rule 4: idle instances above min_instances go, the longest idle first, one per tick.
+        if want == total and total > model.min_instances and not waiting:
+            idle = [
+                i for i in instances
+                if i.model == model.name and i.in_flight == 0 and i.idle_seconds >= model.idle_timeout
+                and assign.get(i.node, {}).get(model.name, 0) > 0
+            ]  # fmt: skip
+            if idle:
+                longest = max(idle, key=lambda i: i.idle_seconds)
+                _take(assign, longest.node, model.name)
+                events.append(f"{model.name} on {longest.node} idle for {longest.idle_seconds:.0f} s: stopping one")
+                continue
+        while total > want:  # max_instances lowered: from the node with the most of it
+            node_id = max(assign, key=lambda n: (assign[n].get(model.name, 0), n))
+            _take(assign, node_id, model.name)
+            total -= 1
+        while total < want:
+            candidates = [n for n in live.values() if fits(model, n) and free(n) >= estimate(model, n)]
+            if candidates:
+                chosen = min(candidates, key=lambda n: (assign[n.id].get(model.name, 0), -free(n), n.id))
+                assign[chosen.id][model.name] = assign[chosen.id].get(model.name, 0) + 1
+                events.append(f"{model.name}: one more instance on {chosen.id} ({total + 1} of {want})")
+                total += 1
+                continue
+            if waiting and _evict(model, live, assign, instances, queued, estimate, free, fits, events):
+                total += 1
+                continue
+            blocked[model.name] = _why_not(model, live, estimate, free, fits)
+            break
+    return Plan({n: counts for n, counts in assign.items() if counts}, blocked, events)
+
+
+def _take(assign: dict[str, dict[str, int]], node_id: str, name: str) -> None:
+    assign[node_id][name] -= 1
+    if not assign[node_id][name]:
+        del assign[node_id][name]
+
+
+def _evict(model, live, assign, instances, queued, estimate, free, fits, events) -> bool:  # type: ignore[no-untyped-def]
+    """Rule 3: on the node where it frees enough soonest, stop the longest idle instances of other
+    models (nothing in flight, no request waiting for their model) to make room for one of `model`."""
+    for node in sorted(live.values(), key=lambda n: (-free(n), n.id)):
+        if not fits(model, node):
+            continue
+        idle = sorted(
+            (
+                i for i in instances
+                if i.node == node.id and i.model != model.name and i.in_flight == 0 and i.ready
+                and not queued.get(i.model) and assign[node.id].get(i.model, 0) > 0
+            ),
+            key=lambda i: -i.idle_seconds,
+        )  # fmt: skip
+        room, chosen = free(node), []
+        for instance in idle:
+            if room >= estimate(model, node):
+                break
+            chosen.append(instance)
+            room += instance.ram_mb or UNKNOWN_ESTIMATE_MB
+        if room < estimate(model, node):
+            continue
+        for instance in chosen:
+            _take(assign, node.id, instance.model)
+            events.append(
+                f"{instance.model} on {node.id} (idle {instance.idle_seconds:.0f} s, {instance.ram_mb} MiB) "
+                f"stops to make room for {model.name}"
+            )
+        assign[node.id][model.name] = assign[node.id].get(model.name, 0) + 1
+        events.append(f"{model.name}: one more instance on {node.id}, in the room made")
+        return True
+    return False
+
+
+def _why_not(model, live, estimate, free, fits) -> str:  # type: ignore[no-untyped-def]
+    if not live:
+        return "no node takes assignments (start `llmserver node` with no [[models]] in its config)"
+    unable = {n.id: n.cannot_run(model) for n in live.values() if n.cannot_run(model)}
+    labelled = [n for n in live.values() if all(n.labels.get(k) == v for k, v in model.node_selector.items())]
+    if not labelled:
+        return f"no node has the labels its node_selector asks for ({_counts(model.node_selector)})"
+    if len(unable) == len(labelled):
+        return "no node can run it: " + "; ".join(f"{node}: {why}" for node, why in sorted(unable.items()))
+    room = ", ".join(f"{n.id} {max(0, free(n))} MiB" for n in labelled if fits(model, n))
+    return (
+        f"no node has room for an instance (~{estimate(model)} MiB; free: {room}) and no idle instance of another "
+        "model can be stopped for it"
+    )
+
+
+def _counts(counts: dict[str, Any]) -> str:
+    return ", ".join(f"{key} {value}" for key, value in sorted(counts.items()))
+
+
+class Scheduler:
+    """A gateway's side: it tries for the lease every tick, and while it holds it, schedules."""
+
+    def __init__(
+        self,
+        store: CatalogStore,
+        client: redis.asyncio.Redis,
+        gateway_id: str,
+        catalog: Any,
+        lease_seconds: float,
+    ) -> None:
+        self._store = store
+        self._redis = client
+        self._gateway = gateway_id
+        self._catalog = catalog  # the gateway's CatalogFollower: `.entries`
+        self._lease = lease_seconds
+        self._task: asyncio.Task[None] | None = None
+        self.leading = False
+        self.last_plan: Plan | None = None
+        self.ticks = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.leading:
+            with contextlib.suppress(Exception):
+                await self._store.lease_release(LEASE, self._gateway)
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("scheduler tick failed")
+            await asyncio.sleep(max(0.05, TICK - (time.monotonic() - started)))
+
+    async def tick(self) -> None:
+        try:
+            leading = await self._store.lease_take(LEASE, self._gateway, self._lease)
+        except Exception as exc:  # the database cannot be reached: whoever holds the lease goes on
+            leading = False
+            log.debug("scheduler lease not renewed: %s", exc)
+        if leading != self.leading:
+            self.leading = leading
+            log.info("gateway %s %s the scheduler", self._gateway, "is now" if leading else "is no longer")
+        if not leading:
+            return
+        try:
+            await self.schedule()
+        except redis_unreachable() as exc:
+            log.warning("scheduler: Redis cannot be reached (%s); assignments stay as they are", exc)
+
+    async def schedule(self) -> Plan:
+        """One round: read the state, plan, write what changed."""
+        entries = list(self._catalog.entries)
+        models = [Model.of(entry) for entry in entries]
+        catalog = {m.name: {"config": m.config, "revision": m.revision} for m in models}
+        nodes_raw = [n for n in await scan_json(self._redis, NODE_KEY) if n.get("scheduled")]
+        nodes = [
+            NodeView(
+                id=n["node"], budget_mb=int(n.get("memory_budget_mb") or 0), labels=dict(n.get("labels") or {}),
+                checks=dict(n.get("checks") or {}),
+            )
+            for n in nodes_raw
+        ]  # fmt: skip
+        scheduled = {n.id for n in nodes}
+        instances = [
+            InstanceView(
+                id=r["instance_id"], node=r["node"], model=r["model"], ram_mb=int(r.get("ram_used_mb") or 0),
+                in_flight=int(r.get("in_flight") or 0), idle_seconds=float(r.get("idle_seconds") or 0.0),
+                ready=r.get("status") in ("ready", "busy"),
+            )
+            for r in await scan_json(self._redis, KEY)
+            if r.get("node") in scheduled and r.get("status") in ("ready", "busy")
+        ]  # fmt: skip
+        queued: Counter[str] = Counter()
+        for load in await scan_json(self._redis, LOAD_KEY):
+            queued.update(load.get("queued") or {})
+        current: dict[str, dict[str, int]] = {}
+        for key in [k async for k in self._redis.scan_iter(match=ASSIGN_KEY + "*", count=500)]:
+            value = await self._redis.get(key)
+            node_id = (key.decode() if isinstance(key, bytes) else key).removeprefix(ASSIGN_KEY)
+            if value:
+                current[node_id] = {name: int(a["count"]) for name, a in json.loads(value)["models"].items()}
+        decided = plan(models, nodes, instances, dict(queued), current)
+        for event in decided.events:
+            log.info("scheduler: %s", event)
+        pipe = self._redis.pipeline(transaction=False)
+        for node_id in current.keys() - decided.assignments.keys():
+            pipe.delete(ASSIGN_KEY + node_id)
+        for node_id, counts in decided.assignments.items():
+            assignment = {
+                "models": {name: {"count": count, **catalog[name]} for name, count in sorted(counts.items())},
+                "leader": self._gateway,
+            }
+            pipe.set(ASSIGN_KEY + node_id, json.dumps(assignment, sort_keys=True))
+        status = {"leader": self._gateway, "at": time.time(), "catalog": catalog, "blocked": decided.blocked}
+        pipe.set(STATUS_KEY, json.dumps(status), px=int(max(10.0, self._lease * 2) * 1000))
+        await pipe.execute()
+        for name, why in decided.blocked.items():
+            if self.last_plan is None or self.last_plan.blocked.get(name) != why:
+                log.warning("scheduler: %s cannot be placed: %s", name, why)
+        self.last_plan = decided
+        self.ticks += 1
+        return decided

@@ -1,0 +1,163 @@
+"""The model catalog on one host (role `all`), against a real server: models added, changed and removed
+through the admin API and `llmserver models`, a changed setting rolled out under a steady load of
+streamed requests without one failing, a removed model answered 404, and the rules between the
+config file and the catalog (model_catalog.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from tests.e2e.test_errors import assert_error
+from tests.support import MODEL, Server, SteadyStreams, cli, make_key, stream, wait_for
+
+FILE_MODEL = f"""
+[[models]]
+name = "{MODEL}"
+parallel = 1
+ctx_size = 512
+threads = 1
+"""
+B = {"name": "b", "min_instances": 1, "parallel": 2, "ctx_size": 512, "threads": 1}
+
+
+def admin_call(server: Server, admin: str, method: str, path: str, body: object = None) -> httpx.Response:
+    return httpx.request(
+        method, server.url + path, json=body, headers={"Authorization": f"Bearer {admin}"}, timeout=120
+    )
+
+
+def live(server: Server, admin: str, model: str) -> list[dict[str, Any]]:
+    answer = admin_call(server, admin, "GET", "/api/instances")
+    return [i for i in answer.json()["data"] if i["model"] == model and i["status"] != "stopped"]
+
+
+def context_of(server: Server, instance: dict[str, Any]) -> int:
+    """The context llama-server itself says the instance runs with (its /props)."""
+    props = httpx.get(f"http://{instance['host']}:{instance['port']}/props", headers=server.instance_headers).json()
+    return int(props["default_generation_settings"]["n_ctx"])
+
+
+def test_models_added_changed_and_removed_through_the_api(start_server: Callable[..., Server]) -> None:
+    server = start_server(FILE_MODEL)
+    admin = make_key(server.data_dir, "admin", admin=True)
+    user = make_key(server.data_dir, "user")
+
+    listed = admin_call(server, admin, "GET", "/api/models").json()["data"]
+    assert [(m["name"], m["origin"], m["revision"]) for m in listed] == [(MODEL, "file", 1)]
+    assert listed[0]["settings"]["ctx_size"] == 512 and listed[0]["ready_instances"] == 1
+
+    added = admin_call(server, admin, "POST", "/api/models", B)
+    assert added.status_code == 201, added.text
+    assert added.json()["origin"] == "api" and added.json()["settings"]["parallel"] == 2
+    assert wait_for(lambda: any(i["status"] == "ready" for i in live(server, admin, "b")), 60), server.log()
+    assert stream(server, user, "b") is None
+    names = {m["id"] for m in httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {user}"})
+             .json()["data"]}  # fmt: skip
+    assert names == {MODEL, "b"}
+
+    # What the catalog refuses, each in the envelope.
+    assert_error(admin_call(server, admin, "POST", "/api/models", B), 409, "conflict_error", "name")
+    assert_error(admin_call(server, admin, "POST", "/api/models", {**B, "name": "c", "parallel": 0}), 400,
+                 "invalid_request_error", "parallel")  # fmt: skip
+    assert_error(admin_call(server, admin, "POST", "/api/models", {**B, "name": "c", "colour": "red"}), 400,
+                 "invalid_request_error", "colour")  # fmt: skip
+    refused = admin_call(server, admin, "POST", "/api/models", {**B, "name": "c", "llama_server_args": ["--port", "1"]})
+    assert_error(refused, 400, "invalid_request_error", "llama_server_args")
+    assert_error(admin_call(server, admin, "PATCH", f"/api/models/{MODEL}", {"parallel": 2}), 409, "conflict_error")
+    assert_error(admin_call(server, admin, "DELETE", f"/api/models/{MODEL}"), 409, "conflict_error")
+    assert_error(admin_call(server, admin, "PATCH", "/api/models/nope", {"parallel": 2}), 404, "not_found_error")
+    assert_error(admin_call(server, admin, "PATCH", "/api/models/b", {"name": "c"}), 400, "invalid_request_error")
+    assert_error(
+        httpx.post(server.url + "/api/models", json={**B, "name": "d"}, headers={"Authorization": f"Bearer {user}"}),
+        403, "permission_error",
+    )  # fmt: skip
+
+    # A setting that needs no restart: taken at once, the same instance serving on.
+    before = live(server, admin, "b")
+    changed = admin_call(server, admin, "PATCH", "/api/models/b", {"max_queue": 8})
+    assert changed.status_code == 200 and changed.json()["revision"] == 2, changed.text
+    assert [i["pid"] for i in live(server, admin, "b")] == [i["pid"] for i in before]
+
+    # One that does: rolled out under a steady load of streams, none of them failing.
+    assert context_of(server, before[0]) == 512
+    with SteadyStreams([server] * 3, user, "b") as load:
+        assert load.reach(3)
+        rolled = admin_call(server, admin, "PATCH", "/api/models/b", {"ctx_size": 1024})
+        assert rolled.status_code == 200 and rolled.json()["settings"]["ctx_size"] == 1024, rolled.text
+
+        def rolled_over() -> bool:
+            now = live(server, admin, "b")
+            return len(now) == 1 and now[0]["status"] == "ready" and now[0]["pid"] != before[0]["pid"]
+
+        assert wait_for(rolled_over, 90), server.log()
+        assert load.reach(load.done + 3)  # and the new one serves the load
+    assert load.failures == [] and load.done >= 6, load.failures
+    assert context_of(server, live(server, admin, "b")[0]) == 1024  # a slot's context, as ctx_size says
+
+    # Removed: its requests are answered 404, its instance stops.
+    removed = admin_call(server, admin, "DELETE", "/api/models/b")
+    assert removed.status_code == 200 and removed.json()["name"] == "b"
+    gone = httpx.post(server.url + "/api/generate", json={"model": "b", "prompt": "hi", "max_tokens": 2},
+                      headers={"Authorization": f"Bearer {user}"}, timeout=60)  # fmt: skip
+    assert_error(gone, 404, "model_not_found", "model")
+    assert wait_for(lambda: live(server, admin, "b") == [], 30)
+    assert [m["name"] for m in admin_call(server, admin, "GET", "/api/models").json()["data"]] == [MODEL]
+
+
+def test_the_cli_manages_the_catalog_and_a_file_that_disagrees_is_refused(start_server: Callable[..., Server]) -> None:
+    server = start_server(FILE_MODEL)
+    admin = make_key(server.data_dir, "admin", admin=True)
+    data = server.data_dir
+    added = cli(data, "models", "add", "c", "--set", "min_instances=0", "--set", "parallel=1", "--set", "ctx_size=512")
+    assert added.returncode == 0 and added.stdout.startswith("c  revision 1  (api)"), added.stderr
+    # A running gateway serves what the CLI wrote within its next read of the catalog.
+    assert wait_for(lambda: "c" in server_models(server, admin), 10)
+    updated = cli(data, "models", "update", "c", "--set", "ctx_size=1024", "--reset", "parallel")
+    assert updated.returncode == 0 and "revision 2" in updated.stdout and '"ctx_size":1024' in updated.stdout
+    assert '"parallel"' not in updated.stdout  # back to its default, so not stored
+    bad = cli(data, "models", "update", "c", "--set", "ctx_size=12")
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        "Error: ctx_size: Input should be greater than or equal to 128"
+    ]
+    assert cli(data, "models", "remove", MODEL).returncode == 1  # from the config file: change it there
+    listed = cli(data, "models", "list")
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == [MODEL, "c"]
+    server.stop()
+
+    # The file names `c`, which the API added with other settings: which is meant? Refused, in one line.
+    conflicting = FILE_MODEL + '\n[[models]]\nname = "c"\nparallel = 3\n'
+    (data / "config.toml").write_text(conflicting)
+    refused = cli(data, "serve", "--config", str(data / "config.toml"), "--port", "1")
+    assert refused.returncode == 1, refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        "Error: the model 'c' is in the config file and was added through the API with other settings "
+        "(ctx_size, min_instances, parallel): remove it from one of them (`llmserver models remove c`, or the file)"
+    ]
+    # A model the file no longer names leaves the catalog at the next start; the API's stay.
+    renamed = FILE_MODEL.replace(f'name = "{MODEL}"', 'name = "renamed"')
+    restarted = start_server(renamed, data_dir=data)
+    assert sorted(server_models(restarted, admin)) == ["c", "renamed"]
+
+
+def server_models(server: Server, admin: str) -> list[str]:
+    return [m["name"] for m in admin_call(server, admin, "GET", "/api/models").json()["data"]]
+
+
+def test_a_model_added_with_a_file_that_is_not_there_says_why(start_server: Callable[..., Server]) -> None:
+    server = start_server(FILE_MODEL)
+    admin = make_key(server.data_dir, "admin", admin=True)
+    body = {**B, "name": "missing", "path": "/nowhere/model.gguf"}
+    assert admin_call(server, admin, "POST", "/api/models", body).status_code == 201
+    assert wait_for(
+        lambda: "/nowhere/model.gguf" in str(admin_call(server, admin, "GET", "/api/models/missing").json()["blocked"]),
+        10,
+    )
+    started_at = time.monotonic()
+    answer = httpx.post(server.url + "/api/generate", json={"model": "missing", "prompt": "hi", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {admin}"}, timeout=120)  # fmt: skip
+    error = assert_error(answer, 503, "overloaded_error")  # at once: no instance can be started to wait for
+    assert "/nowhere/model.gguf" in str(error["message"]) and time.monotonic() - started_at < 5

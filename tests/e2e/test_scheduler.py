@@ -1,0 +1,268 @@
+"""Models as desired state across hosts, for real: three worker hosts and two gateway hosts (network
+namespaces on a bridge), PostgreSQL and Redis, every process a real `llmserver` and every instance a
+real llama-server. The nodes have no [[models]]: they run what the scheduler assigns them. Models are
+added and changed through one gateway's admin API and served through the other's; a node killed with
+-9 has its instance placed again; a rolling update under load fails no request; the leader gateway
+killed hands the scheduling to the other; a model whose file only one node has runs there."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from llmserver.catalog import embedded_model_path
+from tests.e2e.test_worker_hosts import Node, add_host, ip
+from tests.services import Postgres, Redis
+from tests.support import Server, SteadyStreams, cli, spawn, stream, wait_for
+
+pytestmark = pytest.mark.slow
+
+BRIDGE = "llms-br2"
+NET = "10.81.0"
+SECRET = "scheduler-instance-secret-0123456789"
+ADMIN = "scheduler-admin-key-0123456789abcdef"
+WORKERS = {1: "llms-s1", 2: "llms-s2", 3: "llms-s3"}  # NET.11-13
+GATEWAYS = {21: "llms-sg1", 22: "llms-sg2"}  # NET.31-32
+CHAT = {"name": "chat", "min_instances": 2, "max_instances": 3, "parallel": 2, "ctx_size": 512, "threads": 1}
+
+
+class ScheduledNode(Node):
+    """A worker host whose node has no [[models]]: it runs what the scheduler assigns it, its instances
+    on plain HTTP (a private test network), its home folder its own (a model path `~/…` is per host)."""
+
+    @property
+    def namespace(self) -> str:
+        return WORKERS[self.index]
+
+    @property
+    def address(self) -> str:
+        return f"{NET}.{10 + self.index}"
+
+    @property
+    def name(self) -> str:
+        return f"worker-{self.index}"
+
+    @property
+    def home(self) -> Path:
+        return self.root / f"node{self.index}"
+
+    def start(self) -> ScheduledNode:
+        self.starts += 1
+        self.home.mkdir(exist_ok=True)
+        env = {**os.environ, "HOME": str(self.home), "LLMSERVER_NODE_ID": self.name,
+               "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_INSTANCE_BASE_PORT": "8201",
+               "LLMSERVER_INSTANCE_PLAIN_HTTP": "true", "LLMSERVER_NODE_HTTP_HOST": self.address}  # fmt: skip
+        self.process = spawn(
+            ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", "node",
+             "--data-dir", str(self.home), "--advertise", self.address, "--redis-url", self.redis_url],
+            self.log, env,
+        )  # fmt: skip
+        return self
+
+
+@dataclass
+class Cluster:
+    root: Path
+    redis: Redis
+    database_url: str
+    nodes: list[ScheduledNode] = field(default_factory=list)
+    gateways: list[Server] = field(default_factory=list)
+
+    def key(self, name: str) -> str:
+        result = cli(self.root, "keys", "create", "--name", name, env={"LLMSERVER_DATABASE_URL": self.database_url})
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip().splitlines()[-1]
+
+    def start_gateway(self, number: int) -> Server:
+        index = list(GATEWAYS)[number - 1]
+        env = {"LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": self.redis.url, "LLMSERVER_INSTANCE_API_KEY": SECRET,
+               "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_DATABASE_URL": self.database_url,
+               "LLMSERVER_GATEWAY_ID": f"gw-{number}", "LLMSERVER_SCHEDULER_LEASE_SECONDS": "3"}  # fmt: skip
+        gateway = Server(data_dir=self.root / f"gw-{number}", env=env, host=f"{NET}.{10 + index}",
+                         namespace=GATEWAYS[index])  # fmt: skip
+        return gateway.start()
+
+    def call(self, gateway: Server, method: str, path: str, body: object = None) -> httpx.Response:
+        return httpx.request(method, gateway.url + path, json=body, headers={"Authorization": f"Bearer {ADMIN}"},
+                             timeout=120)  # fmt: skip
+
+    def instances(self, gateway: Server, model: str) -> list[dict[str, Any]]:
+        listed = self.call(gateway, "GET", "/api/instances").json()["data"]
+        return [i for i in listed if i["model"] == model and i["status"] in ("ready", "busy")]
+
+    def leader(self) -> str | None:
+        client = redis.Redis.from_url(self.redis.url)
+        try:
+            status = client.get("llmserver:schedule")
+            return json.loads(status)["leader"] if status else None
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.fail("the scheduler tests make network namespaces: they run as root (CI does)")
+    root = tmp_path_factory.mktemp("cluster")
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+    ip("link", "add", BRIDGE, "type", "bridge")
+    ip("addr", "add", f"{NET}.1/24", "dev", BRIDGE)
+    ip("link", "set", BRIDGE, "up")
+    redis_server = postgres = running = None
+    try:
+        for index, namespace in {**WORKERS, **GATEWAYS}.items():
+            add_host(index, namespace, BRIDGE, NET, veth="llms-s")
+        redis_server = Redis(bind=f"{NET}.1 127.0.0.1").start()
+        postgres = Postgres(listen=f"{NET}.1,127.0.0.1", trust=f"{NET}.0/24").start()
+        database_url = postgres.new_database()
+        migrated = cli(root, "db", "migrate", env={"LLMSERVER_DATABASE_URL": database_url})
+        assert migrated.returncode == 0, migrated.stderr
+        running = Cluster(root, redis_server, database_url)
+        running.nodes = [ScheduledNode(index, root, redis_server.url).start() for index in WORKERS]
+        running.gateways = [running.start_gateway(1), running.start_gateway(2)]
+        yield running
+    finally:
+        if running is not None:
+            for gateway in running.gateways:
+                gateway.stop()
+            for node in running.nodes:
+                node.stop()
+        for service in (redis_server, postgres):
+            if service is not None:
+                service.stop()
+        for namespace in {**WORKERS, **GATEWAYS}.values():
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+
+
+def test_a_model_added_through_one_gateway_runs_on_two_nodes_seen_by_the_other(cluster: Cluster) -> None:
+    first, second = cluster.gateways
+    added_at = time.monotonic()
+    added = cluster.call(first, "POST", "/api/models", CHAT)
+    assert added.status_code == 201, added.text
+    assert wait_for(lambda: len(cluster.instances(second, "chat")) == 2, 90), first.log()
+    placed = time.monotonic() - added_at
+    nodes = {i["node"] for i in cluster.instances(second, "chat")}
+    assert len(nodes) == 2  # spread: never two on one node while another has room
+    catalog = cluster.call(second, "GET", "/api/models/chat").json()
+    assert catalog["ready_instances"] == 2 and catalog["origin"] == "api"
+    listed = cli(cluster.root, "instances", "--url", second.url, "--key", ADMIN)
+    assert listed.returncode == 0 and listed.stdout.count("chat") == 2, listed.stdout + listed.stderr
+    key = cluster.key("user")
+    assert stream(second, key, "chat") is None
+    print(f"model added through gateway 1: two instances on two nodes, ready through gateway 2 in {placed:.1f} s")
+
+
+def test_a_model_at_zero_starts_on_its_first_request_through_the_other_gateway(cluster: Cluster) -> None:
+    first, second = cluster.gateways
+    cold = {**CHAT, "name": "cold", "min_instances": 0, "max_instances": 1, "idle_timeout": 4, "parallel": 1}
+    assert cluster.call(first, "POST", "/api/models", cold).status_code == 201
+    time.sleep(2)  # a scheduler round or two: nothing starts for a model at zero
+    assert cluster.instances(second, "cold") == []
+    key = cluster.key("cold")
+    began = time.monotonic()
+    answer = httpx.post(second.url + "/api/generate", json={"model": "cold", "prompt": "Hi.", "max_tokens": 4},
+                        headers={"Authorization": f"Bearer {key}"}, timeout=120)  # fmt: skip
+    took = time.monotonic() - began
+    assert answer.status_code == 200, answer.text
+    assert wait_for(lambda: cluster.instances(second, "cold") == [], 30)  # idle 4 s: stopped
+    print(f"cold start across hosts: first request answered in {took:.1f} s")
+
+
+def test_a_killed_node_s_instance_is_placed_again_while_requests_go_on(cluster: Cluster) -> None:
+    first, second = cluster.gateways
+    key = cluster.key("steady")
+    victim_name = cluster.instances(first, "chat")[0]["node"]
+    victim = next(n for n in cluster.nodes if n.name == victim_name)
+    with SteadyStreams([first, second], key, "chat") as load:
+        assert load.reach(4)
+        victim.kill()
+        killed = time.monotonic()
+
+        def replaced() -> bool:
+            nodes = {i["node"] for i in cluster.instances(second, "chat")}
+            return len(nodes) == 2 and victim_name not in nodes
+
+        assert wait_for(replaced, 60), first.log()[-3000:]
+        took = time.monotonic() - killed
+        assert load.reach(load.done + 4)
+    failures, done = load.failures, load.done
+    assert len(failures) <= 2, failures  # at most the streams in flight on the dead node (one per load thread)
+    victim.start()
+    print(f"node killed: replacement ready on the third node in {took:.1f} s; {len(failures)} of {done} failed")
+
+
+def test_a_rolling_update_under_load_fails_no_request(cluster: Cluster) -> None:
+    first, second = cluster.gateways
+    key = cluster.key("rolling")
+    before = {i["instance_id"] for i in cluster.instances(first, "chat")}
+    with SteadyStreams([first, second, first], key, "chat") as load:
+        assert load.reach(4)
+        changed = cluster.call(second, "PATCH", "/api/models/chat", {"ctx_size": 1024})
+        assert changed.status_code == 200, changed.text
+        began = time.monotonic()
+
+        def rolled() -> bool:
+            now = cluster.instances(first, "chat")
+            return len(now) == 2 and not {i["instance_id"] for i in now} & before
+
+        assert wait_for(rolled, 120), first.log()[-3000:]
+        took = time.monotonic() - began
+        assert load.reach(load.done + 4)
+    failures, done = load.failures, load.done
+    assert failures == [], failures
+    for instance in cluster.instances(first, "chat"):
+        props = httpx.get(f"http://{instance['host']}:{instance['port']}/props",
+                          headers={"Authorization": f"Bearer {SECRET}"}).json()  # fmt: skip
+        assert props["default_generation_settings"]["n_ctx"] == 1024
+    print(f"rolling update: both instances replaced in {took:.1f} s under load, 0 of {done} requests failed")
+
+
+def test_a_model_whose_file_only_one_node_has_runs_there(cluster: Cluster) -> None:
+    first, second = cluster.gateways
+    holder = cluster.nodes[1]
+    (holder.home / "models").mkdir(exist_ok=True)
+    shutil.copy(embedded_model_path(), holder.home / "models" / "local.gguf")
+    local = {**CHAT, "name": "local", "path": "~/models/local.gguf", "min_instances": 1, "max_instances": 1}
+    assert cluster.call(first, "POST", "/api/models", local).status_code == 201
+    assert wait_for(lambda: [i["node"] for i in cluster.instances(second, "local")] == [holder.name], 60)
+    nowhere = {**local, "name": "nowhere", "path": "~/models/absent.gguf"}
+    assert cluster.call(first, "POST", "/api/models", nowhere).status_code == 201
+
+    def said_why() -> bool:
+        blocked = cluster.call(second, "GET", "/api/models/nowhere").json().get("blocked") or ""
+        return "no node can run it" in blocked and "absent.gguf" in blocked
+
+    assert wait_for(said_why, 30), cluster.call(second, "GET", "/api/models/nowhere").json()
+    assert cluster.call(first, "DELETE", "/api/models/nowhere").status_code == 200
+
+
+def test_the_other_gateway_schedules_once_the_leader_is_killed(cluster: Cluster) -> None:
+    leader = cluster.leader()
+    assert leader in ("gw-1", "gw-2")
+    number = int(leader.rsplit("-", 1)[1])
+    dead, alive = cluster.gateways[number - 1], cluster.gateways[2 - number]
+    assert dead.process is not None
+    dead.process.send_signal(signal.SIGKILL)
+    dead.process.wait()
+    killed = time.monotonic()
+    later = {**CHAT, "name": "later", "min_instances": 1, "max_instances": 1, "parallel": 1}
+    assert cluster.call(alive, "POST", "/api/models", later).status_code == 201
+    assert wait_for(lambda: len(cluster.instances(alive, "later")) == 1, 60), alive.log()[-3000:]
+    took = time.monotonic() - killed
+    assert cluster.leader() == alive.env["LLMSERVER_GATEWAY_ID"]
+    cluster.gateways[number - 1] = cluster.start_gateway(number)
+    print(f"leader killed: the other gateway placed the next model {took:.1f} s later (lease 3 s)")
