@@ -648,14 +648,13 @@ def test_prometheus_scrapes_every_gateway_and_node_and_alerts_when_a_node_is_gon
 
 
 def test_the_worker_hosts_guide_runs_as_written(hosts: Hosts, tmp_path: Path) -> None:
-    """docs/operating/worker-hosts.md's models.toml and commands, on a third worker host and a gateway
-    host: only what names this test's machines is replaced (the addresses, Redis's and PostgreSQL's URLs,
-    the certificate files, the shared key, and the node id worker-1, taken by this file's first node)."""
+    """docs/operating/worker-hosts.md's commands, on a third worker host and a gateway host, the model
+    added from this host: only what names this test's machines is replaced (the addresses, Redis's and
+    PostgreSQL's URLs, the certificate files, the shared key, and the node id worker-1, taken by this
+    file's first node). The guide's node has no [[models]]: the scheduler assigns it the model added."""
     page = (Path(__file__).resolve().parents[2] / "docs" / "operating" / "worker-hosts.md").read_text()
-    models_toml = re.search(r"```toml\n(.*?)```", page, re.S)
     commands = re.search(r"```sh\n(.*?)```", page, re.S)
-    assert models_toml is not None and commands is not None
-    (tmp_path / "models.toml").write_text(models_toml[1])
+    assert commands is not None
     ca, cert, key = tls_files(hosts.root)
     replacements = {
         "postgresql://llmserver:secret@db.internal/llmserver": hosts.database_url,
@@ -666,7 +665,7 @@ def test_the_worker_hosts_guide_runs_as_written(hosts: Hosts, tmp_path: Path) ->
         ".venv/bin/": f"{Path(sys.executable).parent}/",
     }  # fmt: skip
     lines = [line for line in commands[1].splitlines() if line.strip() and not line.startswith("#")]
-    assert len(lines) == 2 and " node " in lines[0] and " serve " in lines[1], lines
+    assert len(lines) == 3 and " node " in lines[0] and " serve " in lines[1] and " models add " in lines[2], lines
     for old, new in replacements.items():
         lines = [line.replace(old, new) for line in lines]
     namespace = f"llms-w{GUIDE_HOST}"
@@ -686,6 +685,9 @@ def test_the_worker_hosts_guide_runs_as_written(hosts: Hosts, tmp_path: Path) ->
                 return False
 
         assert wait_for(ready, 120), (tmp_path / "llms-g1.log").read_text()[-3000:]
+        added = subprocess.run(["bash", "-c", f"cd {tmp_path} && exec env {lines[2]}"], capture_output=True,
+                               text=True, timeout=60, check=False)  # fmt: skip
+        assert added.returncode == 0, added.stderr
         created = cli(hosts.root, "keys", "create", "--name", "guide-admin", "--admin",
                       env={"LLMSERVER_DATABASE_URL": hosts.database_url})  # fmt: skip
         admin = {"Authorization": f"Bearer {created.stdout.strip().splitlines()[-1]}"}
@@ -694,10 +696,12 @@ def test_the_worker_hosts_guide_runs_as_written(hosts: Hosts, tmp_path: Path) ->
             (tmp_path / f"{namespace}.log").read_text()[-3000:])  # fmt: skip
         key = hosts.key("guide")
         answer = httpx.post(gateway + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                            json={"model": MODEL, "max_tokens": 4,
+                            json={"model": "chat", "max_tokens": 4,
                                   "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
         assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "chat"
     finally:
+        cli(hosts.root, "models", "remove", "chat", env={"LLMSERVER_DATABASE_URL": hosts.database_url})
         for process in processes:
             process.send_signal(signal.SIGTERM)
         for process in processes:

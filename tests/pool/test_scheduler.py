@@ -103,3 +103,11 @@ def test_a_model_removed_from_the_catalog_leaves_its_nodes() -> None:
     nodes = [node("n1", checks=sized("a"))]
     decided = plan([], nodes, [], {}, {"n1": {"a": 1}})
     assert decided.assignments == {} and any("left the catalog" in e for e in decided.events)
+
+
+def test_instances_nodes_run_from_their_own_models_count_and_are_left_alone() -> None:
+    nodes = [node("n1", checks=sized("a"))]
+    assert plan([model("a", min_instances=2, max_instances=3)], nodes, [], {}, {}, {"a": 2}).assignments == {}
+    assert plan([model("a", min_instances=2, max_instances=3)], [], [], {}, {}, {"a": 2}).blocked == {}
+    topped = plan([model("a", min_instances=3, max_instances=3)], nodes, [], {}, {}, {"a": 2})
+    assert topped.assignments == {"n1": {"a": 1}}

@@ -97,7 +97,7 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
     supervisor.drain_wait = publisher.settle  # a drain waits for the gateways' requests on the instance
     assignments = Assignments(client, supervisor, settings, node_id) if not settings.models else None
     if assignments is not None:
-        publisher.extra = assignments.record
+        publisher.extra, publisher.scheduled = assignments.record, True
     live: dict[str, Probe] = {
         "publishing": fresh_probe("the instances were last published", lambda: publisher.published_at),
         "models": models_probe(supervisor.pools),

@@ -85,13 +85,13 @@ def serve(
     logs.configure(settings.log_level, settings.log_format)
     # The database first: a schema to migrate, or a server that cannot be reached, is one clean line.
     open_checked_store(settings)
-    check_catalog(settings)
     if settings.role == "gateway" and not settings.redis_url:
         raise click.UsageError(
             "a gateway finds the nodes' instances in Redis: set --redis-url (or LLMSERVER_REDIS_URL)"
         )
     if settings.role == "all":  # a gateway of role `gateway` runs no model itself
         check_model_files(settings)
+    check_catalog(settings)  # the config file's models into the catalog, or why they cannot go there
     number = worker_number()
     if settings.workers > 1 and number is None:
         raise SystemExit(supervise(settings))

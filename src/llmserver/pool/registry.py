@@ -114,6 +114,7 @@ class Publisher:
         self.published_at = float("-inf")  # monotonic: the last publication Redis took
         # More of the node's record: a node that takes assignments adds its labels and model checks.
         self.extra: Callable[[], dict[str, Any]] = dict
+        self.scheduled = False  # it runs the scheduler's assignments: no start by command
         self._in_flight: collections.Counter[str] = collections.Counter()  # per instance, every gateway's
 
     async def claim(self) -> None:
@@ -224,6 +225,11 @@ class Publisher:
 
     async def _run_command(self, command: dict[str, Any]) -> None:
         try:
+            if command["op"] == "start" and self.scheduled:
+                raise InvalidRequest(
+                    f"Node {self.node_id!r} runs what the scheduler assigns it: raise the model's min_instances "
+                    f"in the catalog (PATCH /api/models/{command['model']}) instead.", param="node"
+                )  # fmt: skip
             if command["op"] == "start":
                 instance = await self._supervisor.start_instance(command["model"])
             elif command["op"] == "drain":

@@ -128,8 +128,12 @@ def plan(
     instances: list[InstanceView],
     queued: dict[str, int],
     current: dict[str, dict[str, int]],
+    unscheduled: dict[str, int] | None = None,
 ) -> Plan:
-    """The assignments that follow from the state given, by the rules in this module's docstring."""
+    """The assignments that follow from the state given, by the rules in this module's docstring.
+    `unscheduled`: instances per model that nodes run from their own [[models]] (they count toward
+    min_instances and max_instances; the scheduler neither places nor stops them)."""
+    unscheduled = unscheduled or {}
     by_name = {m.name: m for m in models}
     live = {n.id: n for n in nodes}
     events: list[str] = []
@@ -150,19 +154,24 @@ def plan(
             elif count > 0:
                 assign[node_id][name] = count
 
-    measured: dict[str, int] = {}
+    sizes: dict[str, int] = {}  # per model: its largest measured RSS, else the first node's estimate
     for instance in instances:
-        measured[instance.model] = max(measured.get(instance.model, 0), instance.ram_mb)
+        sizes[instance.model] = max(sizes.get(instance.model, 0), instance.ram_mb)
+    for model in models:
+        if not sizes.get(model.name):
+            sized = (n.estimate(model) for n in live.values())
+            sizes[model.name] = next((s for s in sized if s), UNKNOWN_ESTIMATE_MB)
 
     def estimate(model: Model, node: NodeView | None = None) -> int:
-        if measured.get(model.name):
-            return measured[model.name]
-        sized = [n.estimate(model) for n in ([node] if node else []) + list(live.values())]
-        return next((s for s in sized if s), UNKNOWN_ESTIMATE_MB)
+        return sizes[model.name]
+
+    planned = {
+        node_id: sum(sizes.get(name, UNKNOWN_ESTIMATE_MB) * count for name, count in counts.items())
+        for node_id, counts in assign.items()
+    }
 
     def free(node: NodeView) -> int:
-        planned = sum(estimate(by_name[name], node) * count for name, count in assign[node.id].items())
-        return node.budget_mb - planned
+        return node.budget_mb - planned[node.id]
 
     def fits(model: Model, node: NodeView) -> bool:
         labels_hold = all(node.labels.get(k) == v for k, v in model.node_selector.items())
@@ -174,13 +183,14 @@ def plan(
         starting = sum(
             max(0, counts.get(model.name, 0) - published[(node_id, model.name)]) for node_id, counts in assign.items()
         )
-        want = max(total, model.min_instances)
+        static = unscheduled.get(model.name, 0)
+        want = max(total, model.min_instances - static)
         waiting = queued.get(model.name, 0)
-        if waiting and starting == 0 and total < model.max_instances:
+        if waiting and starting == 0 and total + static < model.max_instances:
             want = max(want, total + 1)
-        want = min(want, model.max_instances)
+        want = max(0, min(want, model.max_instances - static))
         # Rule 4: idle instances above min_instances go, the longest idle first, one per tick.
-        if want == total and total > model.min_instances and not waiting:
+        if want == total and total + static > model.min_instances and not waiting:
             idle = [
                 i for i in instances
                 if i.model == model.name and i.in_flight == 0 and i.idle_seconds >= model.idle_timeout
@@ -188,22 +198,22 @@ def plan(
             ]  # fmt: skip
             if idle:
                 longest = max(idle, key=lambda i: i.idle_seconds)
-                _take(assign, longest.node, model.name)
+                _take(assign, longest.node, model.name, planned, sizes[model.name])
                 events.append(f"{model.name} on {longest.node} idle for {longest.idle_seconds:.0f} s: stopping one")
                 continue
         while total > want:  # max_instances lowered: from the node with the most of it
             node_id = max(assign, key=lambda n: (assign[n].get(model.name, 0), n))
-            _take(assign, node_id, model.name)
+            _take(assign, node_id, model.name, planned, sizes[model.name])
             total -= 1
         while total < want:
             candidates = [n for n in live.values() if fits(model, n) and free(n) >= estimate(model, n)]
             if candidates:
                 chosen = min(candidates, key=lambda n: (assign[n.id].get(model.name, 0), -free(n), n.id))
-                assign[chosen.id][model.name] = assign[chosen.id].get(model.name, 0) + 1
+                _give(assign, chosen.id, model.name, planned, sizes[model.name])
                 events.append(f"{model.name}: one more instance on {chosen.id} ({total + 1} of {want})")
                 total += 1
                 continue
-            if waiting and _evict(model, live, assign, instances, queued, estimate, free, fits, events):
+            if waiting and _evict(model, live, assign, instances, queued, sizes, planned, fits, events):
                 total += 1
                 continue
             blocked[model.name] = _why_not(model, live, estimate, free, fits)
@@ -211,16 +221,23 @@ def plan(
     return Plan({n: counts for n, counts in assign.items() if counts}, blocked, events)
 
 
-def _take(assign: dict[str, dict[str, int]], node_id: str, name: str) -> None:
+def _take(assign: dict[str, dict[str, int]], node_id: str, name: str, planned: dict[str, int], size: int) -> None:
     assign[node_id][name] -= 1
+    planned[node_id] -= size
     if not assign[node_id][name]:
         del assign[node_id][name]
 
 
-def _evict(model, live, assign, instances, queued, estimate, free, fits, events) -> bool:  # type: ignore[no-untyped-def]
+def _give(assign: dict[str, dict[str, int]], node_id: str, name: str, planned: dict[str, int], size: int) -> None:
+    assign[node_id][name] = assign[node_id].get(name, 0) + 1
+    planned[node_id] += size
+
+
+def _evict(model, live, assign, instances, queued, sizes, planned, fits, events) -> bool:  # type: ignore[no-untyped-def]
     """Rule 3: on the node where it frees enough soonest, stop the longest idle instances of other
     models (nothing in flight, no request waiting for their model) to make room for one of `model`."""
-    for node in sorted(live.values(), key=lambda n: (-free(n), n.id)):
+    need = sizes[model.name]
+    for node in sorted(live.values(), key=lambda n: (planned[n.id] - n.budget_mb, n.id)):
         if not fits(model, node):
             continue
         idle = sorted(
@@ -231,21 +248,21 @@ def _evict(model, live, assign, instances, queued, estimate, free, fits, events)
             ),
             key=lambda i: -i.idle_seconds,
         )  # fmt: skip
-        room, chosen = free(node), []
+        room, chosen = node.budget_mb - planned[node.id], []
         for instance in idle:
-            if room >= estimate(model, node):
+            if room >= need:
                 break
             chosen.append(instance)
-            room += instance.ram_mb or UNKNOWN_ESTIMATE_MB
-        if room < estimate(model, node):
+            room += sizes.get(instance.model, UNKNOWN_ESTIMATE_MB)
+        if room < need:
             continue
         for instance in chosen:
-            _take(assign, node.id, instance.model)
+            _take(assign, node.id, instance.model, planned, sizes.get(instance.model, UNKNOWN_ESTIMATE_MB))
             events.append(
                 f"{instance.model} on {node.id} (idle {instance.idle_seconds:.0f} s, {instance.ram_mb} MiB) "
                 f"stops to make room for {model.name}"
             )
-        assign[node.id][model.name] = assign[node.id].get(model.name, 0) + 1
+        _give(assign, node.id, model.name, planned, need)
         events.append(f"{model.name}: one more instance on {node.id}, in the room made")
         return True
     return False
@@ -343,25 +360,25 @@ class Scheduler:
             for n in nodes_raw
         ]  # fmt: skip
         scheduled = {n.id for n in nodes}
+        records = [r for r in await scan_json(self._redis, KEY) if r.get("status") in ("ready", "busy")]
         instances = [
             InstanceView(
                 id=r["instance_id"], node=r["node"], model=r["model"], ram_mb=int(r.get("ram_used_mb") or 0),
                 in_flight=int(r.get("in_flight") or 0), idle_seconds=float(r.get("idle_seconds") or 0.0),
-                ready=r.get("status") in ("ready", "busy"),
             )
-            for r in await scan_json(self._redis, KEY)
-            if r.get("node") in scheduled and r.get("status") in ("ready", "busy")
+            for r in records if r.get("node") in scheduled
         ]  # fmt: skip
+        unscheduled = Counter(str(r["model"]) for r in records if r.get("node") not in scheduled)
         queued: Counter[str] = Counter()
         for load in await scan_json(self._redis, LOAD_KEY):
             queued.update(load.get("queued") or {})
         current: dict[str, dict[str, int]] = {}
-        for key in [k async for k in self._redis.scan_iter(match=ASSIGN_KEY + "*", count=500)]:
-            value = await self._redis.get(key)
+        keys = [k async for k in self._redis.scan_iter(match=ASSIGN_KEY + "*", count=500)]
+        for key, value in zip(keys, await self._redis.mget(keys) if keys else [], strict=True):
             node_id = (key.decode() if isinstance(key, bytes) else key).removeprefix(ASSIGN_KEY)
             if value:
                 current[node_id] = {name: int(a["count"]) for name, a in json.loads(value)["models"].items()}
-        decided = plan(models, nodes, instances, dict(queued), current)
+        decided = plan(models, nodes, instances, dict(queued), current, dict(unscheduled))
         for event in decided.events:
             log.info("scheduler: %s", event)
         pipe = self._redis.pipeline(transaction=False)
