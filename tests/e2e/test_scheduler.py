@@ -26,7 +26,7 @@ import redis
 from llmserver.catalog import embedded_model_path
 from tests.e2e.test_worker_hosts import Node, add_host, ip
 from tests.services import Postgres, Redis
-from tests.support import Server, SteadyStreams, cli, spawn, stream, wait_for
+from tests.support import Server, SteadyStreams, cli, free_port_range, shared_servers, spawn, stream, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -266,3 +266,59 @@ def test_the_other_gateway_schedules_once_the_leader_is_killed(cluster: Cluster)
     assert cluster.leader() == alive.env["LLMSERVER_GATEWAY_ID"]
     cluster.gateways[number - 1] = cluster.start_gateway(number)
     print(f"leader killed: the other gateway placed the next model {took:.1f} s later (lease 3 s)")
+
+
+def test_a_full_node_stops_an_idle_instance_of_another_model_for_waiting_requests_never_a_busy_one(
+    tmp_path: Path,
+) -> None:
+    """One node whose memory budget holds one instance of the embedded model, one gateway (loopback, the
+    session's PostgreSQL and a Redis database of its own): `a` kept at one, `b` at zero. A request for b
+    stops idle a to make room; b idles out and a comes back; a request for a while b streams waits for
+    the stream to end (b is busy: never stopped for it), then stops b."""
+    postgres, shared_redis = shared_servers()
+    redis_url = shared_redis.url.rsplit("/", 1)[0] + "/9"  # a database of its own: no other test's nodes
+    redis.Redis.from_url(redis_url).flushdb()
+    database_url = postgres.new_database()
+    assert cli(tmp_path, "db", "migrate", env={"LLMSERVER_DATABASE_URL": database_url}).returncode == 0
+    env = {**os.environ, "LLMSERVER_NODE_ID": "small", "LLMSERVER_INSTANCE_API_KEY": SECRET,
+           "LLMSERVER_INSTANCE_BASE_PORT": str(free_port_range(8)), "LLMSERVER_NODE_PORT": "0",
+           "LLMSERVER_MEMORY_BUDGET_MB": "250"}  # fmt: skip
+    node = spawn([sys.executable, "-m", "llmserver", "node", "--data-dir", str(tmp_path / "node"), "--redis-url",
+                  redis_url], tmp_path / "node.log", env)  # fmt: skip
+    gateway = Server(data_dir=tmp_path / "gw", env={
+        "LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": redis_url, "LLMSERVER_DATABASE_URL": database_url,
+        "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_GATEWAY_ID": "gw-small",
+        "LLMSERVER_QUEUE_TIMEOUT": "60",
+    })  # fmt: skip
+    try:
+        gateway.start()
+        cluster = Cluster(tmp_path, shared_redis, database_url, gateways=[gateway])
+        small = {"parallel": 1, "ctx_size": 512, "threads": 1, "max_instances": 1}
+        assert cluster.call(gateway, "POST", "/api/models", {"name": "a", **small}).status_code == 201
+        at_zero = {"name": "b", "min_instances": 0, "idle_timeout": 3, **small}
+        assert cluster.call(gateway, "POST", "/api/models", at_zero).status_code == 201
+        assert wait_for(lambda: len(cluster.instances(gateway, "a")) == 1, 60), (tmp_path / "node.log").read_text()
+        key = cluster.key("evict")
+
+        def ask(model: str, tokens: int = 4) -> httpx.Response:
+            body = {"model": model, "prompt": "Count to fifty.", "max_tokens": tokens, "temperature": 0}
+            return httpx.post(gateway.url + "/api/generate", json=body, headers={"Authorization": f"Bearer {key}"},
+                              timeout=120)  # fmt: skip
+
+        answer = ask("b")
+        assert answer.status_code == 200, answer.text  # a (idle) stopped to make room
+        assert cluster.instances(gateway, "a") == []
+        assert wait_for(lambda: len(cluster.instances(gateway, "a")) == 1, 60)  # b idled out, a back
+        assert cluster.instances(gateway, "b") == []
+
+        answer = ask("b")  # b again, then a while b generates: a waits, b is not stopped under its request
+        assert answer.status_code == 200, answer.text
+        with SteadyStreams([gateway], key, "b") as load:
+            assert load.reach(1)
+            waited = ask("a")
+        assert waited.status_code == 200, waited.text
+        assert load.failures == [] and load.done >= 1
+    finally:
+        gateway.stop()
+        node.send_signal(signal.SIGTERM)
+        node.wait(30)

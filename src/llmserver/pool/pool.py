@@ -146,8 +146,9 @@ class ModelPool:
         if instance is not None and not self._waiters:
             self._begin(instance, key_id)
             return instance
-        if self.instances and not any(self._coming(i) for i in self.instances):
-            # Every instance has failed and been given up: waiting would only end in a timeout.
+        if self.instances and all(i.status == Status.FAILED and not i.restarting for i in self.instances):
+            # Every instance has failed and been given up: waiting would only end in a timeout. (One that
+            # drains, say evicted for another model, is not: a new one is started for the waiting.)
             raise _because("no_instance", Overloaded(
                 f"No instance of {self.name!r} is running; see the server's log.", retry_after=30
             ))  # fmt: skip
@@ -175,10 +176,6 @@ class ModelPool:
             if isinstance(exc, TimeoutError):
                 raise _because("queue_timeout", self._timed_out()) from None
             raise
-
-    @staticmethod
-    def _coming(instance: Instance) -> bool:
-        return instance.accepting or instance.status == Status.STARTING or instance.restarting
 
     def _timed_out(self) -> APIError:
         waited = f"{self.queue_timeout:.0f} s"

@@ -514,7 +514,8 @@ class Registry:
                     "instance %s on node %s answers again after %.1f s: routed to again",
                     instance.id, instance.node, time.monotonic() - opened,
                 )  # fmt: skip
-                self._pools[instance.model.name].dispatch()
+                if (pool := self._pools.get(instance.model.name)) is not None:
+                    pool.dispatch()
                 return
             delay = min(PROBE_MAX, delay * 2)
 
@@ -621,8 +622,8 @@ class Registry:
         """Drain an instance on its node; it leaves this gateway's pool at once."""
         instance.status = Status.DRAINING
         await self.command(instance.node, "drain", timeout, instance_id=instance.id)
-        pool = self._pools[instance.model.name]
-        if instance in pool.instances:
+        pool = self._pools.get(instance.model.name)
+        if pool is not None and instance in pool.instances:
             pool.instances.remove(instance)
         await instance.stop()
 

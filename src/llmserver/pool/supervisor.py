@@ -57,6 +57,7 @@ class Supervisor:
         self._files: dict[str, Path] = {}
         self._mmproj: dict[str, Path | None] = {}
         self._claimed_ports: set[int] = set()
+        self._retiring: set[Instance] = set()  # instances of removed models, draining
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch_task: asyncio.Task[None] | None = None
         self._probe_misses: dict[str, int] = {}
@@ -123,7 +124,9 @@ class Supervisor:
     # Queries
 
     def all_instances(self) -> list[Instance]:
-        return [instance for pool in self.pools.values() for instance in pool.instances]
+        """Every instance, those of removed models still draining included (a node publishes them as
+        draining until they stop: gateways keep their requests on them to the end)."""
+        return [instance for pool in self.pools.values() for instance in pool.instances] + list(self._retiring)
 
     def find(self, instance_id: str) -> Instance:
         for instance in self.all_instances():
@@ -429,7 +432,11 @@ class Supervisor:
     async def _retire(self, pool: ModelPool, instance: Instance) -> None:
         """Drain an instance of a pool that is no longer served."""
         instance.status = Status.DRAINING
-        await self.drain(instance, pool=pool)
+        self._retiring.add(instance)
+        try:
+            await self.drain(instance, pool=pool)
+        finally:
+            self._retiring.discard(instance)
 
     # The loop
 
