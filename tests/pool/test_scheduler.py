@@ -14,6 +14,7 @@ def model(name: str, revision: int = 1, **config: Any) -> Model:
         name=name, config={"name": name, **config}, revision=revision,
         min_instances=config.get("min_instances", 1), max_instances=config.get("max_instances", 1),
         idle_timeout=config.get("idle_timeout", 300.0), node_selector=config.get("node_selector", {}),
+        gpu=config.get("n_gpu_layers") not in (None, 0),
     )  # fmt: skip
 
 
@@ -111,3 +112,15 @@ def test_instances_nodes_run_from_their_own_models_count_and_are_left_alone() ->
     assert plan([model("a", min_instances=2, max_instances=3)], [], [], {}, {}, {"a": 2}).blocked == {}
     topped = plan([model("a", min_instances=3, max_instances=3)], nodes, [], {}, {}, {"a": 2})
     assert topped.assignments == {"n1": {"a": 1}}
+
+
+def test_a_model_that_offloads_layers_goes_where_gpu_memory_has_room() -> None:
+    checks = {"big": {"revision": 1, "estimate_mb": 300, "gpu_mb": 5000}}
+    cpu = node("cpu-only", checks=checks)
+    one = node("gpu-a", gpu_budget_mb=8000, checks=checks)
+    two = node("gpu-b", gpu_budget_mb=8000, checks=checks)
+    offloading = model("big", min_instances=3, max_instances=3, n_gpu_layers="all")
+    decided = plan([offloading], [cpu, one, two], [], {}, {})
+    assert decided.assignments == {"gpu-a": {"big": 1}, "gpu-b": {"big": 1}}  # 5 GiB each: one per 8 GiB GPU
+    assert "no node has GPU memory" in decided.blocked["big"] and "gpu-a 3000 MiB" in decided.blocked["big"]
+    assert plan([model("big", n_gpu_layers=0)], [cpu], [], {}, {}).assignments == {"cpu-only": {"big": 1}}

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from llmserver.catalog import ModelFileError, estimate_mb, mmproj_path, model_path
+from llmserver import gpu
+from llmserver.catalog import ModelFileError, estimate_gpu_mb, estimate_mb, mmproj_path, model_path
 from llmserver.outage import redis_unreachable
 from llmserver.pool.registry import ASSIGN_KEY, STATUS_KEY
 from llmserver.settings import ModelConfig, Settings, share_threads
@@ -41,12 +42,20 @@ class Assignments:
         self._settings = settings
         self._key = ASSIGN_KEY + node_id
         self.checks: dict[str, dict[str, Any]] = {}  # model → {revision, estimate_mb | unavailable}
+        self.gpus = gpu.detect()
+        self.gpu_budget_mb = gpu.budget_mb(self.gpus, settings.gpu_memory_budget_mb)
+        if self.gpus:
+            found = ", ".join(f"{g.name} ({g.memory_total_mb} MiB)" for g in self.gpus)
+            log.info("GPUs: %s; %d MiB of their memory for instances", found, self.gpu_budget_mb)
         self._applied: bytes | str | None = None  # the assignment last applied, as read
         self._revisions: dict[str, int] = {}
 
     def record(self) -> dict[str, Any]:
         """What the node's record carries for the scheduler."""
-        return {"scheduled": True, "labels": self._settings.node_labels, "checks": self.checks}
+        return {
+            "scheduled": True, "labels": self._settings.node_labels, "checks": self.checks,
+            "gpus": [g.record() for g in self.gpus], "gpu_budget_mb": self.gpu_budget_mb,
+        }  # fmt: skip
 
     async def run(self) -> None:
         while True:
@@ -108,7 +117,7 @@ class Assignments:
             if model.hf_repo is not None:
                 return {"revision": revision}  # not downloaded yet: fetched when an instance starts
             return {"revision": revision, "unavailable": str(exc)}
-        return {"revision": revision, "estimate_mb": estimate_mb(model, path)}
+        return {"revision": revision, "estimate_mb": estimate_mb(model, path), "gpu_mb": estimate_gpu_mb(model, path)}
 
     def _note_failures(self) -> None:
         """A model whose instances cannot start here (its file, a failing start) is reported, so that the

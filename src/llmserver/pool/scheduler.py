@@ -66,6 +66,7 @@ class Model:
     max_instances: int = 1
     idle_timeout: float = 300.0
     node_selector: dict[str, str] = field(default_factory=dict)
+    gpu: bool = False  # it sets n_gpu_layers (not 0): it needs a node with GPU memory for it
 
     @classmethod
     def of(cls, entry: CatalogEntry) -> Model:
@@ -78,6 +79,7 @@ class Model:
             max_instances=int(config.get("max_instances", 1)),
             idle_timeout=float(config.get("idle_timeout", 300.0)),
             node_selector=dict(config.get("node_selector") or {}),
+            gpu=config.get("n_gpu_layers") not in (None, 0),
         )
 
 
@@ -88,6 +90,7 @@ class NodeView:
     id: str
     budget_mb: int
     labels: dict[str, str] = field(default_factory=dict)
+    gpu_budget_mb: int = 0
     # Per catalog model (name → revision checked, and an estimate in MiB or why it cannot run there).
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -98,9 +101,9 @@ class NodeView:
         unavailable = check.get("unavailable")
         return str(unavailable) if unavailable else None
 
-    def estimate(self, model: Model) -> int | None:
+    def estimate(self, model: Model, what: str = "estimate_mb") -> int | None:
         check = self.checks.get(model.name) or {}
-        value = check.get("estimate_mb")
+        value = check.get(what)
         return int(value) if isinstance(value, int | float) and check.get("revision") == model.revision else None
 
 
@@ -120,6 +123,50 @@ class Plan:
     assignments: dict[str, dict[str, int]]
     blocked: dict[str, str]
     events: list[str]
+
+
+@dataclass
+class _Ledger:
+    """The assignments being planned, and the memory each node's assignment is expected to take."""
+
+    nodes: dict[str, NodeView]
+    assign: dict[str, dict[str, int]]
+    sizes: dict[str, int]  # RAM one instance takes, per model
+    gpu_sizes: dict[str, int]  # GPU memory one instance takes, per model that offloads layers
+    planned: dict[str, int] = field(default_factory=dict)
+    planned_gpu: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for node_id, counts in self.assign.items():
+            self.planned[node_id] = sum(self.sizes.get(name, UNKNOWN_ESTIMATE_MB) * n for name, n in counts.items())
+            self.planned_gpu[node_id] = sum(self.gpu_sizes.get(name, 0) * n for name, n in counts.items())
+
+    def count(self, node_id: str, name: str) -> int:
+        return self.assign.get(node_id, {}).get(name, 0)
+
+    def total(self, name: str) -> int:
+        return sum(counts.get(name, 0) for counts in self.assign.values())
+
+    def give(self, node_id: str, name: str) -> None:
+        self.assign[node_id][name] = self.count(node_id, name) + 1
+        self.planned[node_id] += self.sizes.get(name, UNKNOWN_ESTIMATE_MB)
+        self.planned_gpu[node_id] += self.gpu_sizes.get(name, 0)
+
+    def take(self, node_id: str, name: str) -> None:
+        self.assign[node_id][name] -= 1
+        self.planned[node_id] -= self.sizes.get(name, UNKNOWN_ESTIMATE_MB)
+        self.planned_gpu[node_id] -= self.gpu_sizes.get(name, 0)
+        if not self.assign[node_id][name]:
+            del self.assign[node_id][name]
+
+    def free(self, node: NodeView) -> int:
+        return node.budget_mb - self.planned[node.id]
+
+    def fits(self, model: Model, node: NodeView) -> bool:
+        """Whether `node` may run `model` at all: its labels, its file check, GPU memory for an offloading one."""
+        labels_hold = all(node.labels.get(k) == v for k, v in model.node_selector.items())
+        gpu_room = not model.gpu or node.gpu_budget_mb - self.planned_gpu[node.id] >= self.gpu_sizes[model.name]
+        return labels_hold and gpu_room and node.cannot_run(model) is None
 
 
 def plan(
@@ -161,28 +208,17 @@ def plan(
         if not sizes.get(model.name):
             sized = (n.estimate(model) for n in live.values())
             sizes[model.name] = next((s for s in sized if s), UNKNOWN_ESTIMATE_MB)
-
-    def estimate(model: Model, node: NodeView | None = None) -> int:
-        return sizes[model.name]
-
-    planned = {
-        node_id: sum(sizes.get(name, UNKNOWN_ESTIMATE_MB) * count for name, count in counts.items())
-        for node_id, counts in assign.items()
-    }
-
-    def free(node: NodeView) -> int:
-        return node.budget_mb - planned[node.id]
-
-    def fits(model: Model, node: NodeView) -> bool:
-        labels_hold = all(node.labels.get(k) == v for k, v in model.node_selector.items())
-        return labels_hold and node.cannot_run(model) is None
+    # GPU memory, for the models that offload layers (n_gpu_layers): the nodes' estimates, else their RAM's.
+    gpu_sizes = {
+        m.name: next((s for s in (n.estimate(m, "gpu_mb") for n in live.values()) if s), sizes[m.name])
+        for m in models if m.gpu
+    }  # fmt: skip
+    ledger = _Ledger(live, assign, sizes, gpu_sizes)
 
     published: Counter[tuple[str, str]] = Counter((i.node, i.model) for i in instances)
     for model in sorted(models, key=lambda m: m.name):
-        total = sum(counts.get(model.name, 0) for counts in assign.values())
-        starting = sum(
-            max(0, counts.get(model.name, 0) - published[(node_id, model.name)]) for node_id, counts in assign.items()
-        )
+        total = ledger.total(model.name)
+        starting = sum(max(0, ledger.count(n, model.name) - published[(n, model.name)]) for n in assign)
         static = unscheduled.get(model.name, 0)
         want = max(total, model.min_instances - static)
         waiting = queued.get(model.name, 0)
@@ -194,93 +230,87 @@ def plan(
             idle = [
                 i for i in instances
                 if i.model == model.name and i.in_flight == 0 and i.idle_seconds >= model.idle_timeout
-                and assign.get(i.node, {}).get(model.name, 0) > 0
+                and ledger.count(i.node, model.name) > 0
             ]  # fmt: skip
             if idle:
                 longest = max(idle, key=lambda i: i.idle_seconds)
-                _take(assign, longest.node, model.name, planned, sizes[model.name])
+                ledger.take(longest.node, model.name)
                 events.append(f"{model.name} on {longest.node} idle for {longest.idle_seconds:.0f} s: stopping one")
                 continue
         while total > want:  # max_instances lowered: from the node with the most of it
-            node_id = max(assign, key=lambda n: (assign[n].get(model.name, 0), n))
-            _take(assign, node_id, model.name, planned, sizes[model.name])
+            ledger.take(max(assign, key=lambda n: (ledger.count(n, model.name), n)), model.name)
             total -= 1
         while total < want:
-            candidates = [n for n in live.values() if fits(model, n) and free(n) >= estimate(model, n)]
+            need = sizes[model.name]
+            candidates = [n for n in live.values() if ledger.fits(model, n) and ledger.free(n) >= need]
             if candidates:
-                chosen = min(candidates, key=lambda n: (assign[n.id].get(model.name, 0), -free(n), n.id))
-                _give(assign, chosen.id, model.name, planned, sizes[model.name])
+                chosen = min(candidates, key=lambda n: (ledger.count(n.id, model.name), -ledger.free(n), n.id))
+                ledger.give(chosen.id, model.name)
                 events.append(f"{model.name}: one more instance on {chosen.id} ({total + 1} of {want})")
                 total += 1
                 continue
-            if waiting and _evict(model, live, assign, instances, queued, sizes, planned, fits, events):
+            if waiting and _evict(model, ledger, instances, queued, events):
                 total += 1
                 continue
-            blocked[model.name] = _why_not(model, live, estimate, free, fits)
+            blocked[model.name] = _why_not(model, ledger)
             break
     return Plan({n: counts for n, counts in assign.items() if counts}, blocked, events)
 
 
-def _take(assign: dict[str, dict[str, int]], node_id: str, name: str, planned: dict[str, int], size: int) -> None:
-    assign[node_id][name] -= 1
-    planned[node_id] -= size
-    if not assign[node_id][name]:
-        del assign[node_id][name]
-
-
-def _give(assign: dict[str, dict[str, int]], node_id: str, name: str, planned: dict[str, int], size: int) -> None:
-    assign[node_id][name] = assign[node_id].get(name, 0) + 1
-    planned[node_id] += size
-
-
-def _evict(model, live, assign, instances, queued, sizes, planned, fits, events) -> bool:  # type: ignore[no-untyped-def]
+def _evict(
+    model: Model, ledger: _Ledger, instances: list[InstanceView], queued: dict[str, int], events: list[str]
+) -> bool:
     """Rule 3: on the node where it frees enough soonest, stop the longest idle instances of other
     models (nothing in flight, no request waiting for their model) to make room for one of `model`."""
-    need = sizes[model.name]
-    for node in sorted(live.values(), key=lambda n: (planned[n.id] - n.budget_mb, n.id)):
-        if not fits(model, node):
+    need = ledger.sizes[model.name]
+    for node in sorted(ledger.nodes.values(), key=lambda n: (-ledger.free(n), n.id)):
+        if not ledger.fits(model, node):
             continue
         idle = sorted(
             (
                 i for i in instances
                 if i.node == node.id and i.model != model.name and i.in_flight == 0 and i.ready
-                and not queued.get(i.model) and assign[node.id].get(i.model, 0) > 0
+                and not queued.get(i.model) and ledger.count(node.id, i.model) > 0
             ),
             key=lambda i: -i.idle_seconds,
         )  # fmt: skip
-        room, chosen = node.budget_mb - planned[node.id], []
+        room, chosen = ledger.free(node), []
         for instance in idle:
             if room >= need:
                 break
             chosen.append(instance)
-            room += sizes.get(instance.model, UNKNOWN_ESTIMATE_MB)
+            room += ledger.sizes.get(instance.model, UNKNOWN_ESTIMATE_MB)
         if room < need:
             continue
         for instance in chosen:
-            _take(assign, node.id, instance.model, planned, sizes.get(instance.model, UNKNOWN_ESTIMATE_MB))
+            ledger.take(node.id, instance.model)
             events.append(
                 f"{instance.model} on {node.id} (idle {instance.idle_seconds:.0f} s, {instance.ram_mb} MiB) "
                 f"stops to make room for {model.name}"
             )
-        _give(assign, node.id, model.name, planned, need)
+        ledger.give(node.id, model.name)
         events.append(f"{model.name}: one more instance on {node.id}, in the room made")
         return True
     return False
 
 
-def _why_not(model, live, estimate, free, fits) -> str:  # type: ignore[no-untyped-def]
+def _why_not(model: Model, ledger: _Ledger) -> str:
+    live = ledger.nodes
     if not live:
         return "no node takes assignments (start `llmserver node` with no [[models]] in its config)"
-    unable = {n.id: n.cannot_run(model) for n in live.values() if n.cannot_run(model)}
+    unable = {n.id: why for n in live.values() if (why := n.cannot_run(model))}
     labelled = [n for n in live.values() if all(n.labels.get(k) == v for k, v in model.node_selector.items())]
     if not labelled:
         return f"no node has the labels its node_selector asks for ({_counts(model.node_selector)})"
     if len(unable) == len(labelled):
         return "no node can run it: " + "; ".join(f"{node}: {why}" for node, why in sorted(unable.items()))
-    room = ", ".join(f"{n.id} {max(0, free(n))} MiB" for n in labelled if fits(model, n))
+    if model.gpu and not [n for n in labelled if ledger.fits(model, n)]:
+        room = ", ".join(f"{n.id} {max(0, n.gpu_budget_mb - ledger.planned_gpu[n.id])} MiB" for n in labelled)
+        return f"no node has GPU memory for an instance (~{ledger.gpu_sizes[model.name]} MiB; free: {room})"
+    room = ", ".join(f"{n.id} {max(0, ledger.free(n))} MiB" for n in labelled if ledger.fits(model, n))
     return (
-        f"no node has room for an instance (~{estimate(model)} MiB; free: {room}) and no idle instance of another "
-        "model can be stopped for it"
+        f"no node has room for an instance (~{ledger.sizes[model.name]} MiB; free: {room}) and no idle instance of "
+        "another model can be stopped for it"
     )
 
 
@@ -355,7 +385,7 @@ class Scheduler:
         nodes = [
             NodeView(
                 id=n["node"], budget_mb=int(n.get("memory_budget_mb") or 0), labels=dict(n.get("labels") or {}),
-                checks=dict(n.get("checks") or {}),
+                checks=dict(n.get("checks") or {}), gpu_budget_mb=int(n.get("gpu_budget_mb") or 0),
             )
             for n in nodes_raw
         ]  # fmt: skip
