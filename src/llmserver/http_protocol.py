@@ -664,6 +664,7 @@ class QuietServer(uvicorn.Server):
 
     TICK = 1.0  # seconds
     on_started: Callable[[], None] | None = None  # once the app has started and the port listens
+    on_exit: Callable[[], None] | None = None  # when a stop signal arrives
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -679,6 +680,8 @@ class QuietServer(uvicorn.Server):
                     await self._stopping.wait()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.on_exit is not None and not self.should_exit:
+            self.on_exit()
         super().handle_exit(sig, frame)
         if hasattr(self, "_loop"):  # the signal handler runs between bytecodes: wake the loop safely
             self._loop.call_soon_threadsafe(self._stopping.set)

@@ -84,6 +84,7 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
     from llmserver.pool.assignments import Assignments
     from llmserver.pool.registry import NodeIdInUse, Publisher
     from llmserver.pool.supervisor import Supervisor
+    from llmserver.systemd import Notifier
 
     log = logging.getLogger("llmserver.node")
     node_id = settings.node_id or socket.gethostname()
@@ -142,9 +143,15 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
         f"; /health, /ready and /metrics on http://{settings.node_http_host}:{settings.node_port}"
         if listening is not None else "",
     )  # fmt: skip
+    await publisher.publish()  # its instances in the registry now, before it says it is ready
+    notifier = Notifier()
+    notifier.ready(f"node {node_id}: {len(supervisor.all_instances())} instances published")
+    notifier.start_watchdog()
     try:
         await stop.wait()
     finally:
+        notifier.stopping()
+        await notifier.stop_watchdog()
         publishing.cancel()
         commands.cancel()
         if assigned is not None:

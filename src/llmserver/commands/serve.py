@@ -24,6 +24,7 @@ from llmserver.commands import (
     settings_options,
 )
 from llmserver.settings import Settings
+from llmserver.systemd import Notifier
 
 if TYPE_CHECKING:
     from llmserver.http_protocol import Limits
@@ -122,10 +123,18 @@ def serve(
         timeout_graceful_shutdown=int(settings.drain_timeout),  # in-flight requests get this long
     )
     server = QuietServer(config)
-    server.on_started = lambda: log.info(
-        "llmserver %s ready on http://%s:%s (gateway %s); web console at /console",
-        __version__, settings.host, settings.port, settings.gateway_name,
-    )  # fmt: skip
+    notifier = Notifier()  # systemd's Type=notify (a worker's: its supervisor's relay)
+
+    def started() -> None:
+        log.info(
+            "llmserver %s ready on http://%s:%s (gateway %s); web console at /console",
+            __version__, settings.host, settings.port, settings.gateway_name,
+        )  # fmt: skip
+        notifier.ready(f"serving on {settings.host}:{settings.port}")
+        notifier.start_watchdog()
+
+    server.on_started = started
+    server.on_exit = notifier.stopping
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[listening])
     if not server.started:

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import click
 
 from llmserver.pool.instance import on_parent_death
 from llmserver.settings import Settings
+from llmserver.systemd import Notifier, worker_environ
 
 log = logging.getLogger("llmserver.workers")
 
@@ -87,11 +90,15 @@ def supervise(settings: Settings) -> int:
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, stop)
 
+    notifier = Notifier()
+    relay = Relay() if notifier.active else None  # the workers' READY, for systemd's one READY
+
     def start(number: int) -> subprocess.Popen[bytes]:
         # Its own session: a Ctrl-C at the terminal reaches this process only, which passes it on once.
+        relayed = worker_environ(relay.path) if relay is not None else {}
         return subprocess.Popen(
             [sys.executable, "-m", "llmserver", *sys.argv[1:]],
-            env={**os.environ, WORKER_ENV: str(number)},
+            env={**os.environ, WORKER_ENV: str(number), **relayed},
             start_new_session=True,
             # If the supervisor is killed outright, each worker gets SIGTERM and drains: no orphan keeps
             # the port. Safe here: the supervisor runs no threads.
@@ -106,8 +113,16 @@ def supervise(settings: Settings) -> int:
         settings.workers, settings.host, settings.port, settings.gateway_name, settings.gateway_name, settings.workers,
     )  # fmt: skip
     code = 0
+    announced = False
     while not stopping:
         time.sleep(0.5)  # a dead worker is noticed within half a second
+        if relay is not None and not announced:
+            relay.read()
+            if {p.pid for p in workers.values()} <= relay.ready:
+                notifier.ready(f"{settings.workers} gateway workers serving on {settings.host}:{settings.port}")
+                announced = True
+        if notifier.watchdog_seconds is not None:
+            notifier.send("WATCHDOG=1")  # every half second: within any WatchdogSec of 1 s or more
         for number, process in list(workers.items()):
             if stopping or process.poll() is None:
                 continue
@@ -122,6 +137,7 @@ def supervise(settings: Settings) -> int:
             time.sleep(delay[number])
             delay[number] = min(30.0, delay[number] * 2)
             workers[number], started[number] = start(number), time.monotonic()
+    notifier.stopping()
     for process in workers.values():
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -132,4 +148,32 @@ def supervise(settings: Settings) -> int:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    if relay is not None:
+        relay.close()
     return code
+
+
+class Relay:
+    """A datagram socket the workers notify instead of systemd: which of them said READY=1 (by MAINPID)."""
+
+    def __init__(self) -> None:
+        self._folder = tempfile.mkdtemp(prefix="llmserver-notify-")
+        self.path = os.path.join(self._folder, "notify.sock")
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._socket.bind(self.path)
+        self._socket.setblocking(False)
+        self.ready: set[int] = set()
+
+    def read(self) -> None:
+        while True:
+            try:
+                message = self._socket.recv(4096).decode(errors="replace").split("\n")
+            except BlockingIOError:
+                return
+            fields = dict(line.partition("=")[::2] for line in message)
+            if fields.get("READY") == "1" and fields.get("MAINPID", "").isdigit():
+                self.ready.add(int(fields["MAINPID"]))
+
+    def close(self) -> None:
+        self._socket.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
