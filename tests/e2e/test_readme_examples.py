@@ -45,7 +45,7 @@ DOCUMENTED_REDIS = "redis://cache.internal:6379/0"
 # service's installation as root (tests/test_systemd.py checks its units and their notify protocol).
 NOT_HERE = re.compile(
     r"scripts/setup\.sh|llmserver serve|llmserver node|-m pytest|-m bench|-m fuzz|ruff check|mypy|promtool|CMAKE_ARGS="
-    r"|useradd|systemctl|/etc/llmserver|runuser"
+    r"|useradd|systemctl|/etc/llmserver|/etc/systemd|runuser|/opt/llmserver/\.venv"
 )
 
 

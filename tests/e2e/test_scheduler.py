@@ -1,9 +1,11 @@
 """Models as desired state across hosts, for real: three worker hosts and two gateway hosts (network
 namespaces on a bridge), PostgreSQL and Redis, every process a real `llmserver` and every instance a
-real llama-server. The nodes have no [[models]]: they run what the scheduler assigns them. Models are
-added and changed through one gateway's admin API and served through the other's; a node killed with
--9 has its instance placed again; a rolling update under load fails no request; the leader gateway
-killed hands the scheduling to the other; a model whose file only one node has runs there."""
+real llama-server, each node and gateway started as the compose stack's services are (their command and
+environment read from deploy/compose/compose.yaml). The nodes have no [[models]]: they run what the
+scheduler assigns them. Models are added and changed through one gateway's admin API and served
+through the other's; a node killed with -9 has its instance placed again; a rolling update under load
+fails no request; the leader gateway killed hands the scheduling to the other; a model whose file only
+one node has runs there."""
 
 from __future__ import annotations
 
@@ -26,7 +28,17 @@ import redis
 from llmserver.catalog import embedded_model_path
 from tests.e2e.test_worker_hosts import Node, add_host, ip
 from tests.services import Postgres, Redis
-from tests.support import Server, SteadyStreams, cli, free_port_range, shared_servers, spawn, stream, wait_for
+from tests.support import (
+    Server,
+    SteadyStreams,
+    cli,
+    compose_service,
+    free_port_range,
+    shared_servers,
+    spawn,
+    stream,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +48,12 @@ SECRET = "scheduler-instance-secret-0123456789"
 ADMIN = "scheduler-admin-key-0123456789abcdef"
 WORKERS = {1: "llms-s1", 2: "llms-s2", 3: "llms-s3"}  # NET.11-13
 GATEWAYS = {21: "llms-sg1", 22: "llms-sg2"}  # NET.31-32
+# The compose stack's secrets, as its .env would give them (deploy/compose/compose.yaml: these tests run its
+# node and gateway services, on the test's hosts).
+COMPOSE_VALUES = {
+    "POSTGRES_PASSWORD": "unused-here", "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_ADMIN_KEY": ADMIN,
+    "LLMSERVER_METRICS_TOKEN": "scheduler-metrics-token-0123456789",
+}  # fmt: skip
 CHAT = {"name": "chat", "min_instances": 2, "max_instances": 3, "parallel": 2, "ctx_size": 512, "threads": 1}
 
 
@@ -60,14 +78,16 @@ class ScheduledNode(Node):
         return self.root / f"node{self.index}"
 
     def start(self) -> ScheduledNode:
+        """The compose stack's node-1 service (deploy/compose/compose.yaml), on this host's address."""
         self.starts += 1
         self.home.mkdir(exist_ok=True)
-        env = {**os.environ, "HOME": str(self.home), "LLMSERVER_NODE_ID": self.name,
-               "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_INSTANCE_BASE_PORT": "8201",
-               "LLMSERVER_INSTANCE_PLAIN_HTTP": "true", "LLMSERVER_NODE_HTTP_HOST": self.address}  # fmt: skip
+        args, given = compose_service("node-1", COMPOSE_VALUES)
+        args = [self.address if arg == "node-1" else arg for arg in args]
+        env = {**os.environ, **given, "HOME": str(self.home), "LLMSERVER_NODE_ID": self.name,
+               "LLMSERVER_REDIS_URL": self.redis_url, "LLMSERVER_DATABASE_URL": ""}  # fmt: skip
         self.process = spawn(
-            ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", "node",
-             "--data-dir", str(self.home), "--advertise", self.address, "--redis-url", self.redis_url],
+            ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", *args,
+             "--data-dir", str(self.home)],
             self.log, env,
         )  # fmt: skip
         return self
@@ -87,12 +107,14 @@ class Cluster:
         return result.stdout.strip().splitlines()[-1]
 
     def start_gateway(self, number: int) -> Server:
+        """The compose stack's gateway-N service, on this gateway host (its address and port the test's)."""
         index = list(GATEWAYS)[number - 1]
-        env = {"LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": self.redis.url, "LLMSERVER_INSTANCE_API_KEY": SECRET,
-               "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_DATABASE_URL": self.database_url,
-               "LLMSERVER_GATEWAY_ID": f"gw-{number}", "LLMSERVER_SCHEDULER_LEASE_SECONDS": "3"}  # fmt: skip
+        args, given = compose_service(f"gateway-{number}", COMPOSE_VALUES)
+        assert args[:1] == ["serve"] and args[-2:] == ["--host", "0.0.0.0"], args
+        env = {**given, "LLMSERVER_REDIS_URL": self.redis.url, "LLMSERVER_DATABASE_URL": self.database_url,
+               "LLMSERVER_SCHEDULER_LEASE_SECONDS": "3"}  # fmt: skip
         gateway = Server(data_dir=self.root / f"gw-{number}", env=env, host=f"{NET}.{10 + index}",
-                         namespace=GATEWAYS[index])  # fmt: skip
+                         namespace=GATEWAYS[index], extra_args=args[1:-2])  # fmt: skip
         return gateway.start()
 
     def call(self, gateway: Server, method: str, path: str, body: object = None) -> httpx.Response:
@@ -252,7 +274,7 @@ def test_a_model_whose_file_only_one_node_has_runs_there(cluster: Cluster) -> No
 
 def test_the_other_gateway_schedules_once_the_leader_is_killed(cluster: Cluster) -> None:
     leader = cluster.leader()
-    assert leader in ("gw-1", "gw-2")
+    assert leader in ("gateway-1", "gateway-2")
     number = int(leader.rsplit("-", 1)[1])
     dead, alive = cluster.gateways[number - 1], cluster.gateways[2 - number]
     assert dead.process is not None

@@ -114,8 +114,8 @@ class Assignments:
             path = model_path(model, settings.model_cache_dir, settings.hf_endpoint, download=False)
             mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint, download=False)
         except ModelFileError as exc:
-            if model.hf_repo is not None:
-                return {"revision": revision}  # not downloaded yet: fetched when an instance starts
+            if model.hf_repo is not None or model.path is None:
+                return {"revision": revision}  # not downloaded (installed) yet: fetched when an instance starts
             return {"revision": revision, "unavailable": str(exc)}
         return {"revision": revision, "estimate_mb": estimate_mb(model, path), "gpu_mb": estimate_gpu_mb(model, path)}
 
