@@ -158,3 +158,22 @@ def test_the_systemd_units_set_only_real_settings() -> None:
         command = re.search(r"^ExecStart=\S+ (.*)$", unit.read_text(), re.M)
         assert command is not None
         parses(command[1].split())
+
+
+def test_the_containerfile_agrees_with_the_compose_stack_and_the_manifests() -> None:
+    """Not a build (docs/operating/containers.md says why): what the other files rely on the image for."""
+    text = (DEPLOY / "container" / "Containerfile").read_text()
+    assert 'ENTRYPOINT ["llmserver"]' in text and "LLMSERVER_DATA_DIR=/data" in text and "VOLUME /data" in text
+    uid = re.search(r"--uid (\d+)", text)
+    assert uid is not None
+    for _, document in manifests():
+        pod = document.get("spec", {}).get("template", {}).get("spec")
+        if pod and pod.get("containers"):
+            assert pod["securityContext"]["runAsUser"] == int(uid[1])
+            mounts = {m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
+            assert "/data" in mounts or document["kind"] == "Job", document["metadata"]["name"]
+    for name, service in compose()["services"].items():
+        if name.startswith(("node-", "gateway-")):
+            assert any(volume.endswith(":/data") for volume in service["volumes"]), name
+    health = re.search(r"HEALTHCHECK.*?'/health'", text, re.S)
+    assert health is not None and "/health" in GATEWAY_PATHS

@@ -41,11 +41,13 @@ DOCUMENTED_INSTANCE = "3f9c0a1b2c4d"
 DOCUMENTED_DATABASE = "postgresql://llmserver:secret@db.internal/llmserver"
 DOCUMENTED_REDIS = "redis://cache.internal:6379/0"
 # Commands the README shows that CI runs in its own way (install, serve, nodes, test, benchmark, promtool:
-# tests/test_deploy_prometheus.py), the GPU build, which this machine (no GPU, no CUDA) cannot run, and a
-# service's installation as root (tests/test_systemd.py checks its units and their notify protocol).
+# tests/test_deploy_prometheus.py), the GPU build, which this machine (no GPU, no CUDA) cannot run, a
+# service's installation as root (tests/test_systemd.py checks its units and their notify protocol), and
+# container and Kubernetes commands (no runtime here: tests/test_deploy.py validates their files).
 NOT_HERE = re.compile(
     r"scripts/setup\.sh|llmserver serve|llmserver node|-m pytest|-m bench|-m fuzz|ruff check|mypy|promtool|CMAKE_ARGS="
     r"|useradd|systemctl|/etc/llmserver|/etc/systemd|runuser|/opt/llmserver/\.venv"
+    r"|buildah |docker |kubectl |cd deploy/compose"
 )
 
 
