@@ -42,8 +42,8 @@ from llmserver.pool.registry import Registry
 from llmserver.pool.router import Router
 from llmserver.pool.scheduler import Scheduler
 from llmserver.pool.supervisor import Supervisor
-from llmserver.settings import ModelConfig, Settings
-from llmserver.store import open_store
+from llmserver.settings import Settings
+from llmserver.store import CatalogEntry, open_store
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ def create_app(settings: Settings) -> FastAPI:
         except BaseException:
             await store.close()
             raise
-        settings.models = model_catalog.models_of(entries)
+        own = list(settings.models)  # the config file's (a gateway of role `all` on a shared database keeps them)
+        settings.models = model_catalog.served(entries, settings, own)
         gateway = settings.gateway_name
         admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
         supervisor = Supervisor(settings)
@@ -160,7 +161,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.started_at = time.time()
         registry = supervisor.remote = _registry(settings, supervisor)
 
-        async def use_models(models: list[ModelConfig]) -> None:
+        async def use_models(catalog_entries: list[CatalogEntry]) -> None:
+            models = model_catalog.served(catalog_entries, settings, own)
             await supervisor.apply(models)
             app.state.generation.use_models(models)
             app.state.embeddings.use_models(models)

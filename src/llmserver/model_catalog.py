@@ -15,6 +15,9 @@ Config files and the catalog, exactly:
   across restarts. A name in the file that the API also added, with other settings, is refused at
   start (which is meant?); the API refuses to change or remove a row of origin `file` (409: change
   the file).
+- many gateways of role `all` on one PostgreSQL (each running its own instances): each serves its
+  own file's models, never written to the catalog (other hosts' files may differ), and the catalog's
+  `api` rows, which they all serve.
 - many hosts (role `gateway`): a file's [[models]] seed an empty catalog (as origin `api`: from then
   on the catalog is the truth, managed through the API). When the catalog has rows, a model the file
   names must equal its row, or the gateway refuses to start and says which differ; a gateway whose
@@ -34,7 +37,7 @@ from pydantic import ValidationError
 
 from llmserver.errors import Conflict, InvalidRequest, NotFound
 from llmserver.settings import ModelConfig, Settings, share_threads
-from llmserver.store import CatalogEntry, CatalogStore
+from llmserver.store import CatalogEntry, CatalogStore, is_postgres
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +103,33 @@ async def seed(store: CatalogStore, settings: Settings) -> list[CatalogEntry]:
                         f"(`llmserver models remove {model.name}`, or the file)"
                     )
                 continue
+            if shared_store(settings):
+                continue  # its own: never written where other gateways, with other files, read
             if row is None or row.config != wanted:
                 await store.catalog_put(model.name, wanted, FILE, create=None)
                 log.info("model catalog: %s %s from the config file", model.name, "added" if row is None else "changed")
         names = {model.name for model in given}
-        for row in rows.values():
+        for row in rows.values() if not shared_store(settings) else ():
             if row.origin == FILE and row.name not in names:
                 await store.catalog_delete(row.name)
                 log.info("model catalog: %s removed (the config file no longer names it)", row.name)
     return await store.catalog()
+
+
+def shared_store(settings: Settings) -> bool:
+    """Whether other gateways read this catalog (PostgreSQL), rather than this host alone (SQLite)."""
+    return is_postgres(settings.store_url)
+
+
+def served(entries: list[CatalogEntry], settings: Settings, own: list[ModelConfig]) -> list[ModelConfig]:
+    """The models this gateway serves: the catalog's, and for a gateway of role `all` on a shared
+    database also its config file's own (`own`), which it keeps out of the catalog."""
+    if settings.role == "gateway" or not shared_store(settings):
+        return models_of(entries)
+    names = {model.name for model in own}
+    models = [*own, *models_of([e for e in entries if e.origin == API and e.name not in names])]
+    share_threads(models)
+    return models
 
 
 def models_of(entries: list[CatalogEntry]) -> list[ModelConfig]:
@@ -124,7 +145,7 @@ def models_of(entries: list[CatalogEntry]) -> list[ModelConfig]:
     return models
 
 
-Apply = Callable[[list[ModelConfig]], Awaitable[None]]
+Apply = Callable[[list[CatalogEntry]], Awaitable[None]]
 
 
 class CatalogFollower:
@@ -165,7 +186,7 @@ class CatalogFollower:
             if seen == self._seen:
                 return
             self.entries, self._seen = entries, seen
-            await self._apply(models_of(entries))
+            await self._apply(entries)
 
 
 def entry_body(entry: CatalogEntry, status: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -7,12 +7,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.e2e.test_errors import assert_error
-from tests.support import MODEL, Server, SteadyStreams, cli, make_key, stream, wait_for
+from tests.support import (
+    MODEL,
+    TEST_DATABASE,
+    Server,
+    SteadyStreams,
+    cli,
+    make_key,
+    shared_servers,
+    stream,
+    wait_for,
+)
 
 FILE_MODEL = f"""
 [[models]]
@@ -21,6 +32,9 @@ parallel = 1
 ctx_size = 512
 threads = 1
 """
+# The file's models are rows of the catalog on one host's SQLite; a gateway of role `all` on PostgreSQL
+# (this suite's second pass) keeps them out of the catalog other gateways share (model_catalog.py).
+FILE_ROWS = TEST_DATABASE != "postgresql"
 B = {"name": "b", "min_instances": 1, "parallel": 2, "ctx_size": 512, "threads": 1}
 
 
@@ -47,8 +61,11 @@ def test_models_added_changed_and_removed_through_the_api(start_server: Callable
     user = make_key(server.data_dir, "user")
 
     listed = admin_call(server, admin, "GET", "/api/models").json()["data"]
-    assert [(m["name"], m["origin"], m["revision"]) for m in listed] == [(MODEL, "file", 1)]
-    assert listed[0]["settings"]["ctx_size"] == 512 and listed[0]["ready_instances"] == 1
+    if FILE_ROWS:
+        assert [(m["name"], m["origin"], m["revision"]) for m in listed] == [(MODEL, "file", 1)]
+        assert listed[0]["settings"]["ctx_size"] == 512 and listed[0]["ready_instances"] == 1
+    else:  # a gateway of role `all` on PostgreSQL keeps its own file's models out of the shared catalog
+        assert listed == []
 
     added = admin_call(server, admin, "POST", "/api/models", B)
     assert added.status_code == 201, added.text
@@ -67,8 +84,9 @@ def test_models_added_changed_and_removed_through_the_api(start_server: Callable
                  "invalid_request_error", "colour")  # fmt: skip
     refused = admin_call(server, admin, "POST", "/api/models", {**B, "name": "c", "llama_server_args": ["--port", "1"]})
     assert_error(refused, 400, "invalid_request_error", "llama_server_args")
-    assert_error(admin_call(server, admin, "PATCH", f"/api/models/{MODEL}", {"parallel": 2}), 409, "conflict_error")
-    assert_error(admin_call(server, admin, "DELETE", f"/api/models/{MODEL}"), 409, "conflict_error")
+    refusal = (409, "conflict_error") if FILE_ROWS else (404, "not_found_error")  # the file's, not the API's
+    assert_error(admin_call(server, admin, "PATCH", f"/api/models/{MODEL}", {"parallel": 2}), *refusal)
+    assert_error(admin_call(server, admin, "DELETE", f"/api/models/{MODEL}"), *refusal)
     assert_error(admin_call(server, admin, "PATCH", "/api/models/nope", {"parallel": 2}), 404, "not_found_error")
     assert_error(admin_call(server, admin, "PATCH", "/api/models/b", {"name": "c"}), 400, "invalid_request_error")
     assert_error(
@@ -105,7 +123,7 @@ def test_models_added_changed_and_removed_through_the_api(start_server: Callable
                       headers={"Authorization": f"Bearer {user}"}, timeout=60)  # fmt: skip
     assert_error(gone, 404, "model_not_found", "model")
     assert wait_for(lambda: live(server, admin, "b") == [], 30)
-    assert [m["name"] for m in admin_call(server, admin, "GET", "/api/models").json()["data"]] == [MODEL]
+    assert [m["name"] for m in admin_call(server, admin, "GET", "/api/models").json()["data"]] == FILE_ROWS * [MODEL]
 
 
 def test_the_cli_manages_the_catalog_and_a_file_that_disagrees_is_refused(start_server: Callable[..., Server]) -> None:
@@ -125,7 +143,7 @@ def test_the_cli_manages_the_catalog_and_a_file_that_disagrees_is_refused(start_
     ]
     assert cli(data, "models", "remove", MODEL).returncode == 1  # from the config file: change it there
     listed = cli(data, "models", "list")
-    assert [line.split()[0] for line in listed.stdout.splitlines()] == [MODEL, "c"]
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == [*FILE_ROWS * [MODEL], "c"]
     server.stop()
 
     # The file names `c`, which the API added with other settings: which is meant? Refused, in one line.
@@ -140,7 +158,7 @@ def test_the_cli_manages_the_catalog_and_a_file_that_disagrees_is_refused(start_
     # A model the file no longer names leaves the catalog at the next start; the API's stay.
     renamed = FILE_MODEL.replace(f'name = "{MODEL}"', 'name = "renamed"')
     restarted = start_server(renamed, data_dir=data)
-    assert sorted(server_models(restarted, admin)) == ["c", "renamed"]
+    assert sorted(server_models(restarted, admin)) == ["c", *FILE_ROWS * ["renamed"]]
 
 
 def server_models(server: Server, admin: str) -> list[str]:
@@ -161,3 +179,31 @@ def test_a_model_added_with_a_file_that_is_not_there_says_why(start_server: Call
                         headers={"Authorization": f"Bearer {admin}"}, timeout=120)  # fmt: skip
     error = assert_error(answer, 503, "overloaded_error")  # at once: no instance can be started to wait for
     assert "/nowhere/model.gguf" in str(error["message"]) and time.monotonic() - started_at < 5
+
+
+def test_gateways_of_role_all_on_one_database_keep_their_own_models(
+    start_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    """Two gateways running their own instances on one PostgreSQL, with different config files: each
+    serves its own file's models (kept out of the catalog, where the other's start would remove them)
+    and the catalog's, which a model added through either reaches both."""
+    postgres, shared = shared_servers()
+    database_url = postgres.new_database()
+    assert cli(tmp_path, "db", "migrate", env={"LLMSERVER_DATABASE_URL": database_url}).returncode == 0
+    admin = "role-all-admin-key-0123456789abcdef"
+    env = {"LLMSERVER_DATABASE_URL": database_url, "LLMSERVER_REDIS_URL": shared.url, "LLMSERVER_ADMIN_KEY": admin}
+    first = start_server(FILE_MODEL.replace(f'"{MODEL}"', '"first"'), data_dir=tmp_path / "a",
+                         env={**env, "LLMSERVER_GATEWAY_ID": "role-all-a"})  # fmt: skip
+    second = start_server(FILE_MODEL.replace(f'"{MODEL}"', '"second"'), data_dir=tmp_path / "b",
+                          env={**env, "LLMSERVER_GATEWAY_ID": "role-all-b"})  # fmt: skip
+    assert server_models(first, admin) == [] and server_models(second, admin) == []  # nothing of theirs written
+    added = admin_call(second, admin, "POST", "/api/models", {**B, "name": "shared", "min_instances": 0})
+    assert added.status_code == 201, added.text
+
+    def serves(server: Server) -> set[str]:
+        listed = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {admin}"}).json()["data"]
+        return {model["id"] for model in listed}
+
+    assert wait_for(lambda: serves(first) == {"first", "shared"}, 10), serves(first)
+    assert serves(second) == {"second", "shared"}
+    assert [i["model"] for i in live(first, admin, "first")] == ["first"]  # still running: the other's start left it
