@@ -177,3 +177,26 @@ def test_a_probe_is_timed_outside_the_event_loop_so_a_stalled_loop_does_not_fail
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_changed_max_instances_drains_only_the_surplus() -> None:
+    """The catalog's live settings (Supervisor.apply): a higher max_instances drains nothing; a lower one
+    drains the least busy instances beyond it, and only those."""
+
+    async def run() -> None:
+        async with supervised(alive=True) as (supervisor, first):
+            pool = supervisor.pools["m"]
+            second = Instance(model=pool.config, host="127.0.0.1", port=free_port(), log_path=first.log_path)
+            third = Instance(model=pool.config, host="127.0.0.1", port=free_port(), log_path=first.log_path)
+            for extra in (second, third):
+                extra.status = Status.READY
+                pool.instances.append(extra)
+            first.in_flight = 2
+            second.in_flight = 1
+            await supervisor.apply([ModelConfig(name="m", max_instances=5, min_instances=1)])
+            assert [i.status for i in pool.instances] == [Status.READY] * 3
+            assert pool.config.max_instances == 5 and pool.config is first.model  # in place: no rollover
+            await supervisor.apply([ModelConfig(name="m", max_instances=2)])
+            assert [i.status for i in pool.instances] == [Status.READY, Status.READY, Status.DRAINING]
+
+    asyncio.run(run())

@@ -421,9 +421,8 @@ class Supervisor:
     def _shed(self, pool: ModelPool) -> None:
         """Instances beyond a lowered max_instances drain, the least busy first."""
         live = [i for i in pool.live() if i.status != Status.DRAINING]
-        for instance in sorted(live, key=lambda i: (i.in_flight, i.last_activity))[
-            : len(live) - pool.config.max_instances
-        ]:
+        surplus = max(0, len(live) - pool.config.max_instances)
+        for instance in sorted(live, key=lambda i: (i.in_flight, i.last_activity))[:surplus]:
             log.info("instance %s (%s): beyond max_instances (%d), draining it", instance.id, pool.name,
                      pool.config.max_instances)  # fmt: skip
             instance.status = Status.DRAINING
@@ -619,8 +618,8 @@ LIVE_SETTINGS = ("min_instances", "max_instances", "idle_timeout", "max_queue")
 def restart_settings(model: ModelConfig) -> dict[str, object]:
     """What an instance was started with: a change to any of these rolls the model's instances over."""
     fields = model.model_dump(mode="json", exclude=set(LIVE_SETTINGS))
-    if model._threads_computed:
-        fields.pop("threads")  # shared out anew whenever the catalog changes
+    if model._threads_computed or model.threads is None:
+        fields.pop("threads")  # shared out (anew whenever the catalog changes), not configured
     return fields
 
 
