@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from llmserver.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def remember(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -109,6 +110,21 @@ async def open_cli_store(settings: Settings, *, migrate: bool = False) -> Store:
         raise click.UsageError(str(exc)) from None
     except APIError as exc:
         raise click.ClickException(exc.message) from None
+
+
+def with_store(settings: Settings, use: Callable[[Store], Awaitable[T]]) -> T:
+    """Run `use` on the configured store, closed afterwards (the CLI's one event loop per command)."""
+
+    import asyncio
+
+    async def run() -> T:
+        store = await open_cli_store(settings)
+        try:
+            return await use(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
 
 
 def open_checked_store(settings: Settings, *, migrate: bool = False) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -13,30 +12,16 @@ from typing import Any, TypeVar
 import click
 
 from llmserver.auth.keys import KeyService, check_limits, describe
-from llmserver.commands import F, load, open_cli_store, settings_options
+from llmserver.commands import F, load, settings_options, with_store
 from llmserver.errors import APIError
 from llmserver.metrics.usage import parse_time, summarise
-from llmserver.settings import Settings
-from llmserver.store import KeyLimits, Store
+from llmserver.store import KeyLimits
 
 T = TypeVar("T")
 
 
-def _with_store(settings: Settings, use: Callable[[Store], Awaitable[T]]) -> T:
-    """Run `use` on the configured store, closed afterwards (the CLI's one event loop per command)."""
-
-    async def run() -> T:
-        store = await open_cli_store(settings)
-        try:
-            return await use(store)
-        finally:
-            await store.close()
-
-    return asyncio.run(run())
-
-
 def _keys(config_file: Path | None, data_dir: Path | None, use: Callable[[KeyService], Awaitable[T]]) -> T:
-    return _with_store(load(config_file, data_dir=data_dir), lambda store: use(KeyService(store)))
+    return with_store(load(config_file, data_dir=data_dir), lambda store: use(KeyService(store)))
 
 
 @click.group()
@@ -172,7 +157,7 @@ def usage(config_file: Path | None, data_dir: Path | None, key_id: str, since: s
         start, end = parse_time(since, 0.0, "since"), parse_time(until, time.time() + 1, "until")
     except APIError as exc:
         raise click.UsageError(exc.message) from None
-    summary = _with_store(settings, lambda store: summarise(store, key_id, start, end))
+    summary = with_store(settings, lambda store: summarise(store, key_id, start, end))
     click.echo(json.dumps(summary, indent=2))
 
 

@@ -12,7 +12,7 @@ import click
 
 from llmserver import model_catalog
 from llmserver.catalog import BUILTIN, ModelFileError, mmproj_path, model_path
-from llmserver.commands import load, models_from_args, settings_options
+from llmserver.commands import load, models_from_args, settings_options, with_store
 from llmserver.errors import APIError
 from llmserver.store import CatalogEntry, Store
 
@@ -77,10 +77,8 @@ def _settings_from(pairs: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _catalog(settings_file: Path | None, data_dir: Path | None, use: Callable[[Store], Awaitable[T]]) -> T:
-    from llmserver.commands.keys import _with_store
-
     try:
-        return _with_store(load(settings_file, data_dir=data_dir), use)
+        return with_store(load(settings_file, data_dir=data_dir), use)
     except APIError as exc:
         raise click.ClickException(exc.message) from None
 

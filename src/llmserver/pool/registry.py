@@ -293,7 +293,6 @@ class Registry:
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self._redis = client
-        self.client = client
         self._pools = pools
         self._api_key = api_key
         self._tls = tls  # verifies the certificates of instances published with https
@@ -317,6 +316,11 @@ class Registry:
         self._recovered_at = 0.0
         self.read_at = float("-inf")  # monotonic: the last read of the registry that succeeded
         self.published: dict[str, int] = {}  # instances published per node, at the last read
+
+    @property
+    def client(self) -> redis.asyncio.Redis:
+        """Its Redis connection (the scheduler shares it)."""
+        return self._redis
 
     def adopt(self, pool: ModelPool) -> None:
         """A pool whose load this gateway shares (each one at start, and each the catalog adds)."""

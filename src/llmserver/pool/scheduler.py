@@ -337,7 +337,6 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self.leading = False
         self.last_plan: Plan | None = None
-        self.ticks = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="scheduler")
@@ -427,5 +426,4 @@ class Scheduler:
             if self.last_plan is None or self.last_plan.blocked.get(name) != why:
                 log.warning("scheduler: %s cannot be placed: %s", name, why)
         self.last_plan = decided
-        self.ticks += 1
         return decided
