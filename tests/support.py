@@ -289,6 +289,18 @@ def process_alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
+def wait_ready(port: int, process: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Whether a server started as `process` answers /ready on `port` within `timeout` (False at once if it exits)."""
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return process.poll() is not None
+
+    return wait_for(ready, timeout) and process.poll() is None
+
+
 def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -161,7 +161,7 @@ def test_the_systemd_units_set_only_real_settings() -> None:
 
 
 def test_the_containerfile_agrees_with_the_compose_stack_and_the_manifests() -> None:
-    """Not a build (docs/operating/containers.md says why): what the other files rely on the image for."""
+    """What the other files rely on the image for (tests/e2e/test_container.py builds and runs it)."""
     text = (DEPLOY / "container" / "Containerfile").read_text()
     assert 'ENTRYPOINT ["llmserver"]' in text and "LLMSERVER_DATA_DIR=/data" in text and "VOLUME /data" in text
     uid = re.search(r"--uid (\d+)", text)

@@ -47,7 +47,7 @@ DOCUMENTED_REDIS = "redis://cache.internal:6379/0"
 NOT_HERE = re.compile(
     r"scripts/setup\.sh|llmserver serve|llmserver node|-m pytest|-m bench|-m fuzz|ruff check|mypy|promtool|CMAKE_ARGS="
     r"|useradd|systemctl|/etc/llmserver|/etc/systemd|runuser|/opt/llmserver/\.venv"
-    r"|buildah |docker |kubectl |cd deploy/compose"
+    r"|buildah |docker |kubectl |cd deploy/compose|container_wheels"
 )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import free_port, free_port_range, spawn, wait_for
+from tests.support import free_port, free_port_range, spawn, wait_ready
 
 pytestmark = pytest.mark.slow  # a build, an install and a first start: about three minutes
 
@@ -52,14 +52,7 @@ def test_the_wheel_installed_alone_serves_the_embedded_model(tmp_path: Path) -> 
     env |= {"LLMSERVER_INSTANCE_BASE_PORT": str(free_port_range(4)), "LLMSERVER_DATA_DIR": str(data)}
     server = spawn([str(venv / "bin" / "llmserver"), "serve", "--port", str(port)], tmp_path / "serve.log", env)
     try:
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return server.poll() is not None
-
-        assert wait_for(ready, 600) and server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        assert wait_ready(port, server, 600), (tmp_path / "serve.log").read_text()[-3000:]
         created = run([str(venv / "bin" / "llmserver"), "keys", "create", "--name", "wheel"], 60, env)
         assert created.returncode == 0, created.stderr
         key = created.stdout.strip().splitlines()[-1]
