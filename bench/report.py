@@ -157,6 +157,8 @@ def render(results: Results) -> str:
         d = direct[c]
         lines.append(f"| {c} | {_ms(_lat(d, 'ttft', 0.5))} | {_ms(_lat(d, 'itl', 0.5))} | {_ms(_lat(d, 'e2e', 0.5))} |")
     lines += _overhead(results) + _cpu(results) + _capacity(results) + _affinity(results) + _others(results)
+    if results.saved_prompts:
+        lines += ["", results.saved_prompts]
     lines += ["", "![tokens/s by concurrency](tokens_per_second.png)", "", "![TTFT distribution](ttft.png)", ""]
     return "\n".join(lines)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import affinity as affinity_workload
-from bench import load, report
+from bench import load, report, saved_prompts
 from bench import peers as peers_module
 from bench.peers import PEERS
 from bench.targets import (
@@ -50,13 +50,15 @@ class Plan:
     capacity_seconds: float
     conversations: int  # prompt-cache affinity: conversations of `turns` turns, on two instances
     turns: int
+    saved_conversations: int  # saved prompt caches (bench/saved_prompts.py): conversations of `saved_history` tokens
+    saved_history: int
     parallel: int = 4
     ctx_size: int = 2048
     threads: int = 2
 
 
-QUICK = Plan("quick", [1, 4, 16], 1, 1, 1, 32, 60, [1, 4], 3.0, 2, 2)
-FULL = Plan("full", [1, 4, 8, 16], 3, 24, 2, 128, 400, [1, 2, 4, 8, 16], 8.0, 4, 6)
+QUICK = Plan("quick", [1, 4, 16], 1, 1, 1, 32, 60, [1, 4], 3.0, 2, 2, 2, 300)
+FULL = Plan("full", [1, 4, 8, 16], 3, 24, 2, 128, 400, [1, 2, 4, 8, 16], 8.0, 4, 6, 8, 1500)
 ADMIN_KEY = "bench-admin-key-0123456789"
 WARM_TOKENS = 32  # a warm-up request's tokens: enough to run every slot the level uses
 
@@ -82,6 +84,7 @@ class Results:
     rss_idle: int = 0
     rss_peak: int = 0
     affinity: dict[str, affinity_workload.Later] = field(default_factory=dict)
+    saved_prompts: str = ""  # its report section (bench/saved_prompts.py)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -146,6 +149,9 @@ def run(plan: Plan, out: Path, peers: list[str]) -> Results:
         for target in targets:
             target.stop()
     _affinity(plan, model, logs, results)
+    progress(f"saved prompt caches: {plan.saved_conversations} conversations of {plan.saved_history} tokens, 3 events")
+    restored, recomputed = saved_prompts.compare(plan.saved_conversations, plan.saved_history, logs)
+    results.saved_prompts = saved_prompts.report(restored, recomputed, plan.saved_conversations, level="##")
     results.seconds = time.perf_counter() - started
     report.write(results, out)
     progress(f"done in {results.seconds:.0f} s: {out / 'report.md'}")

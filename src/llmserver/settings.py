@@ -392,6 +392,19 @@ class Settings(BaseSettings):
         "learn from cached_tokens or timing whether another key sent a prompt; instances get no RAM prompt cache, "
         "and nodes' instances shared with other gateways reuse none); `shared`: any key's prompt is reused.",
     )
+    prompt_cache_disk_mb: int = Field(
+        default=4096,
+        ge=0,
+        description="MiB of disk under the data dir for conversations' prompt caches saved when an instance stops on "
+        "purpose (idle, eviction, drain, a rolling update, shutdown) and restored into the next instance of the same "
+        "model; the least recently used go first. 0: none saved. Needs cache_isolation = `key`.",
+    )
+    prompt_cache_min_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Fewest tokens a slot's cached prompt must hold to be saved to disk: a shorter one is read again "
+        "about as fast as it is restored.",
+    )
     routing: Literal["affinity", "least_loaded"] = Field(
         default="affinity",
         description="How a model's instances are chosen: `affinity` keeps a conversation (X-Session-Id, `user`, "
@@ -664,6 +677,10 @@ class Settings(BaseSettings):
     @property
     def log_dir(self) -> Path:
         return self.data_dir / "logs"
+
+    @property
+    def prompt_cache_dir(self) -> Path:
+        return self.data_dir / "prompt-cache"
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)

@@ -30,6 +30,7 @@ def test_quick_mode_writes_a_report_with_charts(tmp_path: Path) -> None:
         "## Throughput (streamed)",
         "## Gateway overhead",
         "## Other servers",
+        "## Conversations after their instance is gone: restored or recomputed",
     ):
         assert section in report
     for clients in (1, 4, 16):

@@ -403,18 +403,18 @@ def test_a_freed_place_goes_to_the_waiting_key_holding_the_fewest() -> None:
 def test_a_slot_is_reused_only_by_the_key_whose_prompt_it_holds() -> None:
     async def scenario() -> None:
         instance = await ready_instance(ModelConfig(name="m", parallel=2), 1)
-        assert instance.take_slot("victim", 7) == (0, False)  # nobody's prompt yet
+        assert instance.take_slot("victim", 7) == (0, False, False)  # nobody's prompt yet
         instance.give_slot(0)
-        assert instance.take_slot("attacker", 7) == (1, False)  # the other idle slot, never the victim's reuse
+        assert instance.take_slot("attacker", 7) == (1, False, False)  # the other idle slot, never the victim's reuse
         instance.give_slot(1)
-        assert instance.take_slot("victim", 7) == (0, True)  # its own prompt, same start
-        assert instance.take_slot("victim", 7) == (1, False)  # slot 0 is busy: the attacker's slot, no reuse
-        assert instance.take_slot("other", 9) == (0, False)  # every slot busy: the least held, no reuse
+        assert instance.take_slot("victim", 7) == (0, True, True)  # its own prompt, same start
+        assert instance.take_slot("victim", 7) == (1, False, False)  # slot 0 is busy: the attacker's slot, no reuse
+        assert instance.take_slot("other", 9) == (0, False, False)  # every slot busy: the least held, no reuse
         for slot in (0, 1, 0):
             instance.give_slot(slot)
         # Slot 0 ran a victim's and then another key's request: its owner is unknown, reused by none.
-        assert instance.take_slot("victim", 7) == (1, True)  # slot 1: the victim's last, idle
-        assert instance.take_slot("other", 9) == (0, False)
+        assert instance.take_slot("victim", 7) == (1, True, True)  # slot 1: the victim's last, idle
+        assert instance.take_slot("other", 9) == (0, False, False)
         await close(instance)
 
     run(scenario)
@@ -426,15 +426,24 @@ def test_a_slot_whose_request_ended_early_is_taken_last() -> None:
 
     async def scenario() -> None:
         instance = await ready_instance(ModelConfig(name="m", parallel=2), 1)
-        assert instance.take_slot("a", 1) == (0, False)
+        assert instance.take_slot("a", 1) == (0, False, False)
         instance.give_slot(0, finished=False)  # a timeout: the slot may still be working
-        assert instance.take_slot("b", 2) == (1, False)
+        assert instance.take_slot("b", 2) == (1, False, False)
         instance.give_slot(1)
-        assert instance.take_slot("a", 1) == (1, False)  # not its old slot 0 (unsure, and no longer its cache)
-        assert instance.take_slot("c", 3) == (0, False)  # the only idle one left: taken
+        assert instance.take_slot("a", 1) == (1, False, False)  # not its old slot 0 (unsure, and no longer its cache)
+        assert instance.take_slot("c", 3) == (0, False, False)  # the only idle one left: taken
         instance.give_slot(0)
         instance.give_slot(1)
-        assert instance.take_slot("c", 3) == (0, True)  # it ended normally: c's again
+        assert instance.take_slot("c", 3) == (0, True, True)  # it ended normally: c's again
+        instance.give_slot(0)
+        assert instance.take_slot("a", 1) == (1, True, True)  # a's conversation, where it was left
+        # Another conversation of c's (start 4): slot 0 holds c's prompt (reuse of its common start) but
+        # not this one (not warm: a saved copy of this conversation would be restored into it).
+        assert instance.take_slot("c", 4) == (0, True, False)
+        assert instance.held_prompts() == []  # both busy
+        instance.give_slot(0)
+        instance.give_slot(1)
+        assert instance.held_prompts() == [(0, "c", 4), (1, "a", 1)]
         await close(instance)
 
     run(scenario)

@@ -11,6 +11,7 @@ another instance. Each attempt is bounded by `request_timeout`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -38,24 +39,31 @@ class InstanceCalls:
         self.timeout = timeout
         self.isolate_keys = isolate_keys  # cache_isolation = "key"
 
-    def _isolated(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
+    async def _isolated(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
         """The payload, pinned to a slot whose cached prompt it may reuse only if that prompt is its own
         key's (cache_isolation = "key"): no key learns from `cached_tokens`, or from how fast its prompt
         was read, whether another key sent the same start. A node's instance, which other gateways also
-        use, is never reused across requests then."""
+        use, is never reused across requests then. A conversation that the slot does not hold but that
+        was saved to disk when an earlier instance stopped is restored into the slot first
+        (pool/saved_prompts.py)."""
         if not self.isolate_keys or path == "/v1/embeddings":
             return payload
-        pinned = ticket.lease.pin(_prompt_start(payload))
+        start = _prompt_start(payload)
+        pinned = ticket.lease.pin(start)
         if pinned is None:
             return {**payload, "cache_prompt": False}
-        slot, reuse = pinned
+        slot, reuse, warm = pinned
+        instance, key_id = ticket.lease.instance, ticket.lease.key_id
+        saved = instance.saved_prompts if instance is not None else None
+        if not warm and saved is not None and instance is not None and saved.has(instance, key_id, start):
+            reuse = await saved.restore(instance, slot, key_id, start) or reuse
         return {**payload, "id_slot": slot, "cache_prompt": reuse}
 
     async def call(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
         """One non-streamed call's JSON answer."""
         for attempt in range(1, self.attempts + 1):
             try:
-                sent = self._isolated(ticket, path, payload)
+                sent = await self._isolated(ticket, path, payload)
                 with tracing.span("instance call", _call_attributes(ticket, attempt)) as span:
                     answer = await _client(ticket).post_json(path, sent, fresh=attempt > 1, timeout=self.timeout)
                     if span is not None:
@@ -78,7 +86,7 @@ class InstanceCalls:
             # A generator that raised is finished: nothing to close but on success.
             span = tracing.start("instance call", _call_attributes(ticket, attempt)) if tracing.on() else None
             try:
-                sent = self._isolated(ticket, path, payload)
+                sent = await self._isolated(ticket, path, payload)
                 events = _client(ticket).stream(path, sent, fresh=attempt > 1, timeout=self.timeout)
                 first = await anext(events)
                 _answered(ticket)
@@ -139,9 +147,14 @@ def _prompt_start(payload: JSON) -> int:
     a key's conversations a slot holds."""
     messages = payload.get("messages")
     if isinstance(messages, list):
-        return hash(orjson.dumps(messages[:2]))
+        return _stable_hash(orjson.dumps(messages[:2]))
     prompt = payload.get("prompt")
-    return hash(prompt[:4096]) if isinstance(prompt, str) else 0
+    return _stable_hash(prompt[:4096].encode("utf-8", "surrogatepass")) if isinstance(prompt, str) else 0
+
+
+def _stable_hash(data: bytes) -> int:
+    """The same in every process (a saved conversation is found again after a restart), never 0."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") or 1
 
 
 def _name_prompt(exc: ContextLengthExceeded, ticket: Ticket) -> None:

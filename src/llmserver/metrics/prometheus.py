@@ -87,6 +87,23 @@ class _PoolCollector(Collector):
                 for status in STATUSES:
                     instances.add_metric([name, node, status], counts[status])
         yield from (depth, flight, instances, open_, cold, cold_seconds, evictions, crashes, stalls)
+        saved = self._supervisor.saved_prompts
+        if saved is not None:
+            yield CounterMetricFamily(
+                "llmserver_prompt_caches_saved", "Conversations' prompt caches saved to disk as instances stopped",
+                value=saved.saved,
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                "llmserver_prompt_caches_restored", "Saved prompt caches restored into a slot", value=saved.restored
+            )
+            yield CounterMetricFamily(
+                "llmserver_prompt_cache_restore_failures",
+                "Saved prompt caches that could not be restored (the turn read its prompt instead)",
+                value=saved.restore_failures,
+            )
+            yield GaugeMetricFamily(
+                "llmserver_prompt_cache_disk_bytes", "Bytes of saved prompt caches on disk", value=saved.disk_bytes
+            )
 
 
 class Histogram(Collector):

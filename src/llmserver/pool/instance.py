@@ -29,6 +29,7 @@ from llmserver.catalog import gguf_pooling
 from llmserver.engine.client import LlamaServerClient
 from llmserver.engine.reasoning import Template
 from llmserver.errors import APIError
+from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.settings import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,10 @@ class Instance:
     stalled: bool = False
     tls: ssl.SSLContext | None = None  # reached over HTTPS, its certificate verified with this
     tls_files: tuple[Path, Path] | None = None  # the certificate and key it serves HTTPS with (a node's)
+    # Its slots' prompt caches are saved to and restored from disk (pool/saved_prompts.py): the store,
+    # and the folder of this instance's model identity (set at start).
+    saved_prompts: SavedPrompts | None = None
+    prompt_folder: Path | None = None
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     _ps: psutil.Process | None = None
 
@@ -261,11 +266,12 @@ class Instance:
     _slot_unsure: list[bool] = field(default_factory=list, repr=False)  # its last request ended early
     _slot_clock: int = field(default=0, repr=False)
 
-    def take_slot(self, key_id: str, start: int) -> tuple[int, bool]:
-        """A slot for `key_id`'s request whose prompt begins as `start` (a hash), and whether it may reuse
-        the slot's cached prompt: an idle slot holding this key's prompt of the same start (reuse), else
-        the idle slot taken longest ago (reuse if its prompt is this key's), else the least held one; a
-        slot with requests of its own keeps none for reuse (whose prompt it ends with is not known)."""
+    def take_slot(self, key_id: str, start: int) -> tuple[int, bool, bool]:
+        """A slot for `key_id`'s request whose prompt begins as `start` (a hash), whether it may reuse
+        the slot's cached prompt, and whether that cache is this very conversation's: an idle slot holding
+        this key's prompt of the same start (reuse), else the idle slot taken longest ago (reuse if its
+        prompt is this key's), else the least held one; a slot with requests of its own keeps none for
+        reuse (whose prompt it ends with is not known)."""
         if not self._slot_owner:
             size = self.model.parallel
             self._slot_owner, self._slot_holds, self._slot_taken = [None] * size, [0] * size, [0] * size
@@ -282,12 +288,22 @@ class Instance:
         else:
             slot = min(range(len(self._slot_holds)), key=self._slot_holds.__getitem__)
         reuse = self._slot_holds[slot] == 0 and self._slot_owner[slot] == key_id
+        warm = reuse and self._slot_start[slot] == start
         self._slot_owner[slot] = key_id if not self._slot_holds[slot] else None
         self._slot_start[slot] = start
         self._slot_holds[slot] += 1
         self._slot_clock += 1
         self._slot_taken[slot] = self._slot_clock
-        return slot, reuse
+        return slot, reuse, warm
+
+    def held_prompts(self) -> list[tuple[int, str, int]]:
+        """The idle slots whose cache is one key's conversation: slot, key id, the conversation's start."""
+        idle = [slot for slot, holds in enumerate(self._slot_holds) if not holds and not self._slot_unsure[slot]]
+        return [
+            (slot, owner, self._slot_start[slot])
+            for slot in idle
+            if (owner := self._slot_owner[slot]) is not None and self._slot_start[slot]
+        ]
 
     def give_slot(self, slot: int, finished: bool = True) -> None:
         """A request pinned to `slot` ended; `finished`: normally (else the slot's cache is nobody's,
@@ -363,6 +379,9 @@ class Instance:
         args = llama_server_args(
             binary, model_file, self.model, self.host, self.port, mmproj, self.tls_files, self.ram_cache
         )
+        if self.saved_prompts is not None and not self.model.embedding:
+            self.prompt_folder = await asyncio.to_thread(self.saved_prompts.folder, self.model.name, args)
+            args += ["--slot-save-path", str(self.prompt_folder)]
         # The key goes in llama-server's environment (its --api-key reads LLAMA_API_KEY), not on the
         # command line, which any user of the host can read in /proc.
         env = {**os.environ, "LLAMA_API_KEY": self.api_key} if self.api_key else None

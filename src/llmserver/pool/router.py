@@ -55,17 +55,17 @@ class Lease:
             self.pool.report_failure(instance)
             self.pool.release(instance, self.key_id)
 
-    def pin(self, start: int) -> tuple[int, bool] | None:
-        """Pin this request (its prompt's start hashed as `start`) to a slot of its instance: the slot, and
-        whether it may reuse the slot's cached prompt (only its own key's); None for an instance other
-        gateways also use."""
+    def pin(self, start: int) -> tuple[int, bool, bool] | None:
+        """Pin this request (its prompt's start hashed as `start`) to a slot of its instance: the slot,
+        whether it may reuse the slot's cached prompt (only its own key's), and whether that is this
+        conversation's; None for an instance other gateways also use."""
         instance = self.instance
         if instance is None or instance.shared:
             return None
         if self.slot is not None:
             instance.give_slot(self.slot, finished=False)
-        self.slot, reuse = instance.take_slot(self.key_id, start)
-        return self.slot, reuse
+        self.slot, reuse, warm = instance.take_slot(self.key_id, start)
+        return self.slot, reuse, warm
 
     def _unpin(self, instance: Instance, finished: bool) -> None:
         if self.slot is not None:

@@ -37,6 +37,7 @@ from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamEr
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
 from llmserver.pool.pool import ModelPool
 from llmserver.pool.registry import Registry, RemoteInstance
+from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.settings import ModelConfig, Settings, is_loopback
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,12 @@ class Supervisor:
         self.remote: Registry | None = None  # a gateway of role `gateway`: the nodes' instances
         # A node's: waits for the gateways' requests on a draining instance (Publisher.settle).
         self.drain_wait: Callable[[Instance, float], Awaitable[None]] | None = None
+        # Conversations' prompt caches saved when an instance stops on purpose, restored by the next one.
+        self.saved_prompts: SavedPrompts | None = None
+        if settings.cache_isolation == "key" and settings.prompt_cache_disk_mb > 0:
+            self.saved_prompts = SavedPrompts(
+                settings.prompt_cache_dir, settings.prompt_cache_disk_mb, settings.prompt_cache_min_tokens
+            )
 
     def _new_pool(self, model: ModelConfig) -> ModelPool:
         settings = self.settings
@@ -97,6 +104,8 @@ class Supervisor:
         if not self.local:
             return
         self._binary = llama_server_binary(self.settings.llama_server_path)
+        if self.saved_prompts is not None:  # within a budget lowered since the last run, and measured
+            await asyncio.to_thread(self.saved_prompts.trim)
         # Downloads (hf_repo models, first use) run in a thread: they may take minutes.
         cache, endpoint = self.settings.model_cache_dir, self.settings.hf_endpoint
         for model in self.settings.models:
@@ -118,8 +127,16 @@ class Supervisor:
                 await self._watch_task
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*(i.stop() for i in self.all_instances()), return_exceptions=True)
+        await asyncio.gather(*(self._save_and_stop(i) for i in self.all_instances()), return_exceptions=True)
         log.info("all instances stopped")
+
+    async def _save_and_stop(self, instance: Instance) -> None:
+        """Stop an instance on purpose, its conversations' prompt caches saved first (not a removed model's)."""
+        try:
+            if self.saved_prompts is not None and instance not in self._retiring and not instance.exited:
+                await self.saved_prompts.save(instance)
+        finally:
+            await instance.stop()  # whatever saving met
 
     # Queries
 
@@ -179,6 +196,7 @@ class Supervisor:
             log_path=self.settings.log_dir / f"{pool.name}-{port}.log",
             api_key=self.instance_key,
             ram_cache=self.settings.cache_isolation == "shared",
+            saved_prompts=self.saved_prompts,
         )
         settings = self.settings
         if settings.instance_tls_cert is not None and settings.instance_tls_key is not None and not self._loopback:
@@ -332,7 +350,7 @@ class Supervisor:
                 await instance.idle.wait()
         if instance.in_flight:
             log.warning("instance %s still had %d requests in flight when drained", instance.id, instance.in_flight)
-        await instance.stop()
+        await self._save_and_stop(instance)
         instance.status = Status.STOPPED
         self._claimed_ports.discard(instance.port)
         pool = pool or self.pools.get(instance.model.name)
@@ -436,6 +454,8 @@ class Supervisor:
             await self.drain(instance, pool=pool)
         finally:
             self._retiring.discard(instance)
+        if self.saved_prompts is not None and pool.name not in self.pools:
+            await asyncio.to_thread(self.saved_prompts.forget, pool.name)
 
     # The loop
 
