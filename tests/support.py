@@ -201,9 +201,11 @@ class Server:
         """A direct call to its first instance (llama-server's own API): the answer's JSON."""
         return httpx.post(self.instance_url + path, json=body, headers=self.instance_headers, timeout=60).json()
 
-    def start(self, timeout: float = 180.0) -> Server:
-        self.port = free_port()
-        self.instance_port = free_port_range(4, avoid=self.port)
+    def start(self, timeout: float = 180.0, keep_port: bool = False) -> Server:
+        """Start (`keep_port`: again on the port it had, as a restarted service would)."""
+        if not (keep_port and self.port):
+            self.port = free_port()
+            self.instance_port = free_port_range(4, avoid=self.port)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "llmserver", "serve", "--data-dir", str(self.data_dir), "--port", str(self.port)]
         args += self.extra_args

@@ -6,9 +6,12 @@ set: docs/console/ was made that way)."""
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import io
+import json
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +25,7 @@ from tests.support import MODEL, Server, create_key, store_rows, wait_for
 
 ADMIN = "console-admin-key-0123456789abcdef"
 CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2] / "src" / "llmserver" / "console" / "static"
 CONFIG = f'[[models]]\nname = "{MODEL}"\nctx_size = 1024\nparallel = 2\nmax_instances = 2\n'
 
 
@@ -31,6 +35,8 @@ class Browser:
     shots: Path
     page: Any = None
     requests: list[str] = field(default_factory=list)
+    dialogs: list[str] = field(default_factory=list)  # every confirm() the page asked (each accepted)
+    missing: list[str] = field(default_factory=list)  # what the page asked for and got 404
 
     def open(self, key: str | None = None) -> Any:
         self.page.goto(self.server.url + "/console")
@@ -81,10 +87,12 @@ def browser(chromium: Any, server: Server, tmp_path: Path) -> Iterator[Browser]:
     page = context.new_page()
     session = Browser(server, tmp_path, page)
     page.on("request", lambda request: session.requests.append(request.url))
-    page.on("dialog", lambda dialog: dialog.accept())
+    page.on("dialog", lambda dialog: (session.dialogs.append(dialog.message), dialog.accept()))
+    page.on("response", lambda response: session.missing.append(response.url) if response.status == 404 else None)
     try:
         yield session
         assert session.offsite() == []  # nothing left the server's origin
+        assert session.missing == []  # nor asked for anything it does not serve (a favicon, say)
     finally:
         context.close()
 
@@ -139,7 +147,7 @@ def test_the_admin_overview_shows_the_real_instance_and_refreshes_live(browser: 
     assert page.text_content("#models-table tbody td") == MODEL
     first = page.text_content("#overview-status")
     page.wait_for_function(f"() => document.querySelector('#overview-status').textContent !== {first!r}", timeout=5000)
-    page.get_by_role("button", name=f"Start an instance of {MODEL}").click()
+    page.get_by_role("button", name=f"Start instance of {MODEL}").click()
     status = "document.querySelector('#overview-status').textContent"
     page.wait_for_function(f"() => {status}.startsWith('Started')", timeout=60000)
     assert len(instances(browser.server)) == 2
@@ -151,18 +159,32 @@ def test_the_admin_overview_shows_the_real_instance_and_refreshes_live(browser: 
     added = next(i["instance_id"] for i in instances(browser.server) if i["instance_id"] != real["instance_id"])
     page.get_by_role("button", name=f"Drain instance {added}").click()
     page.wait_for_function(f"() => {status}.endsWith('drained and stopped.')")
+    asked = f"Drain instance {added}? It takes no new requests, finishes those in flight, then stops."
+    assert browser.dialogs == [asked]  # asked first (accepted here), as Revoke does
     assert [i["instance_id"] for i in instances(browser.server)] == [real["instance_id"]]
 
 
 def test_an_admin_creates_a_key_that_works_at_once_edits_it_and_revokes_it(browser: Browser) -> None:
     page = browser.open(ADMIN)
     page.click("#tabs button[data-tab=keys]")
-    page.fill("#key-name", "made-in-the-console")
+
+    def key_count() -> int:
+        listed = httpx.get(browser.server.url + "/api/keys", headers={"Authorization": f"Bearer {ADMIN}"})
+        return len(listed.json()["data"])
+
+    before = key_count()
     page.fill("#key-quota", "0")
+    page.fill("#key-rpm", "-3")
     page.click("#key-submit")
-    page.wait_for_function("() => document.querySelector('.field-error[data-for=quota_tokens]').textContent.length > 0")
+    # Every problem at once, each at its field, before anything is sent.
+    for name in ("name", "quota_tokens", "rpm"):
+        assert page.text_content(f".field-error[data-for={name}]"), name
     assert "quota_tokens" in page.text_content(".field-error[data-for=quota_tokens]")
+    assert page.get_attribute("#key-rpm", "aria-invalid") == "true" and key_count() == before
+    page.fill("#key-name", "made-in-the-console")
     page.fill("#key-quota", "50000")
+    page.fill("#key-rpm", "")
+    page.fill("#key-models", f"{MODEL}, nothing-*")
     page.select_option("#key-period", "day")
     page.click("#key-submit")
     page.wait_for_selector("#new-key:not([hidden])")
@@ -191,6 +213,7 @@ def test_an_admin_creates_a_key_that_works_at_once_edits_it_and_revokes_it(brows
     listed = httpx.get(browser.server.url + "/api/keys", headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
     made = next(k for k in listed if k["name"] == "made-in-the-console")
     assert (made["quota_tokens"], made["quota_period"], made["rpm"]) == (50000, "day", 30) and made["revoked_at"]
+    assert made["models"] == [MODEL, "nothing-*"]
 
 
 def playground(browser: Browser, name: str, message: str, max_tokens: int) -> Any:
@@ -289,8 +312,7 @@ def test_the_usage_page_charts_the_requests_just_made(browser: Browser) -> None:
     page = browser.open(ADMIN)
     page.click("#tabs button[data-tab=usage]")
     page.wait_for_selector(f"#usage-key option[value='{key_id}']", state="attached")
-    page.select_option("#usage-key", key_id)
-    page.click("#usage-form button[type=submit]")
+    page.select_option("#usage-key", key_id)  # a choice takes effect at once, no Show needed
     page.wait_for_function("() => document.querySelector('#usage-status').textContent.startsWith('3 requests')")
     assert page.locator("#chart-tokens svg rect").count() >= 1
     assert page.locator("#usage-table tbody tr").count() == 1
@@ -299,7 +321,13 @@ def test_the_usage_page_charts_the_requests_just_made(browser: Browser) -> None:
     with page.expect_download() as download:
         page.click("#usage-csv")
     lines = Path(download.value.path()).read_text().splitlines()
-    assert lines[0].startswith("start,model,requests") and lines[1].split(",")[2] == "3"
+    assert lines[0].startswith("start,key,model,requests,errors,cancelled")
+    assert lines[1].split(",")[1:4:2] == [key_id, "3"]  # whose usage, and the requests
+    assert download.value.suggested_filename.startswith(f"llmserver-usage-{key_id}-")
+    # Each series its own colour (p50 and p95 told apart), and the error rate on a scale of its own.
+    colours = page.eval_on_selector_all("#chart-latency path", "paths => paths.map((p) => p.getAttribute('stroke'))")
+    assert len(colours) == 2 and len(set(colours)) == 2
+    assert "100%" in (page.text_content("#chart-requests svg") or "")
     # The user's own view: its usage only, no key picker.
     page.click("#sign-out")
     browser.open(key)
@@ -339,6 +367,18 @@ def test_me_and_usage_series_answer_with_their_limits(server: Server) -> None:
         assert generated.status_code == 200
     series = httpx.get(server.url + "/api/usage/series", params={"offset_minutes": 330}, headers=headers).json()
     assert sum(p["requests"] for p in series["points"]) == 2 and series["bucket"] == 86400
+    assert sum(p["errors"] + p["cancelled"] for p in series["points"]) == 0
+    # A request its client gives up on (the Playground's Stop): cancelled, not an error.
+    asked = [{"role": "user", "content": "Count to 500."}]
+    body = {"model": MODEL, "messages": asked, "stream": True, "max_tokens": 400}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as stream:
+        next(stream.iter_lines())
+
+    def points() -> list[dict[str, Any]]:
+        return list(httpx.get(server.url + "/api/usage/series", headers=headers).json()["points"])
+
+    assert wait_for(lambda: sum(p["cancelled"] for p in points()) == 1, 30)
+    assert sum(p["errors"] for p in points()) == 0 and sum(p["requests"] for p in points()) == 3
     assert all((p["start"] + 330 * 60) % 86400 == 0 for p in series["points"])  # local midnight at +05:30
 
     def refused(params: dict[str, str], status: int, kind: str, param: str | None) -> None:
@@ -351,3 +391,221 @@ def test_me_and_usage_series_answer_with_their_limits(server: Server) -> None:
     refused({"bucket": "hour", "since": "0"}, 400, "invalid_request_error", "bucket")  # over 2,000 buckets
     refused({"since": "yesterday"}, 400, "invalid_request_error", "since")
     refused({"key": "*"}, 403, "permission_error", None)
+
+
+def visible_text(page: Any) -> str:
+    """What the page holds that a person could read: its text, its fields' values, its storage."""
+    return str(
+        page.evaluate(
+            "() => [document.body.innerText, document.body.textContent,"
+            " ...[...document.querySelectorAll('input, textarea, select')].map((e) => e.value),"
+            " JSON.stringify(sessionStorage), JSON.stringify(localStorage)].join('\\n')"
+        )
+    )
+
+
+def test_sign_out_leaves_nothing_of_the_session_and_no_page_opens_signed_out(browser: Browser) -> None:
+    page = browser.open()
+    page.goto(browser.server.url + "/console#/keys")  # a page's address before any sign-in: the form stays
+    assert page.is_visible("#sign-in-form") and page.is_hidden("#keys") and page.is_hidden("#tabs")
+    page.fill("#api-key", ADMIN)
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#keys:not([hidden])")  # the address's page, an admin's
+    assert page.evaluate("document.activeElement.id") == "keys-title"  # focus on the page, not lost to the body
+    assert page.get_attribute("#tabs button[data-tab=keys]", "aria-selected") == "true"
+    page.fill("#key-name", "secret-holder")
+    page.check("#key-admin")
+    page.click("#key-submit")
+    page.wait_for_selector("#new-key:not([hidden])")
+    secret = page.text_content("#new-key-value") or ""
+    assert len(secret) >= 32
+    page.click("#tabs button[data-tab=playground]")
+    assert page.url.endswith("#/playground")
+    page.wait_for_selector("#play-model option", state="attached")
+    page.fill("#play-message", "my private question")
+    page.click("#sign-out")
+    page.wait_for_selector("#sign-in:not([hidden])")
+    assert page.is_hidden("#tabs") and not page.url.endswith("#/playground")
+    held = visible_text(page)
+    assert secret not in held and "my private question" not in held and "secret-holder" not in held
+    assert "secret-holder" not in page.content()
+    page.goto(browser.server.url + "/console#/keys")
+    page.evaluate("() => window.dispatchEvent(new HashChangeEvent('hashchange'))")
+    assert page.is_hidden("#keys") and page.is_visible("#sign-in-form")
+
+
+def test_a_revoked_key_is_signed_out_with_the_reason(browser: Browser) -> None:
+    key = user_key(browser.server, "soon-revoked")
+    page = browser.open(key)
+    key_id = httpx.get(browser.server.url + "/api/me", headers={"Authorization": f"Bearer {key}"}).json()["id"]
+    revoked = httpx.delete(f"{browser.server.url}/api/keys/{key_id}", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert revoked.status_code == 200
+    page.click("#tabs button[data-tab=usage]")
+    page.wait_for_selector("#sign-in:not([hidden])")
+    assert (page.text_content("#sign-in-error") or "").startswith("Signed out: the server refused this key")
+    # Revoked while the tab was away: a reload says why, too.
+    page.evaluate(f"sessionStorage.setItem('llmserver.key', {key!r})")
+    page.reload()
+    page.wait_for_function("() => document.querySelector('#sign-in-error').textContent.startsWith('Signed out:')")
+    assert page.is_visible("#sign-in-form") and page.is_hidden("#tabs")
+    browser.missing.clear()  # the refused calls' 401s are no missing files, and no 404 came
+
+
+def test_the_playground_keeps_a_conversation_until_a_new_one_is_started(browser: Browser) -> None:
+    sent: list[tuple[dict[str, Any], str | None]] = []
+
+    def record(request: Any) -> None:
+        if request.url.endswith("/v1/chat/completions"):
+            sent.append((json.loads(request.post_data), request.headers.get("x-session-id")))
+
+    browser.page.on("request", record)
+    page = playground(browser, "chatter", "My name is Ada.", 8)
+    for turn, message in enumerate(["My name is Ada.", "I live in Paris.", "What is my name?"]):
+        page.fill("#play-message", message)
+        if turn == 2:
+            page.press("#play-message", "Control+Enter")  # the keyboard's way to send
+        else:
+            page.click("#play-send")
+        page.wait_for_function(f"() => document.querySelectorAll('#play-history li').length === {2 * (turn + 1)}")
+    third, session = sent[2]
+    assert [m["role"] for m in third["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in third["messages"][::2]] == ["My name is Ada.", "I live in Paris.", "What is my name?"]
+    assert all(m["content"].strip() for m in third["messages"][1::2])  # the answers as they streamed in
+    assert session and {s for _, s in sent} == {session}  # one conversation, one X-Session-Id: one instance
+    page.click("#play-clear")
+    assert page.is_hidden("#play-history")
+    page.fill("#play-message", "Hello again.")
+    page.click("#play-send")
+    page.wait_for_function("() => document.querySelectorAll('#play-history li').length === 2")
+    fourth, new_session = sent[3]
+    assert len(fourth["messages"]) == 1 and new_session not in (None, session)
+
+
+def test_copy_as_curl_in_async_mode_submits_an_async_job_as_copied(browser: Browser) -> None:
+    page = playground(browser, "async-curl", "Say yes.", 4)
+    page.check("#play-async")
+    page.click("#copy-curl")
+    code = page.text_content("#play-code") or ""
+    assert code.startswith("RESULT_KEY=$(openssl rand -base64 32)") and '"mode":"async"' in code
+    key = user_key(browser.server, "async-curl-runner")
+    ran = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=60, check=False,
+                         env={**os.environ, "LLMSERVER_API_KEY": key})  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    answer = json.loads(ran.stdout)
+    assert answer["tracking_id"] and answer["nonce"], answer  # submitted: polled at /api/async_result
+
+
+def test_a_stopped_server_is_shown_as_stale_and_the_page_recovers(chromium: Any, tmp_path: Path) -> None:
+    server = Server(data_dir=tmp_path / "data", config=CONFIG, env={"LLMSERVER_ADMIN_KEY": ADMIN}).start()
+    context = chromium.new_context(viewport={"width": 1280, "height": 800})
+    try:
+        session = Browser(server, tmp_path, context.new_page())
+        page = session.open(ADMIN)
+        page.wait_for_selector("#instances-table tbody tr button:not([disabled])")
+        server.stop()
+        page.wait_for_function("() => document.querySelector('#overview').classList.contains('stale')", timeout=10_000)
+        assert (page.text_content("#overview-status") or "").startswith("Not up to date: the server cannot be reached")
+        assert page.is_disabled("#instances-table tbody tr button") and "error" in (
+            page.get_attribute("#overview-status", "class") or ""
+        )
+        session.shoot("overview-stale")
+        server.start(keep_port=True)
+        page.wait_for_function("() => !document.querySelector('#overview').classList.contains('stale')", timeout=30_000)
+        assert (page.text_content("#overview-status") or "").startswith("Updated")
+        assert page.is_enabled("#instances-table tbody tr button")
+    finally:
+        context.close()
+        server.stop()
+
+
+def test_assets_are_compressed_and_revalidated_and_a_new_secret_is_never_stored(server: Server) -> None:
+    url = server.url + "/console/assets/vendor/libsodium.js"
+    plain = httpx.get(url, headers={"Accept-Encoding": "identity"})
+    with httpx.stream("GET", url, headers={"Accept-Encoding": "gzip"}) as packed:
+        wire = b"".join(packed.iter_raw())  # as sent, before httpx decodes it
+    assert packed.headers["content-encoding"] == "gzip" and gzip.decompress(wire) == plain.content
+    assert len(wire) < len(plain.content) / 2
+    sizes = len(plain.content) / 1024, len(wire) / 1024
+    print("libsodium.js: {:.0f} KiB, {:.0f} KiB gzipped".format(*sizes))
+    assert plain.headers["cache-control"] == "no-cache" and "content-security-policy" in packed.headers
+    again = httpx.get(url, headers={"If-None-Match": plain.headers["etag"]})
+    assert again.status_code == 304 and again.content == b""
+    assert httpx.get(server.url + "/console/assets/favicon.svg").headers["content-type"].startswith("image/svg+xml")
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    created = httpx.post(server.url + "/api/keys", json={"name": "no-store"}, headers=admin)
+    assert created.status_code == 201 and created.headers["cache-control"] == "no-store"
+
+
+def test_no_page_has_a_serious_accessibility_violation_light_or_dark(browser: Browser) -> None:
+    from tests import axe
+
+    page = browser.open()
+    found = {"sign-in": axe.violations(page)}
+    page.fill("#api-key", ADMIN)
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#instances-table tbody tr")
+    for scheme in ("light", "dark"):
+        page.emulate_media(color_scheme=scheme)
+        for tab in ("overview", "keys", "usage", "playground"):
+            page.click(f"#tabs button[data-tab={tab}]")
+            page.wait_for_selector(f"#{tab}:not([hidden])")
+            found[f"{tab} ({scheme})"] = axe.violations(page)
+    print({where: [v["id"] for v in problems] for where, problems in found.items()})
+    assert {where: problems for where, problems in found.items() if problems} == {}
+
+
+def test_every_page_fits_a_phone_and_row_actions_stay_in_reach(browser: Browser) -> None:
+    user_key(browser.server, "a-key-with-a-very-long-name-" + "x" * 120)
+    page = browser.open()
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.fill("#api-key", ADMIN)
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#instances-table tbody tr")
+    wide = {}
+    for tab in ("overview", "keys", "usage", "playground"):
+        page.click(f"#tabs button[data-tab={tab}]")
+        page.wait_for_selector(f"#{tab}:not([hidden])")
+        page.wait_for_timeout(300)  # the charts are drawn at the width they are given
+        width = page.evaluate("document.documentElement.scrollWidth")
+        if width > 390:
+            wide[tab] = width
+        browser.shoot(f"phone-{tab}")
+    assert wide == {}
+    # A table wider than the phone scrolls inside its own frame, its actions kept in view at the right.
+    page.click("#tabs button[data-tab=keys]")
+    page.wait_for_selector("#keys-table tbody tr")
+    box = (
+        page.locator("#keys-table tbody tr", has_text="a-key-with-a-very-long-name")
+        .get_by_role("button", name="Revoke a-key-with-a-very-long-name", exact=False)
+        .bounding_box()
+    )
+    assert box is not None and box["x"] + box["width"] <= 390
+
+
+HOSTILE_ANSWER = (
+    "## Steps\n\n1. Run **this**:\n2. then `that`\n\n```sh\necho '<b>not bold</b>'\n```\n\n"
+    "<img src=x onerror=\"document.title='owned'\"> and [docs](https://example.org/x) and [bad](javascript:alert(1))"
+)
+
+
+def test_answers_render_as_markdown_and_html_in_them_stays_text(browser: Browser) -> None:
+    """The model's output is whatever a prompt made it say: a canned answer (a model cannot be made to
+    say exactly this) streamed through the page's own code, as llama-server's events would be."""
+    page = playground(browser, "markdown", "Show me.", 64)
+    pieces = [HOSTILE_ANSWER[i : i + 7] for i in range(0, len(HOSTILE_ANSWER), 7)]
+    events = [{"choices": [{"delta": {"content": piece}}]} for piece in pieces]
+    stream = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(status=200, body=stream,
+               headers={"Content-Type": "text/event-stream"}))  # fmt: skip
+    page.click("#play-send")
+    page.wait_for_selector("#play-output.markdown")
+    output = "#play-output"
+    assert page.text_content(f"{output} h5") == "Steps"
+    assert page.eval_on_selector_all(f"{output} ol li", "items => items.length") == 2
+    assert page.text_content(f"{output} ol strong") == "this" and page.text_content(f"{output} ol code") == "that"
+    assert page.text_content(f"{output} pre code") == "echo '<b>not bold</b>'"
+    assert page.eval_on_selector_all(f"{output} img, {output} b, {output} script", "nodes => nodes.length") == 0
+    assert "<img src=x" in (page.text_content(output) or "") and page.title() != "owned"
+    links = page.eval_on_selector_all(f"{output} a", "links => links.map((a) => [a.textContent, a.href, a.rel])")
+    assert links == [["docs", "https://example.org/x", "noopener noreferrer nofollow"]]  # javascript: stays text
+    print(f"console.js: {len((ROOT / 'console.js').read_bytes()) / 1024:.1f} KiB with its Markdown renderer")

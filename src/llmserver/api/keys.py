@@ -52,7 +52,8 @@ async def create_key(request: Request) -> JSONResponse:
         record, key = await keys(request).create(body.name, admin=body.admin, limits=body.limits())
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    return JSONResponse({**describe(record), "key": key}, status_code=201)
+    # The secret, shown once: no cache along the way may keep a copy.
+    return JSONResponse({**describe(record), "key": key}, status_code=201, headers={"Cache-Control": "no-store"})
 
 
 @router.patch("/api/keys/{key_id}")

@@ -67,10 +67,14 @@ def _percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(share * len(ordered)) - 1)]
 
 
+# The ledger's outcome of a request whose client went away before its answer ended.
+CLIENT_CLOSED = "client_closed"
+
+
 async def series(
     store: UsageStore, key_id: str | None, since: float, until: float, bucket: int, offset_minutes: int
 ) -> dict[str, Any]:
-    """The ledger per time bucket and model: requests, errors, tokens, latency p50/p95. Buckets of
+    """The ledger per time bucket and model: requests, errors, cancelled, tokens, latency p50/p95. Buckets of
     `bucket` seconds start at local midnight (or hour) for a clock `offset_minutes` ahead of UTC, so
     that a browser's days are its own."""
     if (until - since) / bucket > MAX_BUCKETS:
@@ -89,7 +93,9 @@ async def series(
                 "start": start,
                 "model": model,
                 "requests": len(rows),
-                "errors": sum(1 for r in rows if r["outcome"] != "ok"),
+                # A request its client gave up on (a Stop, a closed tab) is no error of the server's.
+                "errors": sum(1 for r in rows if r["outcome"] not in ("ok", CLIENT_CLOSED)),
+                "cancelled": sum(1 for r in rows if r["outcome"] == CLIENT_CLOSED),
                 "prompt_tokens": sum(int(r["prompt_tokens"]) for r in rows),  # type: ignore[call-overload]
                 "completion_tokens": sum(int(r["completion_tokens"]) for r in rows),  # type: ignore[call-overload]
                 "latency_p50_ms": round(_percentile(latencies, 0.5), 1),

@@ -3,7 +3,8 @@
 
 const KEY_SLOT = "llmserver.key";
 const $ = (selector, root = document) => root.querySelector(selector);
-const state = { me: null, tab: null, timer: null, rows: [], abort: null, sodium: null };
+const state = { me: null, tab: null, timer: null, rows: [], abort: null, sodium: null, conversation: [], session: null };
+const PAGES = ["overview", "keys", "usage", "playground"];
 
 // ---- HTTP -------------------------------------------------------------------------------------
 
@@ -21,12 +22,16 @@ function authHeaders(extra = {}) {
   return { Authorization: `Bearer ${sessionStorage.getItem(KEY_SLOT) || ""}`, ...extra };
 }
 
-async function api(path, { method = "GET", body, key } = {}) {
-  const headers = key ? { Authorization: `Bearer ${key}` } : authHeaders();
+async function api(path, { method = "GET", body, key, extra = {} } = {}) {
+  const headers = { ...(key ? { Authorization: `Bearer ${key}` } : authHeaders()), ...extra };
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const answer = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
   const data = await answer.json().catch(() => null);
-  if (!answer.ok) throw new ApiError(answer.status, data);
+  if (!answer.ok) {
+    const error = new ApiError(answer.status, data);
+    if (answer.status === 401 && !key && state.me) signOut(`Signed out: the server refused this key (${error.message})`);
+    throw error;
+  }
   return data;
 }
 
@@ -70,6 +75,7 @@ async function copy(text, button) {
 
 async function signIn(key) {
   const me = await api("/api/me", { key });
+  forget();
   sessionStorage.setItem(KEY_SLOT, key);
   state.me = me;
   $("#sign-in").hidden = true;
@@ -77,27 +83,55 @@ async function signIn(key) {
   $("#who").hidden = false;
   $("#who-name").textContent = `${me.name}${me.admin ? " (admin)" : ""}`;
   for (const button of document.querySelectorAll("#tabs button")) button.hidden = "admin" in button.dataset && !me.admin;
-  show(me.admin ? "overview" : "playground");
+  show(allowed(pageInUrl()) ? pageInUrl() : me.admin ? "overview" : "playground", { focus: true });
 }
 
-function signOut() {
+function signOut(reason = "") {
   sessionStorage.removeItem(KEY_SLOT);
   state.me = null;
   clearInterval(state.timer);
   if (state.abort) state.abort.abort();
+  forget();
   for (const section of document.querySelectorAll("main > section")) section.hidden = section.id !== "sign-in";
   $("#tabs").hidden = true;
   $("#who").hidden = true;
   $("#api-key").value = "";
-  say("sign-in-error", "");
+  history.replaceState(null, "", window.location.pathname); // the next key starts on its own first page
+  say("sign-in-error", typeof reason === "string" ? reason : "", typeof reason === "string" && Boolean(reason));
   $("#api-key").focus();
 }
 
-function show(tab) {
+// Nothing of a session outlives it: every page's contents, the forms, what the page fetched.
+function forget() {
+  for (const body of document.querySelectorAll("main table tbody")) body.replaceChildren();
+  for (const chart of document.querySelectorAll(".chart")) chart.replaceChildren();
+  for (const status of document.querySelectorAll("main .status, main .error, main .field-error")) status.textContent = "";
+  for (const form of document.querySelectorAll("main form:not(#sign-in-form)")) form.reset();
+  $("#new-key-value").textContent = "";
+  $("#new-key").hidden = true;
+  $("#usage-key").replaceChildren();
+  $("#usage-key-field").hidden = true;
+  $("#play-model").replaceChildren();
+  $("#play-output").textContent = "";
+  $("#play-code").textContent = "";
+  $("#play-code").hidden = true;
+  for (const stat of document.querySelectorAll("#play-stats dd")) stat.textContent = "–";
+  $("#overview").classList.remove("stale");
+  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, conversation: [], session: null });
+  renderConversation();
+}
+
+const pageInUrl = () => window.location.hash.replace(/^#\/?/, "");
+const allowed = (tab) => Boolean(state.me) && PAGES.includes(tab) && !(["overview", "keys"].includes(tab) && !state.me.admin);
+
+function show(tab, { focus = false } = {}) {
+  if (!allowed(tab)) return; // signed out, or a page this key may not see
   state.tab = tab;
   clearInterval(state.timer);
+  if (pageInUrl() !== tab) history.replaceState(null, "", `#/${tab}`);
   for (const section of document.querySelectorAll("main > section")) section.hidden = section.id !== tab;
   for (const button of document.querySelectorAll("#tabs button")) button.setAttribute("aria-selected", String(button.dataset.tab === tab));
+  if (focus) document.getElementById(`${tab}-title`).focus();
   ({ overview: startOverview, keys: loadKeys, usage: loadUsage, playground: loadPlayground })[tab]();
 }
 
@@ -113,16 +147,25 @@ async function refreshOverview() {
   try {
     listed = await api("/api/instances");
   } catch (error) {
-    say("overview-status", error.message, true);
+    if (!state.me) return;
+    // Unreachable (or refusing): the figures below are as of the last answer; no action may be taken on them.
+    const section = $("#overview");
+    section.dataset.lostAt ??= new Date().toLocaleTimeString();
+    section.classList.add("stale");
+    for (const button of section.querySelectorAll("tbody button")) button.disabled = true;
+    const reason = error instanceof ApiError ? error.message : `the server cannot be reached (${error.message})`;
+    say("overview-status", `Not up to date: ${reason}, since ${section.dataset.lostAt}. Trying again every 2 s.`, true);
     return;
   }
+  delete $("#overview").dataset.lostAt;
+  $("#overview").classList.remove("stale");
   const models = $("#models-table tbody");
   models.replaceChildren(
     ...listed.models.map((m) =>
       el("tr", {},
         el("td", {}, m.model), el("td", { class: "num" }, m.instances), el("td", { class: "num" }, m.queue_depth),
         el("td", { class: "num" }, number(m.tokens_per_second_5m, 1)), el("td", { class: "num" }, number(m.avg_tokens_per_second, 1)),
-        el("td", {}, el("button", { type: "button", onclick: () => startInstance(m.model), "aria-label": `Start an instance of ${m.model}` }, "Start instance")),
+        el("td", { class: "actions" }, el("button", { type: "button", onclick: () => startInstance(m.model), "aria-label": `Start instance of ${m.model}` }, "Start instance")),
       ),
     ),
   );
@@ -136,7 +179,7 @@ async function refreshOverview() {
         el("td", { class: "num" }, i.active_users), el("td", { class: "num" }, number(i.ram_used_mb)),
         el("td", { class: "num" }, number(i.cpu_percent, 1)), el("td", {}, duration(i.uptime_seconds)),
         el("td", {}, localTime(i.last_activity)),
-        el("td", {}, el("button", { type: "button", onclick: () => drainInstance(i.instance_id), "aria-label": `Drain instance ${i.instance_id}` }, "Drain")),
+        el("td", { class: "actions" }, el("button", { type: "button", onclick: () => drainInstance(i.instance_id), "aria-label": `Drain instance ${i.instance_id}` }, "Drain")),
       ),
     ),
   );
@@ -164,6 +207,7 @@ function startInstance(model) {
 }
 
 function drainInstance(id) {
+  if (!confirm(`Drain instance ${id}? It takes no new requests, finishes those in flight, then stops.`)) return;
   act("overview-status", `Draining instance ${id}…`, async () => {
     await api(`/api/instances/${encodeURIComponent(id)}`, { method: "DELETE" });
     refreshOverview();
@@ -180,11 +224,12 @@ async function loadKeys() {
     $("#keys-table tbody").replaceChildren(
       ...listed.data.map((k) =>
         el("tr", { "data-key": k.id },
-          el("td", {}, k.name), el("td", {}, el("code", {}, k.id)), el("td", {}, k.admin ? "yes" : ""),
+          el("td", { class: "name" }, k.name), el("td", {}, el("code", {}, k.id)), el("td", {}, k.admin ? "yes" : ""),
           el("td", { class: "num" }, number(k.quota_tokens)), el("td", {}, k.quota_period || "–"),
           el("td", { class: "num" }, number(k.rpm)), el("td", { class: "num" }, number(k.max_concurrency)),
+          el("td", { class: "models" }, k.models ? k.models.join(", ") : "all"),
           el("td", {}, localTime(k.created_at)), el("td", {}, localTime(k.revoked_at)),
-          el("td", {}, k.revoked_at ? "" : el("span", {},
+          el("td", { class: "actions" }, k.revoked_at ? "" : el("span", {},
             el("button", { type: "button", onclick: () => editKey(k), "aria-label": `Edit the limits of ${k.name}` }, "Edit"), " ",
             el("button", { type: "button", onclick: () => revokeKey(k), "aria-label": `Revoke ${k.name}` }, "Revoke"))),
         ),
@@ -207,6 +252,7 @@ function keyForm(reset = false) {
     $("#key-cancel").hidden = true;
   }
   for (const node of form.querySelectorAll(".field-error")) node.textContent = "";
+  for (const input of form.querySelectorAll("[aria-invalid]")) input.removeAttribute("aria-invalid");
   say("key-error", "");
   return form;
 }
@@ -222,10 +268,27 @@ function editKey(k) {
   form.elements.quota_period.value = k.quota_period ?? "";
   form.elements.rpm.value = k.rpm ?? "";
   form.elements.max_concurrency.value = k.max_concurrency ?? "";
+  form.elements.models.value = k.models ? k.models.join(", ") : "";
   $("#key-form-title").textContent = `Edit the limits of ${k.name}`;
   $("#key-submit").textContent = "Save";
   $("#key-cancel").hidden = false;
   form.elements.quota_tokens.focus();
+}
+
+// Every field's problem at once, in the API's own terms (the server checks them again).
+function keyProblems(form, creating) {
+  const problems = {};
+  if (creating && !form.elements.name.value.trim()) problems.name = "A name is required.";
+  for (const name of ["quota_tokens", "rpm", "max_concurrency"]) {
+    const raw = form.elements[name].value.trim();
+    if (raw !== "" && !(Number.isInteger(Number(raw)) && Number(raw) >= 1)) problems[name] = `${name}: a whole number of at least 1, or empty for none.`;
+  }
+  return problems;
+}
+
+function fieldError(form, name, message) {
+  form.querySelector(`.field-error[data-for="${CSS.escape(name)}"]`).textContent = message;
+  form.elements[name]?.setAttribute("aria-invalid", "true");
 }
 
 async function submitKey(event) {
@@ -235,8 +298,18 @@ async function submitKey(event) {
     const raw = form.elements[name].value.trim();
     return raw === "" ? null : form.elements[name].type === "number" ? Number(raw) : raw;
   };
-  const limits = { quota_tokens: value("quota_tokens"), quota_period: value("quota_period"), rpm: value("rpm"), max_concurrency: value("max_concurrency") };
   const id = form.elements.id.value;
+  const problems = Object.entries(keyProblems(form, !id));
+  if (problems.length) {
+    for (const [name, message] of problems) fieldError(form, name, message);
+    form.elements[problems[0][0]].focus();
+    return;
+  }
+  const models = form.elements.models.value.split(",").map((m) => m.trim()).filter(Boolean);
+  const limits = {
+    quota_tokens: value("quota_tokens"), quota_period: value("quota_period"), rpm: value("rpm"), max_concurrency: value("max_concurrency"),
+    models: models.length ? models : null,
+  };
   try {
     if (id) {
       await api(`/api/keys/${encodeURIComponent(id)}`, { method: "PATCH", body: limits });
@@ -250,11 +323,10 @@ async function submitKey(event) {
     keyForm(true);
     loadKeys();
   } catch (error) {
-    const field = error.param && form.querySelector(`.field-error[data-for="${CSS.escape(error.param)}"]`);
-    if (field) {
-      field.textContent = error.message;
-      form.elements[error.param]?.setAttribute("aria-invalid", "true");
-      form.elements[error.param]?.focus();
+    const param = error.param?.split(".")[0];
+    if (param && form.querySelector(`.field-error[data-for="${CSS.escape(param)}"]`)) {
+      fieldError(form, param, error.message);
+      form.elements[param]?.focus();
     } else say("key-error", error.message, true);
   }
 }
@@ -276,6 +348,7 @@ const COLOURS = ["#1f6feb", "#e8590c", "#2f9e44", "#ae3ec9", "#f08c00", "#0c8599
 
 async function loadUsage(event) {
   event?.preventDefault();
+  if (!state.me) return;
   if (state.me.admin && !$("#usage-key").options.length) {
     $("#usage-key-field").hidden = false;
     const listed = await api("/api/keys").catch(() => ({ data: [] }));
@@ -290,6 +363,7 @@ async function loadUsage(event) {
   try {
     const series = await api(`/api/usage/series?${query}`);
     state.rows = series.points;
+    state.range = [since, until];
     drawUsage(series, since, until);
     const requests = series.points.reduce((sum, p) => sum + p.requests, 0);
     say("usage-status", `${requests} requests from ${localTime(since)} to ${localTime(until)}.`);
@@ -326,11 +400,13 @@ function drawUsage(series, since, until) {
   bars($("#chart-tokens"), labels, models.map((m, i) => ({ name: m, colour: colour(i), values: byModel[m].map((p) => (p ? p.prompt_tokens + p.completion_tokens : 0)) })));
   const requests = starts.map((_, i) => models.reduce((sum, m) => sum + (byModel[m][i]?.requests || 0), 0));
   const errors = starts.map((_, i) => models.reduce((sum, m) => sum + (byModel[m][i]?.errors || 0), 0));
+  // The error rate has a scale of its own, on the right (0–100 %): not the requests' axis.
   bars($("#chart-requests"), labels, [{ name: "requests", colour: colour(0), values: requests }],
-    [{ name: "error rate %", colour: "#d9480f", values: requests.map((r, i) => (r ? (100 * errors[i]) / r : null)), max: 100 }]);
+    [{ name: "error rate % (right axis)", colour: "#d9480f", values: requests.map((r, i) => (r ? (100 * errors[i]) / r : null)), max: 100, unit: "%" }]);
+  // p50 and p95 of one model: two colours of their own (and p95 dashed), told apart without colour too.
   lines($("#chart-latency"), labels, models.flatMap((m, i) => [
-    { name: `${m} p50`, colour: colour(i), values: byModel[m].map((p) => p?.latency_p50_ms ?? null) },
-    { name: `${m} p95`, colour: colour(i), dashed: true, values: byModel[m].map((p) => p?.latency_p95_ms ?? null) },
+    { name: `${m} p50`, colour: colour(2 * i), values: byModel[m].map((p) => p?.latency_p50_ms ?? null) },
+    { name: `${m} p95`, colour: colour(2 * i + 1), dashed: true, values: byModel[m].map((p) => p?.latency_p95_ms ?? null) },
   ]));
   $("#usage-table tbody").replaceChildren(
     ...series.points.map((p) =>
@@ -349,15 +425,17 @@ function svgEl(tag, attributes = {}, text) {
   return node;
 }
 
-function frame(container, labels, max) {
+function frame(container, labels, max, rightAxis = null) {
   // Drawn at the container's own width: text and dots keep their shape.
-  const width = Math.max(300, container.clientWidth || 800), height = 220, left = 48, bottom = 22, top = 8, right = 8;
+  const width = Math.max(280, container.clientWidth || 800), height = 220, left = 48, bottom = 22, top = 8;
+  const right = rightAxis ? 40 : 8;
   const svg = svgEl("svg", { viewBox: `0 0 ${width} ${height}`, role: "img" });
   const plot = { left, top, width: width - left - right, height: height - top - bottom, max: max || 1 };
   svg.append(svgEl("line", { class: "axis", x1: left, y1: top + plot.height, x2: width - right, y2: top + plot.height }));
   for (const f of [0, 0.5, 1]) {
     const y = top + plot.height * (1 - f);
     svg.append(svgEl("text", { x: left - 4, y: y + 4, "text-anchor": "end" }, number(plot.max * f)));
+    if (rightAxis) svg.append(svgEl("text", { x: width - right + 4, y: y + 4, "text-anchor": "start" }, `${number(rightAxis.max * f)}${rightAxis.unit}`));
   }
   const step = Math.max(1, Math.ceil(labels.length / 10));
   labels.forEach((text, i) => {
@@ -373,13 +451,13 @@ function legend(container, svg, entries) {
     return node;
   };
   const key = el("div", { class: "legend" }, ...entries.map((e) => el("span", {}, swatch(e.colour), e.name)));
-  svg.setAttribute("aria-label", entries.map((e) => e.name).join(", "));
+  svg.setAttribute("aria-label", entries.length ? entries.map((e) => e.name).join(", ") : "No requests in this range");
   container.replaceChildren(svg, key);
 }
 
 function bars(container, labels, stacks, overlays = []) {
   const totals = labels.map((_, i) => stacks.reduce((sum, s) => sum + (s.values[i] || 0), 0));
-  const { svg, plot } = frame(container, labels, Math.max(0, ...totals));
+  const { svg, plot } = frame(container, labels, Math.max(0, ...totals), overlays[0] ?? null);
   const slot = plot.width / labels.length, barWidth = Math.max(2, slot * 0.7);
   labels.forEach((_, i) => {
     let base = 0;
@@ -413,10 +491,14 @@ function lines(container, labels, series) {
 }
 
 function downloadCsv() {
-  const header = ["start", "model", "requests", "errors", "prompt_tokens", "completion_tokens", "latency_p50_ms", "latency_p95_ms"];
-  const rows = state.rows.map((p) => [new Date(p.start * 1000).toISOString(), p.model, p.requests, p.errors, p.prompt_tokens, p.completion_tokens, p.latency_p50_ms, p.latency_p95_ms]);
+  // Whose usage it is (a key's id, "all" keys, or the signed-in key's own) in a column and in the name.
+  const key = state.me.admin ? ($("#usage-key").value === "*" ? "all" : $("#usage-key").value) : state.me.id;
+  const header = ["start", "key", "model", "requests", "errors", "cancelled", "prompt_tokens", "completion_tokens", "latency_p50_ms", "latency_p95_ms"];
+  const rows = state.rows.map((p) => [new Date(p.start * 1000).toISOString(), key, p.model, p.requests, p.errors, p.cancelled, p.prompt_tokens, p.completion_tokens, p.latency_p50_ms, p.latency_p95_ms]);
   const text = [header, ...rows].map((r) => r.map((v) => (/[",\n]/.test(String(v)) ? `"${String(v).replaceAll('"', '""')}"` : v)).join(",")).join("\n");
-  const link = el("a", { href: URL.createObjectURL(new Blob([text + "\n"], { type: "text/csv" })), download: "llmserver-usage.csv" });
+  const day = (seconds) => new Date(seconds * 1000).toISOString().slice(0, 10);
+  const name = `llmserver-usage-${key}-${day(state.range[0])}-to-${day(state.range[1])}.csv`.replace(/[^A-Za-z0-9._-]/g, "_");
+  const link = el("a", { href: URL.createObjectURL(new Blob([text + "\n"], { type: "text/csv" })), download: name });
   link.click();
   URL.revokeObjectURL(link.href);
 }
@@ -468,7 +550,7 @@ async function playRequest() {
   }
   const messages = [];
   if ($("#play-system").value.trim()) messages.push({ role: "system", content: $("#play-system").value });
-  messages.push({ role: "user", content: parts.length === 1 ? parts[0].text : parts });
+  messages.push(...state.conversation, { role: "user", content: parts.length === 1 ? parts[0].text : parts });
   return {
     model, messages,
     max_tokens: Number($("#play-max-tokens").value), temperature: Number($("#play-temperature").value), top_p: Number($("#play-top-p").value),
@@ -483,11 +565,106 @@ function stats({ speed, latency, prompt, completion, instance }) {
   if (instance !== undefined) $("#stat-instance").textContent = instance || "–";
 }
 
+// ---- Markdown: a small subset, built as DOM nodes from text (no HTML string is ever parsed) -------
+// Fenced code blocks, headings, bullet and numbered lists, paragraphs; inline code, bold, italic and
+// http(s) links. Anything else, HTML included, stays text.
+
+const INLINE = /(`[^`\n]+`)|(\*\*[^*\n]+\*\*)|(\*[^*\n]+\*|_[^_\n]+_)|(\[[^\]\n]+\]\(https?:\/\/[^)\s]+\))/;
+
+function inline(text) {
+  const nodes = [];
+  for (let rest = text; rest; ) {
+    const found = INLINE.exec(rest);
+    if (!found) {
+      nodes.push(document.createTextNode(rest));
+      break;
+    }
+    if (found.index) nodes.push(document.createTextNode(rest.slice(0, found.index)));
+    const [token] = found;
+    if (found[1]) nodes.push(el("code", {}, token.slice(1, -1)));
+    else if (found[2]) nodes.push(el("strong", {}, token.slice(2, -2)));
+    else if (found[3]) nodes.push(el("em", {}, token.slice(1, -1)));
+    else {
+      const [, label, href] = /^\[([^\]]+)\]\((.+)\)$/.exec(token);
+      nodes.push(el("a", { href, rel: "noopener noreferrer nofollow", target: "_blank" }, label));
+    }
+    rest = rest.slice(found.index + token.length);
+  }
+  return nodes;
+}
+
+function markdown(text) {
+  const blocks = [], lines = text.split("\n");
+  let paragraph = [], list = null;
+  const flush = () => {
+    if (paragraph.length) blocks.push(el("p", {}, ...inline(paragraph.join(" "))));
+    paragraph = [];
+    list = null;
+  };
+  for (let i = 0; i < lines.length; i++) {
+    const line = lines[i];
+    const fence = /^\s*```\s*([\w+-]*)\s*$/.exec(line);
+    if (fence) {
+      flush();
+      const code = [];
+      for (i++; i < lines.length && !/^\s*```\s*$/.test(lines[i]); i++) code.push(lines[i]);
+      blocks.push(el("pre", {}, el("code", fence[1] ? { "data-language": fence[1] } : {}, code.join("\n"))));
+      continue;
+    }
+    const heading = /^(#{1,6})\s+(.*)$/.exec(line);
+    const item = /^\s*(?:([-*+])|(\d+)[.)])\s+(.*)$/.exec(line);
+    if (heading) {
+      flush();
+      blocks.push(el(`h${Math.min(6, heading[1].length + 3)}`, {}, ...inline(heading[2])));
+    } else if (item) {
+      if (paragraph.length) flush();
+      const kind = item[1] ? "ul" : "ol";
+      if (!list || list.tagName.toLowerCase() !== kind) blocks.push((list = el(kind)));
+      list.append(el("li", {}, ...inline(item[3])));
+    } else if (!line.trim()) flush();
+    else {
+      list = null;
+      paragraph.push(line.trim());
+    }
+  }
+  flush();
+  return blocks;
+}
+
+// The conversation so far (the system prompt aside, read at each send): each request carries it, with
+// its id as X-Session-Id, so that affinity keeps it on the instance that holds its prompt cache.
+function renderConversation() {
+  const turns = state.conversation.map((m) => {
+    const text = typeof m.content === "string" ? m.content : m.content.filter((p) => p.type === "text").map((p) => p.text).join("");
+    const extra = typeof m.content === "string" ? "" : ` (+${m.content.length - 1} attached)`;
+    const body = m.role === "assistant" ? el("div", { class: "markdown" }, ...markdown(text)) : text + extra;
+    return el("li", { class: m.role }, el("span", { class: "who" }, m.role === "user" ? "You" : "Model"), body);
+  });
+  $("#play-history").replaceChildren(...turns);
+  $("#play-history").hidden = !turns.length;
+  $("#play-clear").disabled = !turns.length;
+}
+
+function newConversation() {
+  state.conversation = [];
+  state.session = null;
+  $("#play-output").textContent = "";
+  renderConversation();
+}
+
+function sessionId() {
+  state.session ??= crypto.randomUUID();
+  return state.session;
+}
+
 async function play(event) {
   event.preventDefault();
+  if ($("#play-send").disabled) return; // Ctrl+Enter while an answer is on its way
   say("play-error", "");
   const output = $("#play-output");
   output.textContent = "";
+  output.classList.remove("markdown");
+  delete output.dataset.decrypted;
   stats({ speed: null, latency: null, prompt: null, completion: null, instance: null });
   $("#play-send").disabled = true;
   $("#play-stop").disabled = false;
@@ -496,8 +673,17 @@ async function play(event) {
     const body = await playRequest();
     if ($("#play-async").checked) await playAsync(body, output);
     else await playStream(body, output);
+    if (!state.abort.signal.aborted) {
+      const answer = output.textContent;
+      state.conversation.push(body.messages.at(-1), { role: "assistant", content: answer });
+      output.replaceChildren(...markdown(answer)); // streamed as text, shown formatted once complete
+      output.classList.add("markdown");
+      renderConversation();
+    }
   } catch (error) {
-    if (error.name !== "AbortError") say("play-error", error.message, true);
+    if (error.name === "AbortError") say("play-error", "Stopped: the answer above is as far as it got.");
+    else if (error instanceof TypeError) say("play-error", `The connection to the server was lost before the answer was complete (${error.message}).`, true);
+    else say("play-error", error.message, true);
   } finally {
     $("#play-send").disabled = false;
     $("#play-stop").disabled = true;
@@ -508,7 +694,7 @@ async function playStream(body, output) {
   const started = performance.now();
   const answer = await fetch("/v1/chat/completions", {
     method: "POST", signal: state.abort.signal,
-    headers: authHeaders({ "Content-Type": "application/json" }),
+    headers: authHeaders({ "Content-Type": "application/json", "X-Session-Id": sessionId() }),
     body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
   });
   if (!answer.ok) throw new ApiError(answer.status, await answer.json().catch(() => null));
@@ -562,7 +748,7 @@ async function playAsync(body, output) {
   const sodium = await libsodium();
   const key = crypto.getRandomValues(new Uint8Array(32)); // made here; sent once; the result is decrypted here
   const started = performance.now();
-  const job = await api("/v1/chat/completions", { method: "POST", body: { ...body, mode: "async", key: toBase64(key) } });
+  const job = await api("/v1/chat/completions", { method: "POST", body: { ...body, mode: "async", key: toBase64(key) }, extra: { "X-Session-Id": sessionId() } });
   output.textContent = `Submitted (job ${job.tracking_id}); waiting for the encrypted result…`;
   for (let delay = 250; ; delay = Math.min(2000, delay * 1.5)) {
     await new Promise((resolve) => setTimeout(resolve, delay));
@@ -588,9 +774,15 @@ async function showCode(kind, button) {
     return;
   }
   const origin = window.location.origin;
+  const isAsync = $("#play-async").checked;
+  // Async: the request names a key of the caller's own (made with openssl) that the result comes back
+  // encrypted under; the answer's tracking_id is then polled at /api/async_result.
+  const json = JSON.stringify(isAsync ? { ...body, mode: "async", key: "__RESULT_KEY__" } : body).replaceAll("'", "'\\''");
+  const sdkNote = isAsync ? "# Async mode is the HTTP API's (Copy as curl): the SDK below waits for the answer.\n" : "";
   const text = kind === "curl"
-    ? `curl -s ${origin}/v1/chat/completions \\\n  -H "Authorization: Bearer $LLMSERVER_API_KEY" -H "Content-Type: application/json" \\\n  -d '${JSON.stringify(body).replaceAll("'", "'\\''")}'`
-    : `from openai import OpenAI\n\nclient = OpenAI(base_url="${origin}/v1", api_key=os.environ["LLMSERVER_API_KEY"])\n` +
+    ? (isAsync ? "RESULT_KEY=$(openssl rand -base64 32)   # the result is encrypted under it: keep it to decrypt\n" : "") +
+      `curl -s ${origin}/v1/chat/completions \\\n  -H "Authorization: Bearer $LLMSERVER_API_KEY" -H "Content-Type: application/json" \\\n  -d '${json.replace('"__RESULT_KEY__"', `"'"$RESULT_KEY"'"`)}'`
+    : `${sdkNote}from openai import OpenAI\n\nclient = OpenAI(base_url="${origin}/v1", api_key=os.environ["LLMSERVER_API_KEY"])\n` +
       `answer = client.chat.completions.create(**${JSON.stringify(body, null, 2).replaceAll("null", "None").replaceAll("true", "True").replaceAll("false", "False")})\nprint(answer.choices[0].message.content)`;
   const code = kind === "curl" ? text : `import os\n${text}`;
   $("#play-code").hidden = false;
@@ -616,10 +808,16 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#copy-key").addEventListener("click", (event) => copy($("#new-key-value").textContent, event.target));
   $("#usage-form").addEventListener("submit", loadUsage);
   $("#usage-csv").addEventListener("click", downloadCsv);
+  for (const picker of ["#usage-range", "#usage-key"]) $(picker).addEventListener("change", () => loadUsage());
   $("#play-form").addEventListener("submit", play);
   $("#play-stop").addEventListener("click", () => state.abort?.abort());
+  $("#play-clear").addEventListener("click", newConversation);
+  $("#play-message").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("#play-form").requestSubmit();
+  });
+  window.addEventListener("hashchange", () => show(pageInUrl()));
   $("#copy-curl").addEventListener("click", (event) => showCode("curl", event.target));
   $("#copy-sdk").addEventListener("click", (event) => showCode("sdk", event.target));
   const saved = sessionStorage.getItem(KEY_SLOT);
-  if (saved) signIn(saved).catch(signOut);
+  if (saved) signIn(saved).catch((error) => signOut(`Signed out: ${error.message}`));
 });
