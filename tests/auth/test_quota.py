@@ -144,3 +144,31 @@ def test_total_quota_never_resets_and_keys_without_quota(database_url: str) -> N
         assert await quota.reserve(principal(), 10**9) is None and await quota.headers(principal()) == {}
 
     with_store(database_url, test)
+
+
+def test_a_keys_standing_counts_what_is_used_and_held_and_says_when_it_resets(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        clock = Clock(datetime(2026, 3, 1, 23, 59, tzinfo=UTC))
+        quota = QuotaService(store, "gw1", clock)
+        who = principal(quota_tokens=100, quota_period="day")
+        assert await quota.standing(who.key_id, KeyLimits()) is None  # no quota, nothing to show
+        assert await quota.standing(who.key_id, who.limits) == {
+            "limit": 100, "period": "day", "window": "2026-03-01", "used": 0, "reserved": 0, "left": 100,
+            "resets_at": "2026-03-02T00:00:00+00:00",
+        }  # fmt: skip
+        done = await quota.reserve(who, 30)
+        await settle(store, quota, done, 25)
+        await quota.reserve(who, 40)  # in flight
+        standing = await quota.standing(who.key_id, who.limits)
+        assert standing is not None and (standing["used"], standing["reserved"], standing["left"]) == (25, 40, 35)
+        clock.now += 120  # the next UTC day: a new window
+        standing = await quota.standing(who.key_id, who.limits)
+        assert standing is not None and (standing["window"], standing["used"], standing["left"]) == (
+            "2026-03-02",
+            0,
+            100,
+        )
+        total = await quota.standing(who.key_id, KeyLimits(quota_tokens=5, quota_period="total"))
+        assert total is not None and total["resets_at"] is None
+
+    with_store(database_url, test)

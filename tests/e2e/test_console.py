@@ -10,10 +10,11 @@ import gzip
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from llmserver import console
 from tests.support import MODEL, Server, create_key, store_rows, wait_for
 
 ADMIN = "console-admin-key-0123456789abcdef"
@@ -178,8 +180,8 @@ def test_an_admin_creates_a_key_that_works_at_once_edits_it_and_revokes_it(brows
     page.click("#key-submit")
     # Every problem at once, each at its field, before anything is sent.
     for name in ("name", "quota_tokens", "rpm"):
-        assert page.text_content(f".field-error[data-for={name}]"), name
-    assert "quota_tokens" in page.text_content(".field-error[data-for=quota_tokens]")
+        assert page.text_content(f"#key-form .field-error[data-for={name}]"), name
+    assert "quota_tokens" in page.text_content("#key-form .field-error[data-for=quota_tokens]")
     assert page.get_attribute("#key-rpm", "aria-invalid") == "true" and key_count() == before
     page.fill("#key-name", "made-in-the-console")
     page.fill("#key-quota", "50000")
@@ -203,6 +205,10 @@ def test_an_admin_creates_a_key_that_works_at_once_edits_it_and_revokes_it(brows
     page.fill("#key-rpm", "30")
     page.click("#key-submit")
     page.wait_for_function("() => document.querySelector('#keys-status').textContent.includes('saved')")
+    # Where its quota stands now: the tokens of the request just made, what is left, when it resets.
+    page.wait_for_function("() => /of 50,000 used today \\(UTC\\); [0-9,]+ left, resets /.test("
+                           "[...document.querySelectorAll('#keys-table tbody tr')].find((r) => r.textContent.includes("
+                           "'made-in-the-console'))?.querySelector('td.quota').textContent)")  # fmt: skip
     browser.shoot("keys")
     row.get_by_role("button", name="Revoke made-in-the-console").click()
     page.wait_for_function("() => document.querySelector('#keys-status').textContent.includes('revoked')")
@@ -295,7 +301,7 @@ def test_an_async_answer_is_decrypted_in_the_page_and_the_server_keeps_no_plaint
     files = b"".join(p.read_bytes() for p in browser.server.data_dir.glob("llmserver.db*"))  # SQLite's pages too
     assert answer[:10] not in jobs and answer[:10].encode() not in files
     assert answer[:10] not in browser.server.log()
-    assert any("/console/assets/vendor/libsodium.js" in u for u in browser.requests)
+    assert any(re.search(r"/console/assets/[0-9a-f]{16}/vendor/libsodium\.js$", u) for u in browser.requests)
 
 
 def test_the_usage_page_charts_the_requests_just_made(browser: Browser) -> None:
@@ -356,6 +362,17 @@ def test_page_weight_and_first_render(browser: Browser) -> None:
     assert wait_for(lambda: page.is_visible("#sign-in-form"), 2)
 
 
+def refusals(url: str, headers: dict[str, str]) -> Callable[[dict[str, str], int, str, str | None], None]:
+    """A check that a GET of `url` with these query parameters is refused with this status, type and param."""
+
+    def refused(params: dict[str, str], status: int, kind: str, param: str | None) -> None:
+        answer = httpx.get(url, params=params, headers=headers)
+        assert answer.status_code == status, answer.text
+        assert answer.json()["error"]["type"] == kind and answer.json()["error"].get("param") == param
+
+    return refused
+
+
 def test_me_and_usage_series_answer_with_their_limits(server: Server) -> None:
     key = user_key(server, "series")
     headers = {"Authorization": f"Bearer {key}"}
@@ -381,11 +398,7 @@ def test_me_and_usage_series_answer_with_their_limits(server: Server) -> None:
     assert sum(p["errors"] for p in points()) == 0 and sum(p["requests"] for p in points()) == 3
     assert all((p["start"] + 330 * 60) % 86400 == 0 for p in series["points"])  # local midnight at +05:30
 
-    def refused(params: dict[str, str], status: int, kind: str, param: str | None) -> None:
-        answer = httpx.get(server.url + "/api/usage/series", params=params, headers=headers)
-        assert answer.status_code == status, answer.text
-        assert answer.json()["error"]["type"] == kind and answer.json()["error"].get("param") == param
-
+    refused = refusals(server.url + "/api/usage/series", headers)
     refused({"bucket": "week"}, 400, "invalid_request_error", "bucket")
     refused({"offset_minutes": "841"}, 400, "invalid_request_error", "offset_minutes")
     refused({"bucket": "hour", "since": "0"}, 400, "invalid_request_error", "bucket")  # over 2,000 buckets
@@ -546,7 +559,7 @@ def test_no_page_has_a_serious_accessibility_violation_light_or_dark(browser: Br
     page.wait_for_selector("#instances-table tbody tr")
     for scheme in ("light", "dark"):
         page.emulate_media(color_scheme=scheme)
-        for tab in ("overview", "keys", "usage", "playground"):
+        for tab in ("overview", "models", "keys", "usage", "playground"):
             page.click(f"#tabs button[data-tab={tab}]")
             page.wait_for_selector(f"#{tab}:not([hidden])")
             found[f"{tab} ({scheme})"] = axe.violations(page)
@@ -562,7 +575,7 @@ def test_every_page_fits_a_phone_and_row_actions_stay_in_reach(browser: Browser)
     page.click("#sign-in-form button[type=submit]")
     page.wait_for_selector("#instances-table tbody tr")
     wide = {}
-    for tab in ("overview", "keys", "usage", "playground"):
+    for tab in ("overview", "models", "keys", "usage", "playground"):
         page.click(f"#tabs button[data-tab={tab}]")
         page.wait_for_selector(f"#{tab}:not([hidden])")
         page.wait_for_timeout(300)  # the charts are drawn at the width they are given
@@ -609,3 +622,244 @@ def test_answers_render_as_markdown_and_html_in_them_stays_text(browser: Browser
     links = page.eval_on_selector_all(f"{output} a", "links => links.map((a) => [a.textContent, a.href, a.rel])")
     assert links == [["docs", "https://example.org/x", "noopener noreferrer nofollow"]]  # javascript: stays text
     print(f"console.js: {len((ROOT / 'console.js').read_bytes()) / 1024:.1f} KiB with its Markdown renderer")
+
+
+def test_versioned_assets_are_kept_a_year_and_the_page_revalidated(server: Server) -> None:
+    page = httpx.get(server.url + "/console")
+    names = re.findall(r'"/console/assets/([0-9a-f]{16})/([a-z.]+)"', page.text)
+    assert {name for _, name in names} == {"favicon.svg", "console.css", "console.js"}
+    version = names[0][0]
+    assert {v for v, _ in names} == {version} and version == console.version()
+    for _, name in names:
+        asset = httpx.get(f"{server.url}/console/assets/{version}/{name}")
+        assert asset.status_code == 200 and asset.content == (ROOT / name).read_bytes()
+        assert asset.headers["cache-control"] == "public, max-age=31536000, immutable"
+        assert "content-security-policy" in asset.headers
+    # A page loaded before an upgrade names an older version: the current file, revalidated, never kept.
+    older = httpx.get(f"{server.url}/console/assets/{'0' * 16}/console.js")
+    assert older.status_code == 200 and older.headers["cache-control"] == "no-cache"
+    assert httpx.get(server.url + "/console/assets/console.js").headers["cache-control"] == "no-cache"
+    assert httpx.get(f"{server.url}/console/assets/{version}/nothing.js").status_code == 404
+    # The page itself: revalidated every load, a 304 while no asset changed.
+    assert page.headers["cache-control"] == "no-cache"
+    again = httpx.get(server.url + "/console", headers={"If-None-Match": page.headers["etag"]})
+    assert again.status_code == 304 and again.content == b""
+
+
+def test_the_assets_version_changes_with_any_assets_bytes(tmp_path: Path) -> None:
+    folder = tmp_path / "static"
+    shutil.copytree(ROOT, folder)
+    first = console.version(folder)
+    (folder / "index.html").write_text("changed")  # the page names the version: not part of it
+    assert console.version(folder) == first
+    (folder / "console.css").write_bytes((folder / "console.css").read_bytes() + b"\n")
+    assert console.version(folder) != first
+
+
+def test_tabs_are_one_tab_stop_and_arrow_keys_move_between_them(browser: Browser) -> None:
+    page = browser.open(ADMIN)
+    page.wait_for_selector("#overview:not([hidden])")
+    stops = (
+        "() => [...document.querySelectorAll('#tabs button')].filter((b) => b.tabIndex === 0).map((b) => b.dataset.tab)"
+    )
+    assert page.evaluate(stops) == ["overview"]
+    page.focus("#tabs button[data-tab=overview]")
+    focused = "document.activeElement.dataset.tab"
+    for key, tab in (("ArrowRight", "models"), ("End", "playground"), ("ArrowRight", "overview"),
+                     ("ArrowLeft", "playground"), ("Home", "overview"), ("ArrowRight", "models")):  # fmt: skip
+        page.keyboard.press(key)
+        page.wait_for_selector(f"#{tab}:not([hidden])")
+        assert page.evaluate(focused) == tab and page.url.endswith(f"#/{tab}"), key
+        assert page.get_attribute(f"#tabs button[data-tab={tab}]", "aria-selected") == "true"
+        assert page.evaluate(stops) == [tab]
+    # A user key's tab list skips the admin pages it does not have.
+    page.click("#sign-out")
+    browser.open(user_key(browser.server, "arrows"))
+    page.focus("#tabs button[data-tab=playground]")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_selector("#usage:not([hidden])")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_selector("#playground:not([hidden])")
+
+
+def catalog(server: Server, name: str) -> httpx.Response:
+    return httpx.get(f"{server.url}/api/models/{name}", headers={"Authorization": f"Bearer {ADMIN}"})
+
+
+def test_the_models_page_adds_scales_edits_and_removes_a_model_with_problems_at_their_fields(browser: Browser) -> None:
+    page = browser.open(ADMIN)
+    page.click("#tabs button[data-tab=models]")
+    served = page.locator(f"#catalog-table tr[data-model='{MODEL}']")
+    served.locator(".badge.ready").first.wait_for()
+    assert served.get_by_role("button", name=f"Edit {MODEL}").is_disabled()  # from the config file: changed there
+    assert "127.0.0.1:" in served.text_content() and served.locator("td").nth(2).text_content() == "file"
+
+    def error_at(field: str) -> str:
+        return str(page.text_content(f"#model-form .field-error[data-for={field}]"))
+
+    # Every problem the page can see, at once, before anything is sent.
+    page.fill("#model-min", "100")
+    page.fill("#model-more", "{oops")
+    page.click("#model-submit")
+    assert error_at("name") and "0 to 64" in error_at("min_instances") and error_at("more").startswith("Not JSON")
+    assert page.get_attribute("#model-min", "aria-invalid") == "true"
+    # What only the server knows, at the field it names: the API's own message.
+    page.fill("#model-name", "has a space")
+    page.fill("#model-min", "0")
+    page.fill("#model-more", "")
+    page.click("#model-submit")
+    refused = httpx.post(browser.server.url + "/api/models", json={"name": "has a space", "min_instances": 0},
+                         headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "name"
+    page.wait_for_function("() => document.querySelector('#model-form .field-error[data-for=name]').textContent !== ''")
+    assert error_at("name") == refused.json()["error"]["message"]
+    page.fill("#model-name", "console-added")
+    page.fill("#model-more", '{"no_such_setting": 1}')
+    page.click("#model-submit")
+    page.wait_for_function("() => document.querySelector('#model-form .field-error[data-for=more]').textContent !== ''")
+    assert error_at("more") == "Unrecognized request argument supplied: no_such_setting"
+    assert catalog(browser.server, "console-added").status_code == 404  # nothing added by the refusals
+    # Added, with no instance kept; then scaled to one, which starts and serves.
+    page.fill("#model-more", '{"cache_ram_mb": 0}')
+    page.fill("#model-ctx", "512")
+    page.fill("#model-parallel", "1")
+    page.click("#model-submit")
+    added = page.locator("#catalog-table tr[data-model='console-added']")
+    added.wait_for()
+    assert "0 ready of 0 (0\u20131)" in added.text_content() and added.locator("td").nth(2).text_content() == "api"
+    added.get_by_role("button", name="Keep one instance more of console-added running").click()
+    added.locator(".badge.ready").first.wait_for(timeout=60_000)
+    assert catalog(browser.server, "console-added").json()["settings"]["min_instances"] == 1
+    asked = {"model": "console-added", "prompt": "hi", "max_tokens": 2}
+    answer = httpx.post(
+        browser.server.url + "/api/generate", json=asked, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60
+    )
+    assert answer.status_code == 200, answer.text
+    browser.shoot("models")
+    added.get_by_role("button", name="Edit console-added").click()
+    assert page.input_value("#model-ctx") == "512" and page.is_disabled("#model-name")
+    page.fill("#model-ctx", "768")
+    page.click("#model-submit")
+    page.wait_for_function("() => document.querySelector('#catalog-status').textContent.includes('saved')")
+    settings = catalog(browser.server, "console-added").json()
+    assert (settings["settings"]["ctx_size"], settings["settings"]["min_instances"], settings["revision"]) == (
+        768,
+        1,
+        3,
+    )
+    added.get_by_role("button", name="Remove console-added").click()
+    page.wait_for_function("() => !document.querySelector(\"#catalog-table tr[data-model='console-added']\")")
+    assert browser.dialogs[-1].startswith("Remove the model console-added?")
+    assert catalog(browser.server, "console-added").status_code == 404
+    names = httpx.get(browser.server.url + "/v1/models", headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
+    assert [m["id"] for m in names] == [MODEL]
+
+
+def test_the_usage_page_shows_each_key_and_model_the_quota_and_pages_the_request_log(browser: Browser) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    made = httpx.post(browser.server.url + "/api/keys", headers=admin,
+                      json={"name": "logged", "quota_tokens": 90000, "quota_period": "day"}).json()  # fmt: skip
+    key, key_id = made["key"], made["id"]
+    for i in range(27):
+        answer = httpx.post(browser.server.url + "/api/generate", json={"prompt": f"n{i}", "max_tokens": 1},
+                            headers={"Authorization": f"Bearer {key}"}, timeout=60)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+    page = browser.open(ADMIN)
+    page.click("#tabs button[data-tab=usage]")
+    page.wait_for_selector(f"#usage-keys tr[data-key='{key_id}']")  # all keys: a row per key
+    row = page.locator(f"#usage-keys tr[data-key='{key_id}']")
+    assert row.locator("td").nth(0).text_content() == "logged" and row.locator("td").nth(1).text_content() == "27"
+    assert re.search(
+        r"of 90,000 used today \(UTC\); [\d,]+ left, resets ", row.locator("td.quota").text_content() or ""
+    )
+    page.select_option("#usage-key", key_id)
+    page.wait_for_function("() => document.querySelector('#usage-status').textContent.startsWith('27 requests')")
+    assert page.is_hidden("#usage-keys-part")  # one key: its quota above, no per-key table
+    assert page.text_content("#usage-quota").startswith("Quota of logged: ")
+    assert page.locator("#usage-models tbody tr").count() == 1
+    assert page.text_content("#usage-models tbody td:nth-child(2)") == "27"
+    # The request log, newest first, 25 a page: the first page, the next (2 more), and back.
+    page.select_option("#log-size", "25")
+    page.wait_for_function("() => document.querySelectorAll('#log-table tbody tr').length === 25")
+    assert page.text_content("#log-status-line").startswith("Requests 1\u201325, newest first")
+    logged = httpx.get(
+        browser.server.url + "/api/usage/requests", params={"key": key_id, "limit": 27}, headers=admin
+    ).json()
+    ids = [
+        int(i) for i in page.eval_on_selector_all("#log-table tbody tr", "rows => rows.map((r) => r.dataset.request)")
+    ]
+    assert ids == [r["id"] for r in logged["data"][:25]]
+    first = page.locator("#log-table tbody tr").first
+    assert first.locator("td").nth(1).text_content() == "logged" and first.locator("td").nth(4).text_content() == "ok"
+    assert first.locator("td").nth(9).text_content() == logged["data"][0]["instance_id"]
+    page.click("#log-older")
+    page.wait_for_function("() => document.querySelectorAll('#log-table tbody tr').length === 2")
+    assert page.text_content("#log-status-line").startswith("Requests 26\u201327") and page.is_disabled("#log-older")
+    browser.shoot("usage-log")
+    page.click("#log-newer")
+    page.wait_for_function("() => document.querySelectorAll('#log-table tbody tr').length === 25")
+    assert page.is_disabled("#log-newer")
+    page.select_option("#log-status", "cancelled")
+    page.wait_for_function("() => document.querySelector('#log-status-line').textContent === 'No requests match.'")
+
+
+def test_the_request_log_and_quota_standing_answer_with_their_limits(server: Server) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    made = httpx.post(server.url + "/api/keys", headers=admin,
+                      json={"name": "log-api", "quota_tokens": 90000, "quota_period": "day"}).json()  # fmt: skip
+    headers = {"Authorization": f"Bearer {made['key']}"}
+    for prompt in ("a", "b", "c"):
+        assert (
+            httpx.post(
+                server.url + "/api/generate", json={"prompt": prompt, "max_tokens": 2}, headers=headers
+            ).status_code
+            == 200
+        )
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count to 500."}],
+        "stream": True,
+        "max_tokens": 400,
+    }
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as stream:
+        next(stream.iter_lines())  # then gone: a cancelled request
+
+    def log(**params: Any) -> dict[str, Any]:
+        answer = httpx.get(server.url + "/api/usage/requests", params=params, headers=headers)
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+    assert wait_for(lambda: len(log()["data"]) == 4, 30)
+    newest = log(limit=3)
+    assert len(newest["data"]) == 3 and newest["has_more"] is True
+    rest = log(limit=3, before=newest["next_before"])
+    assert len(rest["data"]) == 1 and rest["has_more"] is False and rest["next_before"] is None
+    everything = newest["data"] + rest["data"]
+    assert [r["id"] for r in everything] == sorted((r["id"] for r in everything), reverse=True)
+    assert [r["status"] for r in everything] == ["cancelled", "ok", "ok", "ok"]
+    assert everything[0]["outcome"] == "client_closed" and everything[0]["endpoint"] == "/v1/chat/completions"
+    assert {r["key"] for r in everything} == {made["id"]} and all(r["instance_id"] for r in everything[1:])
+    assert len(log(status="ok")["data"]) == 3 and len(log(status="error")["data"]) == 0
+    assert len(log(model=MODEL)["data"]) == 4 and log(model="no-such-model")["data"] == []
+    # Where its quota stands: the same on /api/me and in the admin's key list, once nothing is in flight.
+    me = httpx.get(server.url + "/api/me", headers=headers).json()
+    assert wait_for(lambda: httpx.get(server.url + "/api/me", headers=headers).json()["quota"]["reserved"] == 0, 30)
+    me = httpx.get(server.url + "/api/me", headers=headers).json()
+    quota = me["quota"]
+    assert quota["used"] > 0 and quota["used"] + quota["left"] == 90000 and quota["period"] == "day"
+    tomorrow = time.gmtime(time.time() + 86400)
+    assert quota["resets_at"] == time.strftime("%Y-%m-%dT00:00:00+00:00", tomorrow)
+    listed = httpx.get(server.url + "/api/keys", headers=admin).json()["data"]
+    assert next(k for k in listed if k["id"] == made["id"])["quota"] == quota
+    assert httpx.get(server.url + "/api/me", headers=admin).json()["quota"] is None  # no quota: none to show
+
+    refused = refusals(server.url + "/api/usage/requests", headers)
+    refused({"limit": "0"}, 400, "invalid_request_error", "limit")
+    refused({"limit": "501"}, 400, "invalid_request_error", "limit")
+    refused({"status": "failed"}, 400, "invalid_request_error", "status")
+    refused({"before": "0"}, 400, "invalid_request_error", "before")
+    refused({"before": "newest"}, 400, "invalid_request_error", "before")
+    refused({"before": str(2**63)}, 400, "invalid_request_error", "before")  # past a database's integers
+    refused({"since": "yesterday"}, 400, "invalid_request_error", "since")
+    refused({"key": "*"}, 403, "permission_error", None)
+    refused({"key": "key_of_someone_else"}, 403, "permission_error", None)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from llmserver.store import Store, UsageBatch
+from llmserver.store import LedgerQuery, Store, UsageBatch
 from llmserver.store.migrations import POSTGRES
 from tests.auth.test_quota import with_store as run
 
@@ -46,6 +46,39 @@ def test_usage_retention_and_speed_buckets(database_url: str) -> None:
         await store.record(UsageBatch(speeds=[("m", 11, 3.0, 1.0)]))  # another gateway, the same minute
         assert sorted(await store.speed_since(11, prune=False)) == [("m", 11, 10, 3.0)]
         assert len(await store.speed_since(0)) == 2
+
+    run(database_url, test)
+
+
+def test_the_request_log_pages_newest_first_with_filters(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        def row(i: int, key: str, model: str, outcome: str) -> dict[str, object]:
+            return {
+                "time": 1000.0 + i, "key_id": key, "model": model, "instance_id": f"inst-{i}", "endpoint": "/x",
+                "prompt_tokens": i, "completion_tokens": 1, "latency_ms": 2.0, "ttft_ms": 1.0, "tokens_per_second": 5.0,
+                "outcome": outcome,
+            }  # fmt: skip
+
+        outcomes = ["ok", "client_closed", "server_error", "ok", "rate_limit_error", "ok"]
+        await store.record(
+            UsageBatch(rows=[row(i, "a" if i % 2 else "b", "m1" if i < 4 else "m2", o) for i, o in enumerate(outcomes)])
+        )
+
+        async def page(**query: object) -> list[int]:
+            return [int(r["prompt_tokens"]) for r in await store.usage_page(LedgerQuery(**query))]  # type: ignore[arg-type,call-overload]
+
+        assert await page() == [5, 4, 3, 2, 1, 0]
+        assert await page(limit=2) == [5, 4]
+        newest = await store.usage_page(LedgerQuery(limit=2))
+        assert await page(limit=2, before=newest[-1]["id"]) == [3, 2]  # the next page, by id
+        assert await page(key_id="a") == [5, 3, 1]
+        assert await page(model="m2") == [5, 4]
+        assert await page(status="ok") == [5, 3, 0]
+        assert await page(status="cancelled") == [1]
+        assert await page(status="error") == [4, 2]  # neither ok nor the client's own leaving
+        assert await page(since=1002.0, until=1004.0) == [3, 2]  # [since, until)
+        assert await page(key_id="a", model="m1", status="ok") == [3]
+        assert await page(key_id="nobody") == []
 
     run(database_url, test)
 

@@ -21,6 +21,7 @@ from starlette.routing import BaseRoute
 
 from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED
 from llmserver.auth.keys import KeyService, Principal
+from llmserver.auth.quota import QuotaService
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied
@@ -74,6 +75,11 @@ def generation(request: Request) -> GenerationService:
 
 def embeddings(request: Request) -> EmbeddingService:
     value: EmbeddingService = request.app.state.embeddings
+    return value
+
+
+def quota(request: Request) -> QuotaService:
+    value: QuotaService = request.app.state.quota
     return value
 
 

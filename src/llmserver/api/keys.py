@@ -1,8 +1,9 @@
-"""The key admin API (/api/keys, admin only), the caller's own key (/api/me) and usage summaries
-(/api/usage, /api/usage/series)."""
+"""The key admin API (/api/keys, admin only), the caller's own key (/api/me), usage summaries
+(/api/usage, /api/usage/series) and the request log (/api/usage/requests)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 from typing import Any
@@ -11,11 +12,21 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserver.api.deps import admin_body, authenticate, keys, recorder, require_admin, settings, store, validate
+from llmserver.api.deps import (
+    admin_body,
+    authenticate,
+    keys,
+    quota,
+    recorder,
+    require_admin,
+    settings,
+    store,
+    validate,
+)
 from llmserver.auth.keys import Principal, describe, limit_fields
 from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
-from llmserver.metrics.usage import parse_time, series, summarise
-from llmserver.store import KeyLimits
+from llmserver.metrics.usage import CLIENT_CLOSED, parse_time, series, summarise
+from llmserver.store import STATUSES, KeyLimits, LedgerQuery
 
 router = APIRouter()
 
@@ -41,8 +52,16 @@ class CreateKey(Limits):
 
 @router.get("/api/keys")
 async def list_keys(request: Request) -> dict[str, Any]:
+    """Every key, and where each with a quota stands in its current window."""
     await require_admin(request)
-    return {"object": "list", "data": [describe(k) for k in await keys(request).list()]}
+    records = await keys(request).list()
+    quotas = quota(request)
+    standing = await asyncio.gather(*(quotas.standing(k.id, k.limits) for k in records if k.revoked_at is None))
+    live = iter(standing)
+    return {
+        "object": "list",
+        "data": [{**describe(k), "quota": next(live) if k.revoked_at is None else None} for k in records],
+    }
 
 
 @router.post("/api/keys", status_code=201, response_model=None)
@@ -116,6 +135,7 @@ async def me(request: Request) -> dict[str, Any]:
         "fingerprint": principal.fingerprint,
         "admin": principal.is_admin,
         **limit_fields(principal.limits),
+        "quota": await quota(request).standing(principal.key_id, principal.limits),
         # The server's request limits, for clients that check inputs before sending them.
         "server": {
             "max_tokens_limit": config.max_tokens_limit,
@@ -150,3 +170,64 @@ async def usage_series(
     start = parse_time(since, end - 30 * 86400, "since")
     await recorder(request).flush()
     return await series(store(request), wanted, start, end, BUCKETS[bucket], offset_minutes)
+
+
+MAX_PAGE = 500
+
+
+@router.get("/api/usage/requests")
+async def usage_requests(
+    request: Request,
+    key: str | None = None,
+    model: str | None = None,
+    status: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
+    before: int | None = None,
+    limit: int = 50,
+) -> dict[str, Any]:
+    """The request log: the ledger's rows, newest first, `limit` at a time; the next page is asked for
+    with `before` set to this page's `next_before`. Filters: `model`, `status` (ok, error: the server's
+    or the request's fault, cancelled: its client went away), `since`/`until`; the same rules for `key`
+    as /api/usage."""
+    wanted = _usage_of(await authenticate(request), key)
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}.", param="limit")
+    if status is not None and status not in STATUSES:
+        raise InvalidRequest(f"status must be one of {', '.join(STATUSES)}.", param="status")
+    if before is not None and not 1 <= before < 2**63:
+        raise InvalidRequest("before must be a request's id from a previous page (1 or more).", param="before")
+    query = LedgerQuery(
+        key_id=wanted,
+        model=model or None,
+        status=status,
+        since=parse_time(since, 0.0, "since"),
+        until=parse_time(until, time.time() + 1, "until"),
+        before=before,
+        limit=limit + 1,  # one more: whether there is a next page
+    )
+    await recorder(request).flush()
+    rows = await store(request).usage_page(query)
+    page = [_logged(row) for row in rows[:limit]]
+    more = len(rows) > limit
+    return {"object": "list", "data": page, "has_more": more, "next_before": page[-1]["id"] if more else None}
+
+
+def _logged(row: dict[str, object]) -> dict[str, Any]:
+    outcome = str(row["outcome"])
+    status = "ok" if outcome == "ok" else "cancelled" if outcome == CLIENT_CLOSED else "error"
+    return {
+        "id": row["id"],
+        "time": row["time"],
+        "key": row["key_id"],
+        "model": row["model"],
+        "endpoint": row["endpoint"],
+        "instance_id": row["instance_id"],
+        "status": status,
+        "outcome": outcome,
+        "prompt_tokens": row["prompt_tokens"],
+        "completion_tokens": row["completion_tokens"],
+        "latency_ms": row["latency_ms"],
+        "ttft_ms": row["ttft_ms"],
+        "tokens_per_second": row["tokens_per_second"],
+    }

@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from llmserver.auth.keys import Principal
 from llmserver.errors import APIError
-from llmserver.store import QuotaStore, Settlement
+from llmserver.store import KeyLimits, QuotaStore, Settlement
 
 Clock = Callable[[], float]
 
@@ -125,6 +126,22 @@ class QuotaService:
         return Settlement(
             reservation.key_id, reservation.window.start, self.gateway_id, reservation.amount, max(0, used)
         )
+
+    async def standing(self, key_id: str, limits: KeyLimits) -> dict[str, Any] | None:
+        """Where a key stands in its quota's current window (None: no quota): what the console shows."""
+        if limits.quota_tokens is None or limits.quota_period is None:
+            return None
+        current = window(limits.quota_period, self._clock())
+        used, reserved = await self._store.quota_counts(key_id, current.start)
+        return {
+            "limit": limits.quota_tokens,
+            "period": limits.quota_period,
+            "window": current.start,
+            "used": used,
+            "reserved": reserved,  # held by requests in flight, on every gateway
+            "left": max(0, limits.quota_tokens - used - reserved),
+            "resets_at": current.resets_at.isoformat() if current.resets_at is not None else None,
+        }
 
     async def exhausted(self, principal: Principal) -> None:
         """429 when the key's quota has nothing left in this window (a check that needs no request)."""

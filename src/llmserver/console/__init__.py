@@ -1,8 +1,9 @@
 """The web console: one page (`GET /console`) and its assets, all from the installed package.
 
 The page is static: it signs in with an API key kept in the tab's sessionStorage and calls the same
-HTTP API as any client (/api/me, /api/instances, /api/keys, /api/usage/series, /v1/models,
-/v1/chat/completions, /api/generate in async mode). Nothing comes from the internet at run time:
+HTTP API as any client (/api/me, /api/instances, /api/models, /api/keys, /api/usage,
+/api/usage/series, /api/usage/requests, /v1/models, /v1/chat/completions, /api/generate in async
+mode). Nothing comes from the internet at run time:
 the one third-party asset, libsodium's JavaScript build (for decrypting async results in the
 browser), is fetched from npm's registry by scripts/setup.sh into `static/vendor/` and checked
 against its published hash (scripts/fetch_assets.py).
@@ -10,10 +11,12 @@ against its published hash (scripts/fetch_assets.py).
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 
-from fastapi import FastAPI
-from fastapi.responses import FileResponse, RedirectResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -47,19 +50,59 @@ class _Headers:
         await self.app(scope, receive, with_headers)
 
 
+def version(folder: Path = STATIC) -> str:
+    """The assets' version: a hash of every file's name and bytes (index.html's own aside), so that
+    any change to any asset gives every asset URL a new name."""
+    digest = hashlib.blake2b(digest_size=8)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "index.html"):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+VERSIONED = re.compile(r"/([0-9a-f]{16})(/.*)")
+
+
+class _Versioned:
+    """/console/assets/<version>/<file>: the file, kept by browsers for a year unasked when <version> is
+    the current one (the page names it, so a new build is fetched under a new name at once); under any
+    other version (a page loaded before an upgrade) the current file, revalidated. Unversioned names
+    (/console/assets/<file>) stay, revalidated on each use."""
+
+    def __init__(self, app: ASGIApp, current: str) -> None:
+        self.app, self.current = app, current
+        self.immutable = [*HEADERS, (b"cache-control", b"public, max-age=31536000, immutable")]
+        self.revalidated = [*HEADERS, (b"cache-control", b"no-cache")]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        root = scope.get("root_path", "")
+        path = scope["path"][len(root) :] if scope["path"].startswith(root) else scope["path"]
+        headers = self.revalidated
+        found = VERSIONED.fullmatch(path)
+        if found is not None:
+            if found[1] == self.current:
+                headers = self.immutable
+            scope = {**scope, "path": root + found[2]}
+        await _Headers(self.app, headers)(scope, receive, send)
+
+
 def install(app: FastAPI) -> None:
-    page = STATIC / "index.html"
+    current = version()
+    # The page names its assets under their version; it is itself revalidated on every load (its ETag
+    # changes with any asset), so a new build reaches a browser on its next load.
+    page = (STATIC / "index.html").read_text().replace("/console/assets/", f"/console/assets/{current}/").encode()
+    etag = f'"{hashlib.blake2b(page, digest_size=8).hexdigest()}"'
+    page_headers = {"Cache-Control": "no-cache", "ETag": etag, **{k.decode(): v.decode() for k, v in HEADERS}}
 
     @app.get("/console", include_in_schema=False)
-    async def console() -> FileResponse:
-        return FileResponse(page, headers={"Cache-Control": "no-cache", **{k.decode(): v.decode() for k, v in HEADERS}})
+    async def console(request: Request) -> Response:
+        if etag in (request.headers.get("if-none-match") or ""):
+            return Response(status_code=304, headers=page_headers)
+        return Response(page, media_type="text/html; charset=utf-8", headers=page_headers)
 
     @app.get("/console/", include_in_schema=False)
     async def console_slash() -> RedirectResponse:
         return RedirectResponse("/console")
 
-    # Compressed for clients that take gzip (libsodium.js: 639 kB, 232 kB gzipped); kept by the browser but
-    # revalidated on each use (ETag, Last-Modified: a 304 costs no body), since their names carry no version.
+    # Compressed for clients that take gzip (libsodium.js: 639 kB, 232 kB gzipped).
     assets = GZipMiddleware(StaticFiles(directory=STATIC), minimum_size=1024, compresslevel=6)
-    revalidated = [*HEADERS, (b"cache-control", b"no-cache")]
-    app.mount("/console/assets", _Headers(assets, revalidated), name="console-assets")
+    app.mount("/console/assets", _Versioned(assets, current), name="console-assets")

@@ -36,6 +36,7 @@ def parse_time(value: str | None, default: float, param: str) -> float:
 async def summarise(store: UsageStore, key_id: str | None, since: float, until: float) -> dict[str, Any]:
     rows = await store.usage_rows(key_id, since, until)
     by_model: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.Counter())
+    by_key: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.Counter())
     by_outcome: collections.Counter[str] = collections.Counter()
     prompt = completion = 0
     for row in rows:
@@ -45,6 +46,11 @@ async def summarise(store: UsageStore, key_id: str | None, since: float, until: 
         model["requests"] += 1
         model["prompt_tokens"] += p
         model["completion_tokens"] += c
+        if key_id is None:
+            of_key = by_key[str(row["key_id"])]
+            of_key["requests"] += 1
+            of_key["prompt_tokens"] += p
+            of_key["completion_tokens"] += c
         by_outcome[str(row["outcome"])] += 1
     return {
         "key": key_id,
@@ -56,6 +62,7 @@ async def summarise(store: UsageStore, key_id: str | None, since: float, until: 
         "total_tokens": prompt + completion,
         "by_model": {name: dict(counts) for name, counts in by_model.items()},
         "by_outcome": dict(by_outcome),
+        **({"by_key": {key: dict(counts) for key, counts in by_key.items()}} if key_id is None else {}),
     }
 
 

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from llmserver.store.interfaces import (
     NO_LIMITS,
+    STATUSES,
     CatalogEntry,
     CatalogStore,
     GatewayHolder,
@@ -21,6 +22,7 @@ from llmserver.store.interfaces import (
     KeyLimits,
     KeyRecord,
     KeyStore,
+    LedgerQuery,
     OutboxItem,
     OutboxStore,
     QuotaGrant,
@@ -35,6 +37,7 @@ from llmserver.store.interfaces import (
 
 __all__ = [
     "NO_LIMITS",
+    "STATUSES",
     "CatalogEntry",
     "CatalogStore",
     "GatewayHolder",
@@ -44,6 +47,7 @@ __all__ = [
     "KeyLimits",
     "KeyRecord",
     "KeyStore",
+    "LedgerQuery",
     "OutboxItem",
     "OutboxStore",
     "QuotaGrant",

@@ -11,6 +11,7 @@ requests had produced, its running jobs failed. Never anyone else's.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -92,6 +93,41 @@ class UsageBatch:
         return bool(self.rows or self.speeds or self.settlements)
 
 
+# The ledger's outcomes a request log filters on: a request its client gave up on is no error of the server's.
+STATUSES = ("ok", "error", "cancelled")
+
+
+@dataclass(frozen=True)
+class LedgerQuery:
+    """A page of the usage ledger: rows in [since, until) of a key (None: all), a model and a status
+    (`STATUSES`), those with an id below `before` (the previous page's last), `limit` of them."""
+
+    key_id: str | None = None
+    model: str | None = None
+    status: str | None = None
+    since: float = 0.0
+    until: float = float("inf")
+    before: int | None = None
+    limit: int = 50
+
+    def where(self, mark: Callable[[object], str]) -> str:
+        """The SQL condition, each value placed by `mark` (which returns its placeholder)."""
+        terms = [f"time >= {mark(self.since)}", f"time < {mark(self.until)}"]
+        if self.key_id is not None:
+            terms.append(f"key_id = {mark(self.key_id)}")
+        if self.model is not None:
+            terms.append(f"model = {mark(self.model)}")
+        if self.before is not None:
+            terms.append(f"id < {mark(self.before)}")
+        if self.status == "ok":
+            terms.append("outcome = 'ok'")
+        elif self.status == "cancelled":
+            terms.append("outcome = 'client_closed'")
+        elif self.status == "error":
+            terms.append("outcome NOT IN ('ok', 'client_closed')")
+        return " AND ".join(terms)
+
+
 def failure_webhook(tracking_id: str, error: str) -> str:
     """The webhook payload of a job a sweep failed (`error`: its stored error body, JSON), as the
     runner sends for any failed job."""
@@ -147,6 +183,10 @@ class UsageStore(Protocol):
         ...
 
     async def usage_rows(self, key_id: str | None, since: float, until: float) -> list[dict[str, object]]: ...
+
+    async def usage_page(self, query: LedgerQuery) -> list[dict[str, object]]:
+        """Ledger rows matching `query`, newest first (by id), at most `query.limit` of them."""
+        ...
 
     async def delete_usage_before(self, moment: float) -> int: ...
 

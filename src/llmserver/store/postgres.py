@@ -26,6 +26,7 @@ from llmserver.store.interfaces import (
     JobRecord,
     KeyLimits,
     KeyRecord,
+    LedgerQuery,
     OutboxItem,
     QuotaGrant,
     SchemaError,
@@ -280,6 +281,17 @@ class PostgresStore:
             query += " AND key_id = $3"
             params.append(key_id)
         return [dict(row) for row in await self._fetch(query + " ORDER BY time, id", *params)]
+
+    async def usage_page(self, query: LedgerQuery) -> list[dict[str, object]]:
+        params: list[object] = []
+
+        def mark(value: object) -> str:
+            params.append(value)
+            return f"${len(params)}"
+
+        where = query.where(mark)
+        sql = f"SELECT * FROM usage_ledger WHERE {where} ORDER BY id DESC LIMIT ${len(params) + 1}"
+        return [dict(row) for row in await self._fetch(sql, *params, query.limit)]
 
     async def delete_usage_before(self, moment: float) -> int:
         return _count(await self._execute("DELETE FROM usage_ledger WHERE time < $1", moment))

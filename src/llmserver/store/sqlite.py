@@ -24,6 +24,7 @@ from llmserver.store.interfaces import (
     JobRecord,
     KeyLimits,
     KeyRecord,
+    LedgerQuery,
     OutboxItem,
     QuotaGrant,
     SchemaError,
@@ -236,6 +237,20 @@ class SQLiteStore:
             params.append(key_id)
         rows = self._db.execute(query + " ORDER BY time", params).fetchall()
         return [dict(row) for row in rows]
+
+    @_in_thread
+    def usage_page(self, query: LedgerQuery) -> list[dict[str, object]]:
+        params: list[object] = []
+
+        def mark(value: object) -> str:
+            params.append(value)
+            return "?"
+
+        where = query.where(mark)
+        rows = self._db.execute(
+            f"SELECT * FROM usage_ledger WHERE {where} ORDER BY id DESC LIMIT ?", [*params, query.limit]
+        )
+        return [dict(row) for row in rows.fetchall()]
 
     @_in_thread
     def delete_usage_before(self, moment: float) -> int:

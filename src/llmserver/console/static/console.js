@@ -4,7 +4,8 @@
 const KEY_SLOT = "llmserver.key";
 const $ = (selector, root = document) => root.querySelector(selector);
 const state = { me: null, tab: null, timer: null, rows: [], abort: null, sodium: null, conversation: [], session: null };
-const PAGES = ["overview", "keys", "usage", "playground"];
+const PAGES = ["overview", "models", "keys", "usage", "playground"];
+const ADMIN_PAGES = ["overview", "models", "keys"];
 
 // ---- HTTP -------------------------------------------------------------------------------------
 
@@ -64,6 +65,15 @@ function say(id, text, isError = false) {
   node.classList.toggle("error", isError);
 }
 
+// A status line that the page's periodic refresh leaves alone for a while, so that it can be read.
+function tell(id, text, isError = false) {
+  const node = document.getElementById(id);
+  node.dataset.sticky = "1";
+  say(id, text, isError);
+  clearTimeout(node.stickyTimer);
+  node.stickyTimer = setTimeout(() => delete node.dataset.sticky, 6000);
+}
+
 async function copy(text, button) {
   await navigator.clipboard.writeText(text).catch(() => {});
   const label = button.textContent;
@@ -111,18 +121,24 @@ function forget() {
   $("#new-key").hidden = true;
   $("#usage-key").replaceChildren();
   $("#usage-key-field").hidden = true;
+  $("#usage-keys-part").hidden = true;
+  $("#usage-quota").hidden = true;
+  $("#usage-quota").textContent = "";
+  $("#log-model").replaceChildren(el("option", { value: "" }, "All models"));
+  $("#log-newer").disabled = $("#log-older").disabled = true;
+  modelForm(true);
   $("#play-model").replaceChildren();
   $("#play-output").textContent = "";
   $("#play-code").textContent = "";
   $("#play-code").hidden = true;
   for (const stat of document.querySelectorAll("#play-stats dd")) stat.textContent = "–";
   $("#overview").classList.remove("stale");
-  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, conversation: [], session: null });
+  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, conversation: [], session: null, catalog: [], log: [] });
   renderConversation();
 }
 
 const pageInUrl = () => window.location.hash.replace(/^#\/?/, "");
-const allowed = (tab) => Boolean(state.me) && PAGES.includes(tab) && !(["overview", "keys"].includes(tab) && !state.me.admin);
+const allowed = (tab) => Boolean(state.me) && PAGES.includes(tab) && !(ADMIN_PAGES.includes(tab) && !state.me.admin);
 
 function show(tab, { focus = false } = {}) {
   if (!allowed(tab)) return; // signed out, or a page this key may not see
@@ -130,9 +146,25 @@ function show(tab, { focus = false } = {}) {
   clearInterval(state.timer);
   if (pageInUrl() !== tab) history.replaceState(null, "", `#/${tab}`);
   for (const section of document.querySelectorAll("main > section")) section.hidden = section.id !== tab;
-  for (const button of document.querySelectorAll("#tabs button")) button.setAttribute("aria-selected", String(button.dataset.tab === tab));
+  for (const button of document.querySelectorAll("#tabs button")) {
+    button.setAttribute("aria-selected", String(button.dataset.tab === tab));
+    button.tabIndex = button.dataset.tab === tab ? 0 : -1; // one Tab stop for the tab list; arrows move within it
+  }
   if (focus) document.getElementById(`${tab}-title`).focus();
-  ({ overview: startOverview, keys: loadKeys, usage: loadUsage, playground: loadPlayground })[tab]();
+  ({ overview: startOverview, models: startModels, keys: loadKeys, usage: loadUsage, playground: loadPlayground })[tab]();
+}
+
+// The tab list as ARIA's pattern has it: Left/Right (wrapping), Home and End move to a tab and open it.
+function tabKeys(event) {
+  const tabs = [...document.querySelectorAll("#tabs button:not([hidden])")];
+  const at = tabs.indexOf(document.activeElement);
+  if (at < 0) return;
+  const to = { ArrowRight: at + 1, ArrowLeft: at - 1, Home: 0, End: tabs.length - 1 }[event.key];
+  if (to === undefined) return;
+  event.preventDefault();
+  const next = tabs[(to + tabs.length) % tabs.length];
+  next.focus();
+  show(next.dataset.tab);
 }
 
 // ---- Overview ---------------------------------------------------------------------------------
@@ -215,6 +247,162 @@ function drainInstance(id) {
   });
 }
 
+// ---- Models -----------------------------------------------------------------------------------
+
+const MODEL_NUMBERS = { min_instances: [0, 64], max_instances: [1, 64], parallel: [1, 256], ctx_size: [128, 1048576], idle_timeout: [1, null] };
+const MODEL_TEXTS = ["path", "hf_repo", "hf_file"];
+
+function startModels() {
+  loadCatalog();
+  state.timer = setInterval(loadCatalog, 3000);
+}
+
+async function loadCatalog() {
+  let catalog, running;
+  try {
+    [catalog, running] = await Promise.all([api("/api/models"), api("/api/instances")]);
+  } catch (error) {
+    if (state.me) say("catalog-status", `Not up to date: ${error instanceof ApiError ? error.message : `the server cannot be reached (${error.message})`}`, true);
+    return;
+  }
+  if (state.tab !== "models") return;
+  state.catalog = catalog.data;
+  const where = (name) => running.data.filter((i) => i.model === name);
+  $("#catalog-table tbody").replaceChildren(
+    ...catalog.data.map((m) => {
+      const s = m.settings, fromFile = m.origin === "file";
+      const source = s.hf_repo ? `${s.hf_repo}${s.hf_file ? ` / ${s.hf_file}` : ""}` : s.path || "embedded default";
+      const instances = where(m.name);
+      const because = fromFile ? "it comes from the server's config file: change it there" : null;
+      return el("tr", { "data-model": m.name },
+        el("td", { class: "name" }, m.name, s.embedding ? " (embedding)" : ""), el("td", { class: "source" }, source), el("td", {}, m.origin),
+        el("td", { class: "num" }, m.revision),
+        el("td", {}, el("span", { class: "scale" },
+          el("button", { type: "button", class: "small", disabled: fromFile || s.min_instances <= 0, title: because, onclick: () => scaleModel(m, -1), "aria-label": `Keep one instance fewer of ${m.name} running` }, "−"),
+          ` ${m.ready_instances ?? 0} ready of ${m.instances ?? 0} (${s.min_instances}–${s.max_instances}) `,
+          el("button", { type: "button", class: "small", disabled: fromFile || s.min_instances >= 64, title: because, onclick: () => scaleModel(m, 1), "aria-label": `Keep one instance more of ${m.name} running` }, "+"))),
+        el("td", {}, instances.length ? el("ul", { class: "plain" }, ...instances.map((i) => el("li", {}, `${i.host}:${i.port} `, el("span", { class: `badge ${i.status}` }, i.status)))) : "none"),
+        el("td", { class: "num" }, m.queue_depth ?? 0),
+        el("td", {}, localTime(m.updated_at)),
+        el("td", { class: "actions" }, el("span", {},
+          el("button", { type: "button", disabled: fromFile, title: because, onclick: () => editModel(m), "aria-label": `Edit ${m.name}` }, "Edit"), " ",
+          el("button", { type: "button", disabled: fromFile, title: because, onclick: () => removeModel(m), "aria-label": `Remove ${m.name}` }, "Remove"))),
+      );
+    }),
+  );
+  if (!$("#catalog-status").dataset.sticky) say("catalog-status", `${catalog.data.length} model${catalog.data.length === 1 ? "" : "s"}; updated ${new Date().toLocaleTimeString()}`);
+}
+
+function modelForm(reset = false) {
+  return clearForm($("#model-form"), "model-error", reset && { title: "Add a model", submit: "Add" });
+}
+
+function editModel(m) {
+  const form = modelForm(true);
+  form.elements.editing.value = m.name;
+  form.elements.name.value = m.name;
+  form.elements.name.disabled = true;
+  for (const name of MODEL_TEXTS) form.elements[name].value = m.settings[name] ?? "";
+  for (const name of Object.keys(MODEL_NUMBERS)) form.elements[name].value = m.settings[name] ?? "";
+  form.elements.embedding.checked = Boolean(m.settings.embedding);
+  $("#model-form-title").textContent = `Edit ${m.name} (changes that need a restart roll its instances over one by one)`;
+  $("#model-submit").textContent = "Save";
+  $("#model-cancel").hidden = false;
+  form.elements.path.focus();
+}
+
+// The fields as the API takes them, and every problem found before sending (the server checks again).
+function modelBody(form, editing) {
+  const problems = {}, body = {};
+  if (!editing) {
+    const name = form.elements.name.value.trim();
+    if (!name) problems.name = "A name is required.";
+    body.name = name;
+  }
+  for (const name of MODEL_TEXTS) {
+    const raw = form.elements[name].value.trim();
+    if (raw || editing) body[name] = raw || null;
+  }
+  for (const [name, [low, high]] of Object.entries(MODEL_NUMBERS)) {
+    const raw = form.elements[name].value.trim();
+    if (raw === "") {
+      if (editing) body[name] = null;
+      continue;
+    }
+    const value = Number(raw);
+    if (!Number.isFinite(value) || (name !== "idle_timeout" && !Number.isInteger(value)) || value < low || (high !== null && value > high))
+      problems[name] = `${name}: ${name === "idle_timeout" ? "seconds" : "a whole number"} from ${low}${high !== null ? ` to ${high}` : " up"}.`;
+    else body[name] = value;
+  }
+  if (body.min_instances !== undefined && body.max_instances !== undefined && body.min_instances > body.max_instances && body.max_instances !== null)
+    problems.max_instances ??= "max_instances: at least min_instances.";
+  if (form.elements.embedding.checked || editing) body.embedding = form.elements.embedding.checked;
+  const more = form.elements.more.value.trim();
+  if (more) {
+    let extra = null;
+    try {
+      extra = JSON.parse(more);
+    } catch (error) {
+      problems.more = `Not JSON: ${error.message}`;
+    }
+    if (extra !== null && (typeof extra !== "object" || Array.isArray(extra))) problems.more = "A JSON object of settings, such as {\"cache_ram_mb\": 2048}.";
+    else if (extra) Object.assign(body, extra);
+  }
+  return { body, problems };
+}
+
+async function submitModel(event) {
+  event.preventDefault();
+  const form = modelForm();
+  const editing = form.elements.editing.value;
+  const { body, problems } = modelBody(form, editing);
+  const found = Object.entries(problems);
+  if (found.length) {
+    for (const [name, message] of found) fieldError(form, name, message);
+    form.elements[found[0][0]].focus();
+    return;
+  }
+  try {
+    const saved = editing
+      ? await api(`/api/models/${encodeURIComponent(editing)}`, { method: "PATCH", body })
+      : await api("/api/models", { method: "POST", body });
+    tell("catalog-status", editing ? `${saved.name} saved (revision ${saved.revision}).` : `${saved.name} added: its instances start on the hosts that may run it.`);
+    modelForm(true);
+    loadCatalog();
+  } catch (error) {
+    // The API names the field at fault: shown there (a setting given in the JSON box, at that box).
+    const param = error.param?.split(".")[0];
+    const field = param && form.querySelector(`.field-error[data-for="${CSS.escape(param)}"]`) ? param : param ? "more" : null;
+    if (field) {
+      fieldError(form, field, error.message);
+      form.elements[field]?.focus();
+    } else say("model-error", error.message, true);
+  }
+}
+
+async function scaleModel(m, step) {
+  const min = m.settings.min_instances + step;
+  const body = { min_instances: min, ...(min > m.settings.max_instances ? { max_instances: min } : {}) };
+  try {
+    await api(`/api/models/${encodeURIComponent(m.name)}`, { method: "PATCH", body });
+    tell("catalog-status", `${m.name}: ${min} instance${min === 1 ? "" : "s"} kept running.`);
+    loadCatalog();
+  } catch (error) {
+    tell("catalog-status", error.message, true);
+  }
+}
+
+async function removeModel(m) {
+  if (!confirm(`Remove the model ${m.name}? Its instances drain and stop, and requests for it are answered 404.`)) return;
+  try {
+    await api(`/api/models/${encodeURIComponent(m.name)}`, { method: "DELETE" });
+    tell("catalog-status", `${m.name} removed: its instances drain and stop.`);
+    loadCatalog();
+  } catch (error) {
+    tell("catalog-status", error.message, true);
+  }
+}
+
 // ---- Keys -------------------------------------------------------------------------------------
 
 async function loadKeys() {
@@ -225,7 +413,7 @@ async function loadKeys() {
       ...listed.data.map((k) =>
         el("tr", { "data-key": k.id },
           el("td", { class: "name" }, k.name), el("td", {}, el("code", {}, k.id)), el("td", {}, k.admin ? "yes" : ""),
-          el("td", { class: "num" }, number(k.quota_tokens)), el("td", {}, k.quota_period || "–"),
+          el("td", { class: "num" }, number(k.quota_tokens)), el("td", {}, k.quota_period || "–"), el("td", { class: "quota" }, quotaText(k.quota)),
           el("td", { class: "num" }, number(k.rpm)), el("td", { class: "num" }, number(k.max_concurrency)),
           el("td", { class: "models" }, k.models ? k.models.join(", ") : "all"),
           el("td", {}, localTime(k.created_at)), el("td", {}, localTime(k.revoked_at)),
@@ -241,19 +429,23 @@ async function loadKeys() {
 }
 
 function keyForm(reset = false) {
-  const form = $("#key-form");
-  if (reset) {
+  return clearForm($("#key-form"), "key-error", reset && { title: "Create a key", submit: "Create" });
+}
+
+// A form cleared of the last attempt's problems and, given `fresh`, back to its first state: empty,
+// every field enabled, its title and submit button as given, no Cancel.
+function clearForm(form, errorId, fresh) {
+  if (fresh) {
     form.reset();
-    form.elements.id.value = "";
-    form.elements.name.disabled = false;
-    form.elements.admin.disabled = false;
-    $("#key-form-title").textContent = "Create a key";
-    $("#key-submit").textContent = "Create";
-    $("#key-cancel").hidden = true;
+    for (const input of form.querySelectorAll("input[type=hidden]")) input.value = "";
+    for (const input of form.querySelectorAll(":disabled")) input.disabled = false;
+    form.querySelector("h3").textContent = fresh.title;
+    form.querySelector("button[type=submit]").textContent = fresh.submit;
+    form.querySelector("button[type=button]").hidden = true; // Cancel
   }
   for (const node of form.querySelectorAll(".field-error")) node.textContent = "";
   for (const input of form.querySelectorAll("[aria-invalid]")) input.removeAttribute("aria-invalid");
-  say("key-error", "");
+  say(errorId, "");
   return form;
 }
 
@@ -351,24 +543,96 @@ async function loadUsage(event) {
   if (!state.me) return;
   if (state.me.admin && !$("#usage-key").options.length) {
     $("#usage-key-field").hidden = false;
-    const listed = await api("/api/keys").catch(() => ({ data: [] }));
-    $("#usage-key").replaceChildren(el("option", { value: "*" }, "All keys"), ...listed.data.map((k) => el("option", { value: k.id }, `${k.name} (${k.id})`)));
+    await loadKeyNames();
+    $("#usage-key").replaceChildren(el("option", { value: "*" }, "All keys"), ...state.keys.map((k) => el("option", { value: k.id }, `${k.name} (${k.id})`)));
   }
   const days = Number($("#usage-range").value);
   const bucket = days <= 1 ? "hour" : "day";
   const until = Date.now() / 1000;
   const since = bucket === "day" ? startOfLocalDay(days - 1) : until - 86400;
   const query = new URLSearchParams({ since: String(since), until: String(until + 1), bucket, offset_minutes: String(-new Date().getTimezoneOffset()) });
-  if (state.me.admin) query.set("key", $("#usage-key").value || "*");
+  if (state.me.admin) query.set("key", usageKey());
   try {
-    const series = await api(`/api/usage/series?${query}`);
+    const [series, summary] = await Promise.all([
+      api(`/api/usage/series?${query}`),
+      api(`/api/usage?${new URLSearchParams({ since: query.get("since"), until: query.get("until"), ...(state.me.admin ? { key: usageKey() } : {}) })}`),
+      state.me.admin ? loadKeyNames() : api("/api/me").then((me) => (state.me.quota = me.quota)),
+    ]);
     state.rows = series.points;
     state.range = [since, until];
     drawUsage(series, since, until);
-    const requests = series.points.reduce((sum, p) => sum + p.requests, 0);
-    say("usage-status", `${requests} requests from ${localTime(since)} to ${localTime(until)}.`);
+    drawTotals(summary);
+    say("usage-status", `${summary.requests} requests from ${localTime(since)} to ${localTime(until)}.`);
   } catch (error) {
     say("usage-status", error.message, true);
+    return;
+  }
+  loadLog([]);
+}
+
+const usageKey = () => (state.me.admin ? $("#usage-key").value || "*" : state.me.id);
+const keyName = (id) => (id === state.me?.id ? state.me.name : state.keys?.find((k) => k.id === id)?.name ?? id);
+
+async function loadKeyNames() {
+  const listed = await api("/api/keys").catch(() => ({ data: [] }));
+  state.keys = listed.data;
+}
+
+// A quota as used / limit, what is left and when it resets (in the reader's own time).
+function quotaText(quota) {
+  if (!quota) return "–";
+  const resets = quota.resets_at ? `resets ${localTime(quota.resets_at)}` : "never resets";
+  const held = quota.reserved ? `, ${number(quota.reserved)} held by requests in flight` : "";
+  const when = { day: "today (UTC)", month: "this month (UTC)", total: "in all" }[quota.period] ?? quota.period;
+  return `${number(quota.used)} of ${number(quota.limit)} used ${when}${held}; ${number(quota.left)} left, ${resets}`;
+}
+
+function drawTotals(summary) {
+  const row = (label, c) => [el("td", { class: "num" }, number(c.requests)), el("td", { class: "num" }, number(c.prompt_tokens)),
+    el("td", { class: "num" }, number(c.completion_tokens)), el("td", { class: "num" }, number(c.prompt_tokens + c.completion_tokens))];
+  const models = Object.entries(summary.by_model).sort((a, b) => b[1].prompt_tokens + b[1].completion_tokens - (a[1].prompt_tokens + a[1].completion_tokens));
+  $("#usage-models tbody").replaceChildren(...models.map(([name, c]) => el("tr", {}, el("td", {}, name), ...row(name, c))));
+  const byKey = summary.by_key;
+  $("#usage-keys-part").hidden = !byKey;
+  if (byKey) {
+    const keys = Object.entries(byKey).sort((a, b) => b[1].prompt_tokens + b[1].completion_tokens - (a[1].prompt_tokens + a[1].completion_tokens));
+    $("#usage-keys tbody").replaceChildren(...keys.map(([id, c]) =>
+      el("tr", { "data-key": id }, el("td", { class: "name" }, keyName(id)), ...row(id, c), el("td", { class: "quota" }, quotaText(state.keys.find((k) => k.id === id)?.quota)))));
+  }
+  const own = state.me.admin ? state.keys.find((k) => k.id === usageKey()) : state.me;
+  $("#usage-quota").hidden = !own?.quota;
+  $("#usage-quota").textContent = own?.quota ? `Quota of ${own.name}: ${quotaText(own.quota)}.` : "";
+  const select = $("#log-model"), chosen = select.value;
+  const names = [...new Set([...Object.keys(summary.by_model), ...(chosen ? [chosen] : [])])].sort();
+  select.replaceChildren(el("option", { value: "" }, "All models"), ...names.map((n) => el("option", { value: n }, n)));
+  select.value = chosen;
+}
+
+// The request log: pages of the ledger, newest first; `cursors` holds the `before` of every page up to this one.
+async function loadLog(cursors) {
+  if (!state.me || !state.range) return;
+  const query = new URLSearchParams({ since: String(state.range[0]), until: String(state.range[1] + 1), limit: $("#log-size").value });
+  if (state.me.admin) query.set("key", usageKey());
+  if ($("#log-model").value) query.set("model", $("#log-model").value);
+  if ($("#log-status").value) query.set("status", $("#log-status").value);
+  const before = cursors.at(-1);
+  if (before) query.set("before", String(before));
+  try {
+    const page = await api(`/api/usage/requests?${query}`);
+    state.log = { cursors, next: page.next_before };
+    $("#log-table tbody").replaceChildren(...page.data.map((r) =>
+      el("tr", { "data-request": r.id },
+        el("td", {}, localTime(r.time)), el("td", { class: "name" }, keyName(r.key)), el("td", {}, r.model), el("td", {}, r.endpoint),
+        el("td", {}, el("span", { class: `badge ${r.status}`, title: r.outcome }, r.status === "error" ? r.outcome : r.status)),
+        el("td", { class: "num" }, number(r.prompt_tokens)), el("td", { class: "num" }, number(r.completion_tokens)),
+        el("td", { class: "num" }, number(r.latency_ms)), el("td", { class: "num" }, number(r.ttft_ms)),
+        el("td", {}, r.instance_id ? el("code", {}, r.instance_id) : "–"))));
+    $("#log-newer").disabled = cursors.length === 0;
+    $("#log-older").disabled = !page.has_more;
+    const first = cursors.length * Number($("#log-size").value) + 1;
+    say("log-status-line", page.data.length ? `Requests ${first}–${first + page.data.length - 1}, newest first${page.has_more ? "; older ones on the next page" : ""}.` : "No requests match.");
+  } catch (error) {
+    say("log-status-line", error.message, true);
   }
 }
 
@@ -730,7 +994,8 @@ async function libsodium() {
   if (state.sodium) return state.sodium;
   for (const file of ["libsodium.js", "libsodium-wrappers.js"]) {
     await new Promise((resolve, reject) => {
-      const script = el("script", { src: `/console/assets/vendor/${file}` });
+      // Beside this file, under the same version (a module knows its own URL).
+      const script = el("script", { src: new URL(`vendor/${file}`, import.meta.url).href });
       script.onload = resolve;
       script.onerror = () => reject(new Error("libsodium.js is not installed with this server: run scripts/setup.sh."));
       document.head.append(script);
@@ -809,6 +1074,13 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#usage-form").addEventListener("submit", loadUsage);
   $("#usage-csv").addEventListener("click", downloadCsv);
   for (const picker of ["#usage-range", "#usage-key"]) $(picker).addEventListener("change", () => loadUsage());
+  for (const picker of ["#log-model", "#log-status", "#log-size"]) $(picker).addEventListener("change", () => loadLog([]));
+  $("#log-form").addEventListener("submit", (event) => event.preventDefault());
+  $("#log-older").addEventListener("click", () => loadLog([...state.log.cursors, state.log.next]));
+  $("#log-newer").addEventListener("click", () => loadLog(state.log.cursors.slice(0, -1)));
+  $("#tabs").addEventListener("keydown", tabKeys);
+  $("#model-form").addEventListener("submit", submitModel);
+  $("#model-cancel").addEventListener("click", () => modelForm(true));
   $("#play-form").addEventListener("submit", play);
   $("#play-stop").addEventListener("click", () => state.abort?.abort());
   $("#play-clear").addEventListener("click", newConversation);
