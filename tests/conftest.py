@@ -6,12 +6,15 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.services import Postgres, Redis
 from tests.support import MODEL, Server, create_key, shared_servers
+
+CHROMIUM = "/usr/bin/chromium"
 
 # A small per-request context so that the context-length limit is cheap to hit.
 TEST_CONFIG = f"""
@@ -24,6 +27,19 @@ parallel = 2
 ctx_size = 1024
 threads = 2
 """
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    """Debian's Chromium, headless, driven by Playwright (the console's tests)."""
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail("the console tests need Debian's chromium package (scripts/setup.sh --test installs it)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,6 @@ from llmserver import console
 from tests.support import MODEL, Server, create_key, store_rows, wait_for
 
 ADMIN = "console-admin-key-0123456789abcdef"
-CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[2] / "src" / "llmserver" / "console" / "static"
 CONFIG = f'[[models]]\nname = "{MODEL}"\nctx_size = 1024\nparallel = 2\nmax_instances = 2\n'
 
@@ -68,18 +67,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield running
     finally:
         running.stop()
-
-
-@pytest.fixture(scope="module")
-def chromium() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    if not Path(CHROMIUM).exists():
-        pytest.fail("the console tests need Debian's chromium package (scripts/setup.sh --test installs it)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -364,6 +364,35 @@ def test_an_admin_starts_and_drains_an_instance_on_a_chosen_node_through_a_gatew
     assert len(hosts.hosts_seen()) == 2  # the nodes' own instances still serve
 
 
+def test_the_consoles_models_page_shows_each_models_instances_on_every_worker(hosts: Hosts, chromium: Any) -> None:
+    assert hosts.gateway is not None
+    context = chromium.new_context(viewport={"width": 1280, "height": 800})
+    try:
+        page = context.new_page()
+        page.goto(hosts.gateway.url + "/console")
+        page.fill("#api-key", ADMIN)
+        page.click("#sign-in-form button[type=submit]")
+        page.click("#tabs button[data-tab=models]")
+        row = page.locator(f"#catalog-table tr[data-model='{MODEL}']")
+        row.wait_for()
+
+        def shown() -> set[str]:
+            return {str(text).strip() for text in row.locator("li").all_text_contents()}
+
+        def running() -> set[str]:
+            return {f"{i['node']} {i['host']}:{i['port']} {i['status']}" for i in hosts.instances()}
+
+        # Every instance on every worker, named by its node, host and port, with its state.
+        assert wait_for(lambda: shown() == running(), 10), (shown(), running())
+        assert {line.split()[0] for line in shown()} == {"worker-1", "worker-2"}
+        assert row.locator("td").nth(2).text_content() == "api"  # a gateway's models live in the catalog
+        page.screenshot(path=str(hosts.root / "models-cluster.png"), full_page=True)
+        if os.environ.get("LLMSERVER_CONSOLE_SHOTS"):
+            shutil.copy(hosts.root / "models-cluster.png", Path(os.environ["LLMSERVER_CONSOLE_SHOTS"]))
+    finally:
+        context.close()
+
+
 def test_a_conversation_stays_on_one_worker_whichever_gateway_takes_each_turn(hosts: Hosts) -> None:
     key = hosts.key("conversation")
     headers = {"Authorization": f"Bearer {key}"}

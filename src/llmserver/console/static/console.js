@@ -281,7 +281,7 @@ async function loadCatalog() {
           el("button", { type: "button", class: "small", disabled: fromFile || s.min_instances <= 0, title: because, onclick: () => scaleModel(m, -1), "aria-label": `Keep one instance fewer of ${m.name} running` }, "−"),
           ` ${m.ready_instances ?? 0} ready of ${m.instances ?? 0} (${s.min_instances}–${s.max_instances}) `,
           el("button", { type: "button", class: "small", disabled: fromFile || s.min_instances >= 64, title: because, onclick: () => scaleModel(m, 1), "aria-label": `Keep one instance more of ${m.name} running` }, "+"))),
-        el("td", {}, instances.length ? el("ul", { class: "plain" }, ...instances.map((i) => el("li", {}, `${i.host}:${i.port} `, el("span", { class: `badge ${i.status}` }, i.status)))) : "none"),
+        el("td", {}, instances.length ? el("ul", { class: "plain" }, ...instances.map((i) => el("li", {}, `${i.node ? `${i.node} ` : ""}${i.host}:${i.port} `, el("span", { class: `badge ${i.status}` }, i.status)))) : "none"),
         el("td", { class: "num" }, m.queue_depth ?? 0),
         el("td", {}, localTime(m.updated_at)),
         el("td", { class: "actions" }, el("span", {},
