@@ -509,7 +509,13 @@ def test_a_stopped_server_is_shown_as_stale_and_the_page_recovers(chromium: Any,
             page.get_attribute("#overview-status", "class") or ""
         )
         session.shoot("overview-stale")
+        page.click("#tabs button[data-tab=models]")  # the Models page says so too
+        page.wait_for_function("() => document.querySelector('#models').classList.contains('stale')", timeout=10_000)
+        assert (page.text_content("#catalog-status") or "").startswith("Not up to date: the server cannot be reached")
         server.start(keep_port=True)
+        page.wait_for_function("() => !document.querySelector('#models').classList.contains('stale')", timeout=30_000)
+        assert page.locator("#catalog-table tbody tr").count() == 1
+        page.click("#tabs button[data-tab=overview]")
         page.wait_for_function("() => !document.querySelector('#overview').classList.contains('stale')", timeout=30_000)
         assert (page.text_content("#overview-status") or "").startswith("Updated")
         assert page.is_enabled("#instances-table tbody tr button")

@@ -132,7 +132,7 @@ function forget() {
   $("#play-code").textContent = "";
   $("#play-code").hidden = true;
   for (const stat of document.querySelectorAll("#play-stats dd")) stat.textContent = "–";
-  $("#overview").classList.remove("stale");
+  for (const page of ["overview", "models"]) fresh(page);
   Object.assign(state, { tab: null, rows: [], keys: [], models: {}, conversation: [], session: null, catalog: [], log: [] });
   renderConversation();
 }
@@ -179,18 +179,10 @@ async function refreshOverview() {
   try {
     listed = await api("/api/instances");
   } catch (error) {
-    if (!state.me) return;
-    // Unreachable (or refusing): the figures below are as of the last answer; no action may be taken on them.
-    const section = $("#overview");
-    section.dataset.lostAt ??= new Date().toLocaleTimeString();
-    section.classList.add("stale");
-    for (const button of section.querySelectorAll("tbody button")) button.disabled = true;
-    const reason = error instanceof ApiError ? error.message : `the server cannot be reached (${error.message})`;
-    say("overview-status", `Not up to date: ${reason}, since ${section.dataset.lostAt}. Trying again every 2 s.`, true);
+    stale("overview", "overview-status", error, 2);
     return;
   }
-  delete $("#overview").dataset.lostAt;
-  $("#overview").classList.remove("stale");
+  fresh("overview");
   const models = $("#models-table tbody");
   models.replaceChildren(
     ...listed.models.map((m) =>
@@ -216,6 +208,24 @@ async function refreshOverview() {
     ),
   );
   if (!$("#overview-status").dataset.sticky) say("overview-status", `Updated ${new Date().toLocaleTimeString()}`);
+}
+
+// A page whose server did not answer: its tables are as of the last answer, greyed, and no action may be
+// taken on them until it answers again (every `every` seconds).
+function stale(page, statusId, error, every) {
+  if (!state.me) return;
+  const section = document.getElementById(page);
+  section.dataset.lostAt ??= new Date().toLocaleTimeString();
+  section.classList.add("stale");
+  for (const button of section.querySelectorAll("tbody button")) button.disabled = true;
+  const reason = error instanceof ApiError ? error.message : `the server cannot be reached (${error.message})`;
+  say(statusId, `Not up to date: ${reason}, since ${section.dataset.lostAt}. Trying again every ${every} s.`, true);
+}
+
+function fresh(page) {
+  const section = document.getElementById(page);
+  delete section.dataset.lostAt;
+  section.classList.remove("stale");
 }
 
 async function act(statusId, working, action) {
@@ -262,10 +272,11 @@ async function loadCatalog() {
   try {
     [catalog, running] = await Promise.all([api("/api/models"), api("/api/instances")]);
   } catch (error) {
-    if (state.me) say("catalog-status", `Not up to date: ${error instanceof ApiError ? error.message : `the server cannot be reached (${error.message})`}`, true);
+    stale("models", "catalog-status", error, 3);
     return;
   }
   if (state.tab !== "models") return;
+  fresh("models");
   state.catalog = catalog.data;
   const where = (name) => running.data.filter((i) => i.model === name);
   $("#catalog-table tbody").replaceChildren(
