@@ -12,9 +12,7 @@ import httpx
 import pytest
 
 from tests.services import Postgres, Redis
-from tests.support import MODEL, Server, create_key, shared_servers
-
-CHROMIUM = "/usr/bin/chromium"
+from tests.support import MODEL, Server, create_key, launched_chromium, shared_servers
 
 # A small per-request context so that the context-length limit is cheap to hit.
 TEST_CONFIG = f"""
@@ -31,15 +29,9 @@ threads = 2
 
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
-    """Debian's Chromium, headless, driven by Playwright (the console's tests)."""
-    from playwright.sync_api import sync_playwright
-
-    if not Path(CHROMIUM).exists():
-        pytest.fail("the console tests need Debian's chromium package (scripts/setup.sh --test installs it)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+    """Debian's Chromium for a module of console tests (its event loop runs the while: no asyncio.run)."""
+    with launched_chromium() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import pytest
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -525,3 +526,22 @@ def compose_service(name: str, values: dict[str, str]) -> tuple[list[str], dict[
     command = [filled(str(arg)) for arg in service["command"]]
     environment = {key: filled(str(value)) for key, value in service["environment"].items()}
     return command, environment
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@contextmanager
+def launched_chromium() -> Iterator[Any]:
+    """Debian's Chromium, headless, driven by Playwright's sync API. While it is open, Playwright's
+    event loop runs in this thread: a test that calls asyncio.run must close it first."""
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail("the console tests need Debian's chromium package (scripts/setup.sh --test installs it)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()

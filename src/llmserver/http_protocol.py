@@ -474,6 +474,8 @@ class GatewayProtocol(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
+        # httptools keeps a value's trailing spaces and tabs, which are not part of it (RFC 9110, 5.5).
+        value = value.rstrip(b" \t")
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect = True
         self.headers.append((name, value))

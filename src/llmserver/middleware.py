@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.requests import Request
@@ -35,6 +36,8 @@ from llmserver.errors import APIError, RequestTooLarge, for_path
 from llmserver.logs import new_request_id, request_id
 
 access_log = logging.getLogger("llmserver.access")
+# What a path may hold unencoded (RFC 3986's pchar and "/"): anything else is %-encoded in the text log.
+PATH_CHARACTERS = "/:@!$&'()*+,;=-._~"
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
@@ -185,4 +188,6 @@ def _log_access(scope: Scope, status: int, started: float) -> None:
             fields["ttft_ms"] = round(tally.ttft * 1000, 1)
         if tally.prompt_tokens:  # prompt-cache reuse: cached/prompt tokens
             who += f" instance={tally.instance_id} cached={tally.cached_tokens}/{tally.prompt_tokens}"
-    access_log.info("%s %s %s %.1fms%s", scope["method"], scope["path"], status or 500, duration, who, extra=fields)
+    # The line names the path as a URL would (re-encoded): a decoded %0A or " must not forge or break a line.
+    shown = urllib.parse.quote(scope["path"], safe=PATH_CHARACTERS)
+    access_log.info("%s %s %s %.1fms%s", scope["method"], shown, status or 500, duration, who, extra=fields)

@@ -12,7 +12,7 @@ import pytest
 
 from tests import documents
 from tests.e2e.test_errors import assert_error
-from tests.support import Server, make_key_record, use_total_quota
+from tests.support import Server, make_key_record, use_total_quota, wait_for
 
 LONE = '"\\ud800"'  # a lone surrogate, as JSON spells it
 USER_LONE = f'{{"role": "user", "content": {LONE}}}'
@@ -144,3 +144,16 @@ def test_more_messages_than_max_messages_is_400(client: httpx.Client) -> None:
     messages = [{"role": "user", "content": "hi"}] * 2049  # max_messages: 2,048 by default
     error = assert_error(client.post("/v1/chat/completions", json={"messages": messages}), 400, "invalid_request_error")
     assert error["param"] == "messages" and "2048" in str(error["message"])
+
+
+def test_a_path_cannot_forge_or_break_an_access_log_line(server: Server) -> None:
+    """The text access log writes the path %-encoded again: a decoded %0A would start a forged line, a
+    raw quote or escape byte would garble the line a reader (or a log shipper) parses."""
+    forged = "/v1/nothing%0A2026-01-01 00:00:00,000 ERROR llmserver: forged%1B[31m"
+    with socket.create_connection((server.host, server.port), timeout=10) as conn:
+        conn.sendall(f'GET {forged.replace(" ", "%20")}"x HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n'.encode())
+        assert conn.recv(65536).startswith(b"HTTP/1.1 404")
+    shown = "/v1/nothing%0A2026-01-01%2000:00:00,000%20ERROR%20llmserver:%20forged%1B%5B31m%22x"
+    assert wait_for(lambda: shown in server.log(), 10), server.log()[-2000:]
+    assert "\nforged" not in server.log() and "ERROR llmserver: forged" not in server.log()
+    assert "\x1b" not in server.log()

@@ -28,7 +28,17 @@ import httpx
 import pytest
 
 from tests.services import Postgres, Redis
-from tests.support import COUNTING, MODEL, Server, cli, metric, spawn, tls_certificates, wait_for
+from tests.support import (
+    COUNTING,
+    MODEL,
+    Server,
+    cli,
+    launched_chromium,
+    metric,
+    spawn,
+    tls_certificates,
+    wait_for,
+)
 
 # Four hosts, nodes killed and restarted, about 90 s: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -364,7 +374,14 @@ def test_an_admin_starts_and_drains_an_instance_on_a_chosen_node_through_a_gatew
     assert len(hosts.hosts_seen()) == 2  # the nodes' own instances still serve
 
 
-def test_the_consoles_models_page_shows_each_models_instances_on_every_worker(hosts: Hosts, chromium: Any) -> None:
+def test_the_consoles_models_page_shows_each_models_instances_on_every_worker(hosts: Hosts) -> None:
+    assert hosts.gateway is not None
+    # Its own browser, closed at the end: the module's later tests run asyncio loops of their own.
+    with launched_chromium() as chromium:
+        show_models_page(hosts, chromium)
+
+
+def show_models_page(hosts: Hosts, chromium: Any) -> None:
     assert hosts.gateway is not None
     context = chromium.new_context(viewport={"width": 1280, "height": 800})
     try:

@@ -6,10 +6,16 @@ as `conftest.py` beside that file in the copy taken from uvicorn's source packag
 - The suite's `MockLoop` has no clock and its `MockTask` cannot be cancelled; the protocol uses
   both (one timer per connection, re-armed from the loop's clock; cancel-on-disconnect). The clock
   stands still at 0: the suite moves time by firing timers (`run_later`), not by a clock.
+- A coroutine the suite's loop was handed but never ran (a test that stops before the protocol's
+  request task: the WebSocket-upgrade tests, answered as plain HTTP here) warns when it is collected.
+  Collected at the end of each test, so that the warning fails the test that left it, not whichever
+  test the garbage collector happens to run in.
 """
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,3 +39,9 @@ suite.MockTask.cancel = _cancel  # type: ignore[attr-defined]
 @pytest.fixture
 def http_protocol_cls() -> type[GatewayProtocol]:
     return protocol_with(Limits())
+
+
+@pytest.fixture(autouse=True)
+def _collect_what_the_test_left() -> Iterator[None]:
+    yield
+    gc.collect()
