@@ -279,29 +279,37 @@ async function loadCatalog() {
   fresh("models");
   state.catalog = catalog.data;
   const where = (name) => running.data.filter((i) => i.model === name);
-  $("#catalog-table tbody").replaceChildren(
-    ...catalog.data.map((m) => {
-      const s = m.settings, fromFile = m.origin === "file";
-      const source = s.hf_repo ? `${s.hf_repo}${s.hf_file ? ` / ${s.hf_file}` : ""}` : s.path || "embedded default";
-      const instances = where(m.name);
-      const because = fromFile ? "it comes from the server's config file: change it there" : null;
-      return el("tr", { "data-model": m.name },
-        el("td", { class: "name" }, m.name, s.embedding ? " (embedding)" : ""), el("td", { class: "source" }, source), el("td", {}, m.origin),
-        el("td", { class: "num" }, m.revision),
-        el("td", {}, el("span", { class: "scale" },
-          el("button", { type: "button", class: "small", disabled: fromFile || s.min_instances <= 0, title: because, onclick: () => scaleModel(m, -1), "aria-label": `Keep one instance fewer of ${m.name} running` }, "−"),
-          ` ${m.ready_instances ?? 0} ready of ${m.instances ?? 0} (${s.min_instances}–${s.max_instances}) `,
-          el("button", { type: "button", class: "small", disabled: fromFile || s.min_instances >= 64, title: because, onclick: () => scaleModel(m, 1), "aria-label": `Keep one instance more of ${m.name} running` }, "+"))),
-        el("td", {}, instances.length ? el("ul", { class: "plain" }, ...instances.map((i) => el("li", {}, `${i.node ? `${i.node} ` : ""}${i.host}:${i.port} `, el("span", { class: `badge ${i.status}` }, i.status)))) : "none"),
-        el("td", { class: "num" }, m.queue_depth ?? 0),
-        el("td", {}, localTime(m.updated_at)),
-        el("td", { class: "actions" }, el("span", {},
-          el("button", { type: "button", disabled: fromFile, title: because, onclick: () => editModel(m), "aria-label": `Edit ${m.name}` }, "Edit"), " ",
-          el("button", { type: "button", disabled: fromFile, title: because, onclick: () => removeModel(m), "aria-label": `Remove ${m.name}` }, "Remove"))),
-      );
-    }),
+  // A gateway that shares its database with others serves its own config file's models besides the
+  // catalog's, without writing them there: shown too, as this gateway's, with nothing to change here.
+  const listed = new Set(catalog.data.map((m) => m.name));
+  const own = running.models.filter((m) => !listed.has(m.model)).map((m) => ({
+    name: m.model, origin: "file (this gateway)", revision: null, settings: null, updated_at: null, queue_depth: m.queue_depth,
+    instances: m.instances, ready_instances: where(m.model).filter((i) => i.status === "ready" || i.status === "busy").length,
+  }));
+  const models = [...catalog.data, ...own];
+  $("#catalog-table tbody").replaceChildren(...models.map((m) => catalogRow(m, where(m.name))));
+  if (!$("#catalog-status").dataset.sticky) say("catalog-status", `${models.length} model${models.length === 1 ? "" : "s"}; updated ${new Date().toLocaleTimeString()}`);
+}
+
+function catalogRow(m, instances) {
+  const s = m.settings ?? {}, fixed = m.origin !== "api";
+  const source = !m.settings ? "–" : s.hf_repo ? `${s.hf_repo}${s.hf_file ? ` / ${s.hf_file}` : ""}` : s.path || "embedded default";
+  const because = fixed ? "it comes from the server's config file: change it there" : null;
+  const bounds = m.settings ? ` (${s.min_instances}–${s.max_instances})` : "";
+  return el("tr", { "data-model": m.name },
+    el("td", { class: "name" }, m.name, s.embedding ? " (embedding)" : ""), el("td", { class: "source" }, source), el("td", {}, m.origin),
+    el("td", { class: "num" }, m.revision ?? "–"),
+    el("td", {}, el("span", { class: "scale" },
+      el("button", { type: "button", class: "small", disabled: fixed || s.min_instances <= 0, title: because, onclick: () => scaleModel(m, -1), "aria-label": `Keep one instance fewer of ${m.name} running` }, "−"),
+      ` ${m.ready_instances ?? 0} ready of ${m.instances ?? 0}${bounds} `,
+      el("button", { type: "button", class: "small", disabled: fixed || s.min_instances >= 64, title: because, onclick: () => scaleModel(m, 1), "aria-label": `Keep one instance more of ${m.name} running` }, "+"))),
+    el("td", {}, instances.length ? el("ul", { class: "plain" }, ...instances.map((i) => el("li", {}, `${i.node ? `${i.node} ` : ""}${i.host}:${i.port} `, el("span", { class: `badge ${i.status}` }, i.status)))) : "none"),
+    el("td", { class: "num" }, m.queue_depth ?? 0),
+    el("td", {}, localTime(m.updated_at)),
+    el("td", { class: "actions" }, el("span", {},
+      el("button", { type: "button", disabled: fixed, title: because, onclick: () => editModel(m), "aria-label": `Edit ${m.name}` }, "Edit"), " ",
+      el("button", { type: "button", disabled: fixed, title: because, onclick: () => removeModel(m), "aria-label": `Remove ${m.name}` }, "Remove"))),
   );
-  if (!$("#catalog-status").dataset.sticky) say("catalog-status", `${catalog.data.length} model${catalog.data.length === 1 ? "" : "s"}; updated ${new Date().toLocaleTimeString()}`);
 }
 
 function modelForm(reset = false) {
