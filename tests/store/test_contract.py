@@ -79,6 +79,14 @@ def test_the_request_log_pages_newest_first_with_filters(database_url: str) -> N
         assert await page(since=1002.0, until=1004.0) == [3, 2]  # [since, until)
         assert await page(key_id="a", model="m1", status="ok") == [3]
         assert await page(key_id="nobody") == []
+        # Written late (higher ids) but older, at one time: placed by time, those of one time by id.
+        await store.record(UsageBatch(rows=[{**row(i, "a", "m1", "ok"), "time": 1002.5} for i in (6, 7)]))
+        assert await page(key_id="a") == [5, 3, 7, 6, 1]
+        first = await store.usage_page(LedgerQuery(key_id="a", limit=3))
+        assert [r["prompt_tokens"] for r in first] == [5, 3, 7]
+        assert await page(key_id="a", before=first[-1]["id"]) == [6, 1]  # the tie split across two pages
+        assert await page(before=10**9) == []  # a cursor whose row retention removed: nothing more
+        assert await page(before=first[-1]["id"], until=1002.0) == [1, 0]  # the range ends first
 
     run(database_url, test)
 

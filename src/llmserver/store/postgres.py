@@ -289,8 +289,14 @@ class PostgresStore:
             params.append(value)
             return f"${len(params)}"
 
-        where = query.where(mark)
-        sql = f"SELECT * FROM usage_ledger WHERE {where} ORDER BY id DESC LIMIT ${len(params) + 1}"
+        before_time = None
+        if query.before is not None:
+            found = await self._fetchrow("SELECT time FROM usage_ledger WHERE id = $1", query.before)
+            if found is None:
+                return []
+            before_time = float(found["time"])
+        where = query.where(mark, before_time)
+        sql = f"SELECT * FROM usage_ledger WHERE {where} ORDER BY time DESC, id DESC LIMIT ${len(params) + 1}"
         return [dict(row) for row in await self._fetch(sql, *params, query.limit)]
 
     async def delete_usage_before(self, moment: float) -> int:

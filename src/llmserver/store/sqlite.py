@@ -246,9 +246,15 @@ class SQLiteStore:
             params.append(value)
             return "?"
 
-        where = query.where(mark)
+        before_time = None
+        if query.before is not None:
+            found = self._db.execute("SELECT time FROM usage_ledger WHERE id = ?", (query.before,)).fetchone()
+            if found is None:
+                return []
+            before_time = float(found["time"])
+        where = query.where(mark, before_time)
         rows = self._db.execute(
-            f"SELECT * FROM usage_ledger WHERE {where} ORDER BY id DESC LIMIT ?", [*params, query.limit]
+            f"SELECT * FROM usage_ledger WHERE {where} ORDER BY time DESC, id DESC LIMIT ?", [*params, query.limit]
         )
         return [dict(row) for row in rows.fetchall()]
 
