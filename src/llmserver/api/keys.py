@@ -25,7 +25,7 @@ from llmserver.api.deps import (
 )
 from llmserver.auth.keys import Principal, describe, limit_fields
 from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
-from llmserver.metrics.usage import CLIENT_CLOSED, parse_time, series, summarise
+from llmserver.metrics.usage import parse_time, series, status_of, summarise
 from llmserver.store import STATUSES, KeyLimits, LedgerQuery
 
 router = APIRouter()
@@ -214,8 +214,6 @@ async def usage_requests(
 
 
 def _logged(row: dict[str, object]) -> dict[str, Any]:
-    outcome = str(row["outcome"])
-    status = "ok" if outcome == "ok" else "cancelled" if outcome == CLIENT_CLOSED else "error"
     return {
         "id": row["id"],
         "time": row["time"],
@@ -223,8 +221,8 @@ def _logged(row: dict[str, object]) -> dict[str, Any]:
         "model": row["model"],
         "endpoint": row["endpoint"],
         "instance_id": row["instance_id"],
-        "status": status,
-        "outcome": outcome,
+        "status": status_of(row["outcome"]),
+        "outcome": row["outcome"],
         "prompt_tokens": row["prompt_tokens"],
         "completion_tokens": row["completion_tokens"],
         "latency_ms": row["latency_ms"],

@@ -69,20 +69,20 @@ class _Versioned:
     (/console/assets/<file>) stay, revalidated on each use."""
 
     def __init__(self, app: ASGIApp, current: str) -> None:
-        self.app, self.current = app, current
-        self.immutable = [*HEADERS, (b"cache-control", b"public, max-age=31536000, immutable")]
-        self.revalidated = [*HEADERS, (b"cache-control", b"no-cache")]
+        self.current = current
+        self.immutable = _Headers(app, [*HEADERS, (b"cache-control", b"public, max-age=31536000, immutable")])
+        self.revalidated = _Headers(app, [*HEADERS, (b"cache-control", b"no-cache")])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         root = scope.get("root_path", "")
         path = scope["path"][len(root) :] if scope["path"].startswith(root) else scope["path"]
-        headers = self.revalidated
+        app = self.revalidated
         found = VERSIONED.fullmatch(path)
         if found is not None:
             if found[1] == self.current:
-                headers = self.immutable
+                app = self.immutable
             scope = {**scope, "path": root + found[2]}
-        await _Headers(self.app, headers)(scope, receive, send)
+        await app(scope, receive, send)
 
 
 def install(app: FastAPI) -> None:

@@ -78,6 +78,12 @@ def _percentile(values: list[float], share: float) -> float:
 CLIENT_CLOSED = "client_closed"
 
 
+def status_of(outcome: object) -> str:
+    """A ledger outcome as ok, error or cancelled (a request its client gave up on: a Stop, a closed tab,
+    is no error of the server's). store.LedgerQuery filters by the same rule."""
+    return "ok" if outcome == "ok" else "cancelled" if outcome == CLIENT_CLOSED else "error"
+
+
 async def series(
     store: UsageStore, key_id: str | None, since: float, until: float, bucket: int, offset_minutes: int
 ) -> dict[str, Any]:
@@ -100,9 +106,8 @@ async def series(
                 "start": start,
                 "model": model,
                 "requests": len(rows),
-                # A request its client gave up on (a Stop, a closed tab) is no error of the server's.
-                "errors": sum(1 for r in rows if r["outcome"] not in ("ok", CLIENT_CLOSED)),
-                "cancelled": sum(1 for r in rows if r["outcome"] == CLIENT_CLOSED),
+                "errors": sum(1 for r in rows if status_of(r["outcome"]) == "error"),
+                "cancelled": sum(1 for r in rows if status_of(r["outcome"]) == "cancelled"),
                 "prompt_tokens": sum(int(r["prompt_tokens"]) for r in rows),  # type: ignore[call-overload]
                 "completion_tokens": sum(int(r["completion_tokens"]) for r in rows),  # type: ignore[call-overload]
                 "latency_p50_ms": round(_percentile(latencies, 0.5), 1),

@@ -133,7 +133,7 @@ function forget() {
   $("#play-code").hidden = true;
   for (const stat of document.querySelectorAll("#play-stats dd")) stat.textContent = "–";
   for (const page of ["overview", "models"]) fresh(page);
-  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, conversation: [], session: null, catalog: [], log: [] });
+  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, conversation: [], session: null, log: null });
   renderConversation();
 }
 
@@ -229,15 +229,13 @@ function fresh(page) {
 }
 
 async function act(statusId, working, action) {
-  const status = document.getElementById(statusId);
-  status.dataset.sticky = "1";
+  document.getElementById(statusId).dataset.sticky = "1"; // kept while the action runs, however long
   say(statusId, working);
   try {
-    say(statusId, await action());
+    tell(statusId, await action());
   } catch (error) {
-    say(statusId, error.message, true);
+    tell(statusId, error.message, true);
   }
-  setTimeout(() => delete status.dataset.sticky, 6000);
 }
 
 function startInstance(model) {
@@ -277,7 +275,6 @@ async function loadCatalog() {
   }
   if (state.tab !== "models") return;
   fresh("models");
-  state.catalog = catalog.data;
   const where = (name) => running.data.filter((i) => i.model === name);
   // A gateway that shares its database with others serves its own config file's models besides the
   // catalog's, without writing them there: shown too, as this gateway's, with nothing to change here.
@@ -560,10 +557,12 @@ const COLOURS = ["#1f6feb", "#e8590c", "#2f9e44", "#ae3ec9", "#f08c00", "#0c8599
 async function loadUsage(event) {
   event?.preventDefault();
   if (!state.me) return;
-  if (state.me.admin && !$("#usage-key").options.length) {
-    $("#usage-key-field").hidden = false;
-    await loadKeyNames();
-    $("#usage-key").replaceChildren(el("option", { value: "*" }, "All keys"), ...state.keys.map((k) => el("option", { value: k.id }, `${k.name} (${k.id})`)));
+  if (state.me.admin) {
+    await loadKeyNames(); // names for the picker and the tables, and each key's quota now
+    if (!$("#usage-key").options.length) {
+      $("#usage-key-field").hidden = false;
+      $("#usage-key").replaceChildren(el("option", { value: "*" }, "All keys"), ...state.keys.map((k) => el("option", { value: k.id }, `${k.name} (${k.id})`)));
+    }
   }
   const days = Number($("#usage-range").value);
   const bucket = days <= 1 ? "hour" : "day";
@@ -575,7 +574,7 @@ async function loadUsage(event) {
     const [series, summary] = await Promise.all([
       api(`/api/usage/series?${query}`),
       api(`/api/usage?${new URLSearchParams({ since: query.get("since"), until: query.get("until"), ...(state.me.admin ? { key: usageKey() } : {}) })}`),
-      state.me.admin ? loadKeyNames() : api("/api/me").then((me) => (state.me.quota = me.quota)),
+      state.me.admin ? null : api("/api/me").then((me) => (state.me.quota = me.quota)),
     ]);
     state.rows = series.points;
     state.range = [since, until];
@@ -607,16 +606,16 @@ function quotaText(quota) {
 }
 
 function drawTotals(summary) {
-  const row = (label, c) => [el("td", { class: "num" }, number(c.requests)), el("td", { class: "num" }, number(c.prompt_tokens)),
-    el("td", { class: "num" }, number(c.completion_tokens)), el("td", { class: "num" }, number(c.prompt_tokens + c.completion_tokens))];
-  const models = Object.entries(summary.by_model).sort((a, b) => b[1].prompt_tokens + b[1].completion_tokens - (a[1].prompt_tokens + a[1].completion_tokens));
-  $("#usage-models tbody").replaceChildren(...models.map(([name, c]) => el("tr", {}, el("td", {}, name), ...row(name, c))));
+  const total = (c) => c.prompt_tokens + c.completion_tokens;
+  const mostFirst = (counts) => Object.entries(counts).sort((a, b) => total(b[1]) - total(a[1]));
+  const row = (c) => [el("td", { class: "num" }, number(c.requests)), el("td", { class: "num" }, number(c.prompt_tokens)),
+    el("td", { class: "num" }, number(c.completion_tokens)), el("td", { class: "num" }, number(total(c)))];
+  $("#usage-models tbody").replaceChildren(...mostFirst(summary.by_model).map(([name, c]) => el("tr", {}, el("td", {}, name), ...row(c))));
   const byKey = summary.by_key;
   $("#usage-keys-part").hidden = !byKey;
   if (byKey) {
-    const keys = Object.entries(byKey).sort((a, b) => b[1].prompt_tokens + b[1].completion_tokens - (a[1].prompt_tokens + a[1].completion_tokens));
-    $("#usage-keys tbody").replaceChildren(...keys.map(([id, c]) =>
-      el("tr", { "data-key": id }, el("td", { class: "name" }, keyName(id)), ...row(id, c), el("td", { class: "quota" }, quotaText(state.keys.find((k) => k.id === id)?.quota)))));
+    $("#usage-keys tbody").replaceChildren(...mostFirst(byKey).map(([id, c]) =>
+      el("tr", { "data-key": id }, el("td", { class: "name" }, keyName(id)), ...row(c), el("td", { class: "quota" }, quotaText(state.keys.find((k) => k.id === id)?.quota)))));
   }
   const own = state.me.admin ? state.keys.find((k) => k.id === usageKey()) : state.me;
   $("#usage-quota").hidden = !own?.quota;
