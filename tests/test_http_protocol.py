@@ -576,3 +576,31 @@ def test_large_answers_reach_a_slow_reader_whole_with_the_app_held_back_meanwhil
 
     assert asyncio.run(test()) == [piece * 3, piece * 3]  # chunked, then with a Content-Length
     assert max(waited) >= 0.2  # a send waited for the client's buffer to drain (flow control)
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        # issue 54, row 5: a coding other than chunked last, whose body's length cannot be told
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: xchunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked, gzip\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        # a chunk size that overflows 64 bits, read after the app began reading the body
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFFF1\r\nabc\r\n",
+    ],
+)
+@pytest.mark.parametrize("http", [None, "httptools"])
+def test_a_body_of_unknown_length_or_an_overflowing_chunk_is_answered_400_and_closed(
+    request_bytes: bytes, http: str | None
+) -> None:
+    """llmserver's protocol answers as uvicorn's own does (`http="httptools"`): 400, then the connection closes."""
+
+    async def test() -> None:
+        async with serving(echo, http=http) as port, connect(port) as (reader, writer):
+            writer.write(request_bytes)
+            status, _, body = await read_answer(reader)
+            assert status.startswith(b"HTTP/1.1 400"), status
+            if http is None:
+                assert json.loads(body)["error"]["type"] == "invalid_request_error"
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+
+    asyncio.run(test())

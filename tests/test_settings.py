@@ -123,10 +123,21 @@ def test_llama_server_knobs_become_its_flags(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"llama_server_args": ["--port", "9"]}, "--port is set by llmserver itself"),
-        ({"llama_server_args": ["--api-key=x"]}, "--api-key is set by llmserver itself"),
-        ({"llama_server_args": ["-c", "99"]}, "-c is set by llmserver itself"),
-        ({"llama_server_args": ["--path", "/"]}, "--path is set by llmserver itself"),
+        ({"llama_server_args": ["--port", "9"]}, "--port is not a llama-server flag that llmserver passes on"),
+        ({"llama_server_args": ["--api-key=x"]}, "takes no --flag=value"),
+        ({"llama_server_args": ["-c", "99"]}, "-c is not a llama-server flag"),
+        ({"llama_server_args": ["--path", "/"]}, "--path is not a llama-server flag"),
+        # issue 54: each of these was accepted and run (llama.cpp reads `_` in a long flag as `-`)
+        ({"llama_server_args": ["--api_key", "K"]}, "--api_key is not a llama-server flag"),
+        ({"llama_server_args": ["--tools", "read_file,exec_shell_command"]}, "--tools is not a llama-server flag"),
+        ({"llama_server_args": ["--log_file", "/tmp/x"]}, "--log_file is not a llama-server flag"),
+        ({"llama_server_args": ["--cache_ram", "512"]}, "--cache_ram is not a llama-server flag"),
+        ({"llama_server_args": ["--slot-save-path", "/tmp"]}, "--slot-save-path is not a llama-server flag"),
+        ({"llama_server_args": ["--props"]}, "--props is not a llama-server flag"),
+        ({"llama_server_args": ["--temp"]}, "--temp needs a value"),
+        ({"llama_server_args": ["0.5"]}, "'0.5' follows no flag that takes a value"),
+        ({"llama_server_args": ["--no-warmup", "--api-key", "k"]}, "--api-key is not a llama-server flag"),
+        ({"llama_server_args": ["--cache_type_k", "q4_0"]}, "--cache-type-k: use the model setting cache_type_k"),
         ({"llama_server_args": ["-ctk", "q4_0"]}, "-ctk: use the model setting cache_type_k"),
         ({"llama_server_args": ["--n-gpu-layers=99"]}, "--n-gpu-layers: use the model setting n_gpu_layers"),
         ({"cache_type_k": "q3_k"}, "cache_type_k"),
@@ -138,3 +149,8 @@ def test_llama_server_knobs_are_checked(fields: dict[str, object], message: str)
     with pytest.raises(ValidationError) as refused:
         ModelConfig(name="m", **fields)  # type: ignore[arg-type]
     assert message in str(refused.value)
+
+
+def test_allowed_llama_server_flags_pass_with_their_values() -> None:
+    args = ["--temp", "0.2", "--top_k", "5", "--no-warmup", "-s", "-1", "--override-kv", "a=int:2", "--swa-full"]
+    assert ModelConfig(name="m", llama_server_args=args).llama_server_args == args

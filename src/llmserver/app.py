@@ -19,6 +19,7 @@ from starlette.types import ASGIApp
 from llmserver import __version__, console, model_catalog, tracing
 from llmserver.api import anthropic, embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api import responses as responses_api
+from llmserver.api.access import check_routes
 from llmserver.api.deps import direct_routes, validation_error
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
@@ -235,10 +236,11 @@ def create_app(settings: Settings) -> FastAPI:
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )  # fmt: skip
     modules = (native, openai, responses_api, anthropic, embeddings, models, jobs, instances, keys, metrics, health)
-    routers = [module.router for module in modules]
+    routers = [router for module in modules for router in module.routers]
     for router in routers:
         app.include_router(router)
     console.install(app)
+    check_routes(app)
     _install_error_handlers(app)
     app.front = lambda stack: Front(
         stack,

@@ -78,8 +78,8 @@ class Limits:
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing a request that is refused (`status`)."""
 
-    def __init__(self, status: int, message: str) -> None:
-        self.status, self.message = status, message
+    def __init__(self, status: int, message: str, type_: str = "request_too_large") -> None:
+        self.status, self.message, self.type = status, message, type_
 
 
 def error_answer(
@@ -423,7 +423,7 @@ class GatewayProtocol(asyncio.Protocol):
 
     def _refuse(self, refused: _Refused) -> None:
         log.info("answering %d to %s: %s", refused.status, self._who(), refused.message)
-        self._send_error(refused.status, "request_too_large", refused.message)
+        self._send_error(refused.status, refused.type, refused.message)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -483,6 +483,11 @@ class GatewayProtocol(asyncio.Protocol):
             raise _Refused(431, f"The request has more than {self.limits.max_header_count} header fields.")
 
     def on_headers_complete(self) -> None:
+        for name, value in self.headers:
+            # A body whose length cannot be told (RFC 9112 6.3: chunked is not the final coding): refused,
+            # as uvicorn does, rather than read as a body that ends with the connection.
+            if name == b"transfer-encoding" and value.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
+                raise _Refused(400, "Unsupported Transfer-Encoding: only chunked is read.", "invalid_request_error")
         self.heading = False
         self.began = self.loop.time()  # from here the body's rate counts
         self.body_bytes = 0
@@ -617,9 +622,14 @@ class GatewayProtocol(asyncio.Protocol):
 
     def _send_error(self, status: int, type_: str, message: str) -> None:
         """An answer of the server's own, before any app saw the request; the connection closes."""
-        if self.running is not None:  # an answer is being written: nothing may cut into it
-            self.transport.close()
-            return
+        running = self.running
+        if running is not None:
+            if running.started:  # an answer is being written: nothing may cut into it
+                self.transport.close()
+                return
+            # The app is reading a body that turned out malformed (a chunk size that overflows): it hears
+            # the client gone, and the client hears why.
+            running.lost()
         headers, body = error_answer(status, type_, message, (b"connection", b"close"))
         lines = [status_line(status)]
         for name, value in (*self.server_state.default_headers, *headers):

@@ -31,12 +31,13 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from llmserver.errors import Conflict, InvalidRequest, NotFound
-from llmserver.settings import ModelConfig, Settings, share_threads
+from llmserver.settings import ModelConfig, Settings, outside, share_threads
 from llmserver.store import CatalogEntry, CatalogStore, is_postgres
 
 log = logging.getLogger(__name__)
@@ -204,13 +205,21 @@ def entry_body(entry: CatalogEntry, status: dict[str, Any] | None = None) -> dic
 # Changes, from the admin API and `llmserver models` alike
 
 
-def _validated(fields: dict[str, Any]) -> ModelConfig:
+def _validated(fields: dict[str, Any], roots: tuple[Path, ...]) -> ModelConfig:
     from llmserver.api.deps import validation_error
 
     try:
-        return ModelConfig.model_validate(fields)
+        model = ModelConfig.model_validate(fields)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
+    field = outside(model, roots)
+    if field is not None:
+        raise InvalidRequest(
+            f"{field}: {getattr(model, field)} is outside the directories model files may be in "
+            f"({', '.join(str(root) for root in roots)}; the model_dirs setting adds more)",
+            param=field,
+        )
+    return model
 
 
 def _owned(entry: CatalogEntry | None, name: str, doing: str) -> CatalogEntry:
@@ -228,9 +237,9 @@ async def find(store: CatalogStore, name: str) -> CatalogEntry | None:
     return next((entry for entry in await store.catalog() if entry.name == name), None)
 
 
-async def add(store: CatalogStore, fields: dict[str, Any]) -> CatalogEntry:
-    """A new model (409 if the name is taken)."""
-    model = _validated(fields)
+async def add(store: CatalogStore, fields: dict[str, Any], roots: tuple[Path, ...]) -> CatalogEntry:
+    """A new model (409 if the name is taken), its files within `roots` (Settings.model_file_roots)."""
+    model = _validated(fields, roots)
     entry = await store.catalog_put(model.name, stored(model), API, create=True)
     if entry is None:
         raise Conflict(f"The model catalog already has a model {model.name!r}: change it with PATCH.", param="name")
@@ -238,14 +247,14 @@ async def add(store: CatalogStore, fields: dict[str, Any]) -> CatalogEntry:
     return entry
 
 
-async def update(store: CatalogStore, name: str, changes: dict[str, Any]) -> CatalogEntry:
+async def update(store: CatalogStore, name: str, changes: dict[str, Any], roots: tuple[Path, ...]) -> CatalogEntry:
     """A model's settings changed: `changes` over its current ones (a null sets one back to its default)."""
     entry = _owned(await find(store, name), name, "change")
     if "name" in changes and changes["name"] != name:
         raise InvalidRequest("A model cannot be renamed: add one under the new name, then remove this one.",
                              param="name")  # fmt: skip
     fields = {**entry.settings(), **changes}
-    model = _validated({key: value for key, value in fields.items() if value is not None})
+    model = _validated({key: value for key, value in fields.items() if value is not None}, roots)
     if stored(model) == entry.config:
         return entry
     written = await store.catalog_put(name, stored(model), API, create=False)

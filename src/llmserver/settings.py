@@ -24,6 +24,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from llmserver import llama_flags
 from llmserver.inputs.archives import ArchiveLimits
 from llmserver.inputs.limits import FileLimits, ImageLimits
 from llmserver.store import is_postgres
@@ -46,15 +47,6 @@ def default_threads() -> int:
 
 # ggml's KV cache types (llama-server's --cache-type-k/-v).
 KVCacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
-# llama-server flags that llmserver sets for every instance (or that would undo what it relies on: its
-# address, its key, its slots and context, its threads, the web UI off, static files, its own log).
-MANAGED_FLAGS = frozenset({
-    "-m", "--model", "-a", "--alias", "--host", "--port", "-np", "--parallel", "--threads-http", "-c", "--ctx-size",
-    "-t", "--threads", "-tb", "--threads-batch", "-cram", "--cache-ram", "--ui", "--no-ui", "--webui", "--no-webui",
-    "--jinja", "--no-jinja", "--ssl-cert-file", "--ssl-key-file", "--api-key", "--api-key-file", "--embedding",
-    "--embeddings", "--pooling", "-mm", "--mmproj", "-mmu", "--mmproj-url", "--chat-template", "--chat-template-file",
-    "--path", "--api-prefix", "--log-file", "-hf", "--hf-repo", "-hfr", "-hff", "--hf-file", "-mu", "--model-url",
-})  # fmt: skip
 # llama-server flags that a model setting names: set there, in one place.
 SETTING_FLAGS = {
     **dict.fromkeys(("-ngl", "--gpu-layers", "--n-gpu-layers"), "n_gpu_layers"),
@@ -68,6 +60,23 @@ SETTING_FLAGS = {
     **dict.fromkeys(("-md", "--model-draft", "--spec-draft-model"), "draft_model"),
     "--spec-draft-n-max": "draft_max",
 }  # fmt: skip
+
+
+MODEL_FILE_FIELDS = ("path", "mmproj", "draft_model", "chat_template_file")
+
+
+def model_files(model: ModelConfig) -> list[Path]:
+    """The local files a model's settings name."""
+    return [path for name in MODEL_FILE_FIELDS if (path := getattr(model, name)) is not None]
+
+
+def outside(model: ModelConfig, roots: tuple[Path, ...]) -> str | None:
+    """The first file field of `model` whose path resolves (`..` and symlinks followed) outside `roots`."""
+    for name in MODEL_FILE_FIELDS:
+        path = getattr(model, name)
+        if path is not None and not any(path.expanduser().resolve().is_relative_to(root) for root in roots):
+            return name
+    return None
 
 
 class ModelConfig(BaseModel):
@@ -141,8 +150,9 @@ class ModelConfig(BaseModel):
     draft_max: int | None = Field(default=None, ge=1, description="Tokens drafted at a time (with draft_model).")
     llama_server_args: list[str] = Field(
         default_factory=list,
-        description="More llama-server arguments, as on its command line; not those llmserver sets itself "
-        "(host, port, parallel, context, threads, API key, …) or that a setting above names.",
+        description="More llama-server arguments, as on its command line, from an allowlist of flags that tune "
+        "how a model computes (sampling defaults, batching, KV cache, RoPE, placement, …; llama_flags.py); "
+        "never one that reads or writes files, sets a key or an address, or that llmserver or a setting above sets.",
     )
     chat_template_file: Path | None = Field(
         default=None,
@@ -198,11 +208,10 @@ class ModelConfig(BaseModel):
     @classmethod
     def _check_extra_args(cls, value: list[str]) -> list[str]:
         for argument in value:
-            flag = argument.split("=", 1)[0] if argument.startswith("-") else None
-            if flag in MANAGED_FLAGS:
-                raise ValueError(f"{flag} is set by llmserver itself")
+            flag = llama_flags.normalised(argument.split("=", 1)[0])
             if flag in SETTING_FLAGS:
                 raise ValueError(f"{flag}: use the model setting {SETTING_FLAGS[flag]}")
+        llama_flags.check(value)
         return value
 
     # Whether `threads` was shared out by the settings rather than configured: a new set of models
@@ -233,6 +242,12 @@ class Settings(BaseSettings):
     models: list[ModelConfig] = Field(
         default_factory=list,
         description="Models to serve ([[models]] tables). Empty: the embedded default model.",
+    )
+    model_dirs: list[Path] = Field(
+        default_factory=list,
+        description="Directories a model added through the API or `llmserver models` may have its files in "
+        "(path, mmproj, draft_model, chat_template_file), besides the data dir's models/ and the directories of "
+        "the config file's own models; a path that resolves (symlinks too) outside them is refused.",
     )
     database_url: str = Field(
         default="",
@@ -595,9 +610,15 @@ class Settings(BaseSettings):
     # embedded default stood in for none: the model catalog (model_catalog.py) seeds only given ones.
     _models_given: bool = PrivateAttr(default=False)
 
+    # The directories of the given models' own files, as the configuration named them (model_file_roots).
+    _file_model_dirs: tuple[Path, ...] = PrivateAttr(default=())
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         self._models_given = bool(self.models)
+        self._file_model_dirs = tuple(
+            path.expanduser().resolve().parent for model in self.models for path in model_files(model)
+        )
         if not self.models:
             self.models = [ModelConfig(name=DEFAULT_MODEL_NAME)]
         share_threads(self.models)
@@ -670,6 +691,11 @@ class Settings(BaseSettings):
             max_files=self.max_files, max_bytes=self.max_file_bytes, max_chars=self.file_max_chars, archive=archive
         )
 
+    def model_file_roots(self) -> tuple[Path, ...]:
+        """Where a catalog model's files may be (`model_dirs`), resolved."""
+        roots = (self.model_cache_dir, *self.model_dirs)
+        return tuple(dict.fromkeys((*(root.expanduser().resolve() for root in roots), *self._file_model_dirs)))
+
     @property
     def model_cache_dir(self) -> Path:
         return self.data_dir / "models"
@@ -722,4 +748,5 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     loaded = _Loaded(**given)
     settings = Settings.model_construct(**dict(loaded))
     settings._models_given = loaded._models_given
+    settings._file_model_dirs = loaded._file_model_dirs
     return settings

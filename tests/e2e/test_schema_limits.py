@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_errors import assert_error
+from tests.support import MODEL
 
 HANGS = "^((a{0,99}){0,99}){0,99}$"  # held llama-server's main thread for over 11 minutes
 OPTIONAL_REPEATED = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^(a?){0,1000}$"}}}
@@ -76,3 +77,48 @@ def test_a_pattern_within_the_bound_is_served(client: httpx.Client) -> None:
     assert answer.status_code == 200, answer.text
     content = answer.json()["choices"][0]["message"]["content"]
     assert set(content.strip('"')) <= {"a"}
+
+
+# Issue 54, row 3: each was accepted and hung the instance (another key's request waited ~60 s, then 504).
+BYPASSES = {
+    "empty-lower-count": {"type": "string", "pattern": "^((a{,99}){,99}){,99}$"},
+    "spaced-count": {"type": "string", "pattern": "^((a{ 0,99}){0,99 }){ 0,99}$"},
+    "empty-class-first": {"type": "string", "pattern": "^(?:[]|b)((a{0,99}){0,99}){0,99}(?:[]|c)$"},
+    "property-named-enum": {
+        "type": "object",
+        "properties": {"enum": {"type": "string", "pattern": "^((a{0,99}){0,99}){0,99}$"}},
+    },
+    "large-enum": {"type": "string", "enum": [f"v{i}" for i in range(50_000)]},
+    "many-branches": {"anyOf": [{"type": "string", "pattern": "^(a{0,30}){0,30}$"} for _ in range(50)]},
+}
+SURFACES = {
+    "chat-response-format": ("/v1/chat/completions", "response_format", lambda s: chat_with_schema(s)),
+    "chat-tools-required": ("/v1/chat/completions", "tools", lambda s: {
+        "messages": [{"role": "user", "content": "Say a."}], "max_tokens": 4, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "x": s}}}}],
+    }),
+    "responses-text-format": ("/v1/responses", "text.format", lambda s: {
+        "input": "Say a.", "max_output_tokens": 4,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": s}},
+    }),
+    "anthropic-tools": ("/v1/messages", "tools", lambda s: {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Say a."}],
+        "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"x": s}}}],
+        "tool_choice": {"type": "any"},
+    }),
+    "native-format": ("/api/generate", "format", lambda s: {"prompt": "Say a.", "max_tokens": 4, "format": s}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+@pytest.mark.parametrize("bypass", BYPASSES)
+def test_the_grammar_guard_bypasses_are_refused_on_every_surface(
+    client: httpx.Client, surface: str, bypass: str
+) -> None:
+    path, param, body = SURFACES[surface]
+    answer = client.post(path, json=body(BYPASSES[bypass]))
+    assert answer.status_code == 400, answer.text[:300]
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error.get("param", param).split(".")[0] == param.split(".")[0] or param in str(error), error

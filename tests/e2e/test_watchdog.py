@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_errors import assert_error
-from tests.support import MODEL, Server, create_key, metric, wait_for
+from tests.support import MODEL, Server, create_key, make_key_record, metric, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -76,3 +76,28 @@ def test_an_instance_that_makes_no_progress_is_restarted(watched: Server) -> Non
     again = httpx.post(watched.url + "/api/generate", json={"prompt": "Hi", "max_tokens": 2}, headers=headers,
                        timeout=120)  # fmt: skip
     assert again.status_code == 200, again.text
+
+
+def test_an_instance_left_busy_by_a_client_that_went_away_is_restarted(watched: Server) -> None:
+    """Issue 54, row 4: the attacker sends a pattern that hangs the instance and disconnects; the watchdog
+    looked only while requests were in flight, so the next key's request waited its whole queue timeout.
+    Now the instance is restarted with nothing in flight, and the key that sent it is counted."""
+    assert wait_for(lambda: httpx.get(watched.url + "/ready").status_code == 200, 60)
+    key_id, key = make_key_record(watched.data_dir, "leaves")
+    body = {
+        "messages": [{"role": "user", "content": "Say a."}],
+        "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"pattern": HANGS}}},
+    }
+    before = metric(watched, ADMIN, "llmserver_instance_stalls_total", model=MODEL)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(watched.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                   timeout=1.0)  # fmt: skip
+    assert wait_for(lambda: metric(watched, ADMIN, "llmserver_instance_stalls_total", model=MODEL) == before + 1, 60)
+    assert metric(watched, ADMIN, "llmserver_instance_stalls_by_key_total", model=MODEL, key=key_id) == 1
+    other = create_key(watched.data_dir, "next")
+    sent = time.monotonic()
+    answer = httpx.post(watched.url + "/api/generate", json={"prompt": "Hi", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {other}"}, timeout=120)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    print(f"\nthe next key's request answered {time.monotonic() - sent:.1f} s after the restart")

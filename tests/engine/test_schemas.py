@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserver.engine.schemas import PATTERN_COST, check_schema, pattern_cost
+from llmserver.engine.schemas import PATTERN_COST, Budget, check_schema, pattern_cost
 from llmserver.errors import InvalidRequest
 
 
@@ -27,8 +27,13 @@ from llmserver.errors import InvalidRequest
         ("^(a+)+b$", 0),
         ("^((25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)\\.){3}(25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)$", 0),
         ("^[a-z0-9._%+-]+@[a-z0-9.-]+\\.[a-z]{2,}$", 0),
-        ("^\\d{3}-\\d{4}$", 0),
-        ("^a{b$", 0),  # a `{` that starts no count is a character
+        ("^[0-9]{3}-[0-9]{4}$", 0),
+        # llama.cpp's reading of a count: C's stoi, an empty side is 0 or unbounded (issue 54)
+        ("^((a{,7}){,7}){,7}$", 16_807),
+        ("^((a{ 0,7}){0,7 }){ 0 , 7}$", 16_807),
+        ("^((a{0,7}x?){0,7}){0,7}$", 392 * 49),
+        # a class ends at its first `]`: `[]` is an empty class and what follows is read (issue 54)
+        ("^(?:[]|b)((a{0,10}){0,10}){0,10}(?:[]|c)$", 102_200),
     ],
 )
 def test_pattern_costs(pattern: str, cost: int) -> None:
@@ -42,13 +47,21 @@ def test_the_bound_sits_between_the_measured_fast_and_slow_patterns() -> None:
 @pytest.mark.parametrize(
     ("pattern", "words"),
     [
-        ("^(a$", "not closed"),
-        ("^a)$", "unbalanced"),
-        ("^[a-$", "not closed"),
-        ("^*a$", "repeats nothing"),
-        ("^(?=a)a$", "lookarounds"),
+        ("^(a$", "unbalanced parentheses"),
+        ("^a)$", "unbalanced parentheses"),
+        ("^[a-$", "unterminated character class"),
+        ("^*a$", "nothing to repeat"),
+        ("^a|*$", "a quantifier after '|'"),
+        ("^(?=a)a$", "cannot enforce (unsupported group syntax"),
+        ("^\\d{3}$", "cannot enforce (unsupported escape: \\d)"),
+        ("^a{b$", "cannot enforce (unterminated curly brackets)"),
+        ("^a{}$", "cannot enforce (invalid number in curly brackets)"),
+        ("^a{1,2,3}$", "cannot enforce (wrong number of values"),
+        ("^a]$", "cannot enforce (unsupported character: ])"),
+        ("^a$b$", "cannot enforce (an anchor inside the pattern)"),
         ("^a{5,2}$", "counts down"),
-        ("^a{0,200000}$", "above"),
+        ("^a{-1,2}$", "a negative count"),
+        ("^a{0,200000}$", "repeats a part 200,000 times"),
     ],
 )
 def test_unreadable_patterns_are_refused(pattern: str, words: str) -> None:
@@ -64,8 +77,42 @@ def test_pointers_escape_slash_and_tilde() -> None:
     assert "#/properties/a~1b~0c/pattern" in caught.value.message
 
 
-def test_values_are_not_walked_as_schemas() -> None:
-    check_schema({"enum": [{"pattern": "unanchored"}], "const": {"maxLength": 10**9}}, "format")
+@pytest.mark.parametrize(
+    "schema",
+    [
+        # a property *named* like a keyword is a schema all the same (issue 54)
+        {"type": "object", "properties": {"enum": {"type": "string", "pattern": "^((a{0,99}){0,99}){0,99}$"}}},
+        {"type": "object", "properties": {"default": {"type": "string", "pattern": "^((a{0,99}){0,99}){0,99}$"}}},
+        # values are looked at too: a `$ref` may point into them
+        {"$ref": "#/enum/0", "enum": [{"type": "string", "pattern": "^((a{0,99}){0,99}){0,99}$"}]},
+        {"examples": [{"pattern": "^((a{0,99}){0,99}){0,99}$"}]},
+    ],
+)
+def test_no_place_in_a_schema_hides_a_pattern(schema: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequest, match="too deeply"):
+        check_schema(schema, "format")
+
+
+def test_patterns_share_one_budget() -> None:
+    """50 alternatives each within the bound were 55 s for 7 tokens (issue 54): their costs add up."""
+    branch = {"type": "string", "pattern": "^(a{0,30}){0,30}$"}  # 27,000 each
+    check_schema({"anyOf": [branch]}, "format")
+    with pytest.raises(InvalidRequest, match="together cost"):
+        check_schema({"anyOf": [branch, branch]}, "format")
+    budget = Budget()
+    check_schema(branch, "tools", budget=budget)
+    with pytest.raises(InvalidRequest, match="together cost"):
+        check_schema(branch, "tools", budget=budget)
+
+
+def test_enums_constants_and_alternatives_are_bounded() -> None:
+    check_schema({"enum": list(range(1000))}, "format")
+    with pytest.raises(InvalidRequest, match="more than 1000 enum values"):
+        check_schema({"enum": list(range(50_000))}, "format")
+    with pytest.raises(InvalidRequest, match="more than 65,536 bytes"):
+        check_schema({"const": "x" * 70_000}, "format")
+    with pytest.raises(InvalidRequest, match="more than 128 alternatives"):
+        check_schema({"anyOf": [{"type": "string"}] * 129}, "format")
 
 
 def test_depth_and_counts_are_bounded() -> None:

@@ -313,9 +313,7 @@ async def parse(
     return principal, validate(model, body)
 
 
-async def _keyed_body(
-    request: Request, principal: Principal | None = None, *, admin: bool = False
-) -> tuple[Principal, dict[str, Any]]:
+async def _keyed_body(request: Request, principal: Principal | None = None) -> tuple[Principal, dict[str, Any]]:
     """The caller (unless already known) and the JSON body: a bad key is a 401 whatever the body, so the
     body's problem is raised only once the key (which may travel in it) has been checked."""
     try:
@@ -325,8 +323,6 @@ async def _keyed_body(
         body, problem = None, exc
     if principal is None:
         principal = await authenticate(request, body)
-    if admin and not principal.is_admin:
-        raise PermissionDenied("This endpoint needs an admin key.")
     if problem is not None or body is None:
         raise problem or InvalidRequest("The request body must be a JSON object.")
     return principal, body
@@ -342,14 +338,6 @@ async def require_admin(request: Request) -> Principal:
     if not principal.is_admin:
         raise PermissionDenied("This endpoint needs an admin key.")
     return principal
-
-
-async def admin_body(request: Request) -> dict[str, Any]:
-    """An admin endpoint's JSON body, once its key (in the header, the query string or the body's
-    `api_key`, as everywhere) is an admin key; `api_key` itself is taken out of the body."""
-    _, body = await _keyed_body(request, admin=True)
-    body.pop("api_key", None)
-    return body
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T], after: float = 0.05) -> T:

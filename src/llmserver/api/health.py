@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from llmserver.api.access import Access, router
 from llmserver.api.deps import supervisor
 from llmserver.health import Readiness
 
-router = APIRouter()
+public = router(Access.PUBLIC)
+routers = (public,)
 
 
-@router.get("/health")
+@public.get("/health")
 async def health() -> dict[str, str]:
     """The process answers; no dependency is checked (that is /ready)."""
     return {"status": "ok"}
 
 
-@router.get("/ready", response_model=None)
+@public.get("/ready", response_model=None)
 async def ready(request: Request) -> JSONResponse:
     readiness: Readiness = request.app.state.readiness
     await readiness.check()

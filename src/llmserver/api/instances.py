@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from llmserver.api.deps import admin_body, require_admin, speed, supervisor, validate
+from llmserver.api.access import Access, body_of, router
+from llmserver.api.deps import speed, supervisor, validate
 
-router = APIRouter()
+admin = router(Access.ADMIN)
+routers = (admin,)
 
 
 class StartInstance(BaseModel):
@@ -20,9 +22,8 @@ class StartInstance(BaseModel):
     node: str | None = None  # for a gateway of role `gateway`: the node to start it on (default: the least busy)
 
 
-@router.get("/api/instances")
+@admin.get("/api/instances")
 async def list_instances(request: Request) -> dict[str, Any]:
-    await require_admin(request)
     running, rate = supervisor(request), speed(request)
     summary = [
         {
@@ -37,24 +38,22 @@ async def list_instances(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [i.describe() for i in running.all_instances()], "models": summary}
 
 
-@router.get("/api/instances/{instance_id}")
+@admin.get("/api/instances/{instance_id}")
 async def get_instance(request: Request, instance_id: str) -> dict[str, Any]:
-    await require_admin(request)
     return supervisor(request).find(instance_id).describe()
 
 
-@router.post("/api/instances", status_code=201, response_model=None)
+@admin.post("/api/instances", status_code=201, response_model=None)
 async def start_instance(request: Request) -> JSONResponse:
     """Start one more instance of a model; answers once it is ready (201) or has failed (502)."""
-    body = validate(StartInstance, await admin_body(request))
+    body = validate(StartInstance, body_of(request))
     instance = await supervisor(request).start_instance(body.model, body.node)
     return JSONResponse(instance.describe(), status_code=201)
 
 
-@router.delete("/api/instances/{instance_id}")
+@admin.delete("/api/instances/{instance_id}")
 async def drain_instance(request: Request, instance_id: str) -> dict[str, Any]:
     """Drain: no new requests, in-flight ones finish (up to drain_timeout), then the process stops."""
-    await require_admin(request)
     pool = supervisor(request)
     instance = pool.find(instance_id)
     await pool.drain(instance)

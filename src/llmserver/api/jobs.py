@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from llmserver.api.deps import authenticate, jobs
+from llmserver.api.access import Access, caller, router
+from llmserver.api.deps import jobs
 from llmserver.errors import InvalidRequest
 from llmserver.store import JobRecord
 
-router = APIRouter()
+keyed = router(Access.KEY)
+routers = (keyed,)
 
 
 class _OnceResponse(JSONResponse):
@@ -33,9 +35,9 @@ class _OnceResponse(JSONResponse):
         await service.delivered(self._job)
 
 
-@router.get("/api/async_result", response_model=None)
+@keyed.get("/api/async_result", response_model=None)
 async def async_result(request: Request, tracking_id: str | None = None) -> JSONResponse:
-    principal = await authenticate(request)
+    principal = caller(request)
     if not tracking_id:
         raise InvalidRequest("tracking_id: Field required", param="tracking_id")
     answer, claimed = await jobs(request).poll(principal, tracking_id)

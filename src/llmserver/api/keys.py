@@ -8,27 +8,20 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserver.api.deps import (
-    admin_body,
-    authenticate,
-    keys,
-    quota,
-    recorder,
-    require_admin,
-    settings,
-    store,
-    validate,
-)
+from llmserver.api.access import Access, body_of, caller, router
+from llmserver.api.deps import keys, quota, recorder, settings, store, validate
 from llmserver.auth.keys import Principal, describe, limit_fields
 from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, status_of, summarise
 from llmserver.store import STATUSES, KeyLimits, LedgerQuery
 
-router = APIRouter()
+keyed = router(Access.KEY)
+admin = router(Access.ADMIN)
+routers = (keyed, admin)
 
 
 class Limits(BaseModel):
@@ -50,10 +43,9 @@ class CreateKey(Limits):
     admin: bool = False
 
 
-@router.get("/api/keys")
+@admin.get("/api/keys")
 async def list_keys(request: Request) -> dict[str, Any]:
     """Every key, and where each with a quota stands in its current window."""
-    await require_admin(request)
     records = await keys(request).list()
     quotas = quota(request)
     standing = await asyncio.gather(*(quotas.standing(k.id, k.limits) for k in records if k.revoked_at is None))
@@ -64,9 +56,9 @@ async def list_keys(request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/api/keys", status_code=201, response_model=None)
+@admin.post("/api/keys", status_code=201, response_model=None)
 async def create_key(request: Request) -> JSONResponse:
-    body = validate(CreateKey, await admin_body(request))
+    body = validate(CreateKey, body_of(request))
     try:
         record, key = await keys(request).create(body.name, admin=body.admin, limits=body.limits())
     except ValueError as exc:
@@ -75,10 +67,10 @@ async def create_key(request: Request) -> JSONResponse:
     return JSONResponse({**describe(record), "key": key}, status_code=201, headers={"Cache-Control": "no-store"})
 
 
-@router.patch("/api/keys/{key_id}")
+@admin.patch("/api/keys/{key_id}")
 async def update_key(request: Request, key_id: str) -> dict[str, Any]:
     """Change the limits the body names (null clears one); the others stay as they are."""
-    body = validate(Limits, await admin_body(request))
+    body = validate(Limits, body_of(request))
     current = await keys(request).get(key_id)
     if current is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
@@ -94,9 +86,8 @@ async def update_key(request: Request, key_id: str) -> dict[str, Any]:
     return describe(record)
 
 
-@router.delete("/api/keys/{key_id}")
+@admin.delete("/api/keys/{key_id}")
 async def revoke_key(request: Request, key_id: str) -> dict[str, Any]:
-    await require_admin(request)
     if not await keys(request).revoke(key_id):
         raise NotFound(f"No active key with id {key_id!r}.", param="key_id")
     record = await keys(request).get(key_id)
@@ -104,12 +95,12 @@ async def revoke_key(request: Request, key_id: str) -> dict[str, Any]:
     return describe(record)
 
 
-@router.get("/api/usage")
+@keyed.get("/api/usage")
 async def usage(
     request: Request, key: str | None = None, since: str | None = None, until: str | None = None
 ) -> dict[str, Any]:
     """Usage of one key (default: the caller's own); admins may ask for any key, or all with key=*."""
-    wanted = _usage_of(await authenticate(request), key)
+    wanted = _usage_of(caller(request), key)
     start = parse_time(since, 0.0, "since")
     end = parse_time(until, time.time() + 1, "until")
     await recorder(request).flush()  # rows of requests that just finished
@@ -124,10 +115,10 @@ def _usage_of(principal: Principal, key: str | None) -> str | None:
     return None if wanted == "*" else wanted
 
 
-@router.get("/api/me")
+@keyed.get("/api/me")
 async def me(request: Request) -> dict[str, Any]:
     """The calling key: its id, name, whether it is an admin key, and its limits (what the console shows)."""
-    principal = await authenticate(request)
+    principal = caller(request)
     config = settings(request)
     return {
         "id": principal.key_id,
@@ -150,7 +141,7 @@ async def me(request: Request) -> dict[str, Any]:
 BUCKETS = {"hour": 3600, "day": 86400}
 
 
-@router.get("/api/usage/series")
+@keyed.get("/api/usage/series")
 async def usage_series(
     request: Request,
     key: str | None = None,
@@ -161,7 +152,7 @@ async def usage_series(
 ) -> dict[str, Any]:
     """Usage per bucket ("hour" or "day", starting at the caller's local midnight when given its
     clock's `offset_minutes` ahead of UTC) and model; the same rules for `key` as /api/usage."""
-    wanted = _usage_of(await authenticate(request), key)
+    wanted = _usage_of(caller(request), key)
     if bucket not in BUCKETS:
         raise InvalidRequest("bucket must be 'hour' or 'day'.", param="bucket")
     if not -14 * 60 <= offset_minutes <= 14 * 60:
@@ -175,7 +166,7 @@ async def usage_series(
 MAX_PAGE = 500
 
 
-@router.get("/api/usage/requests")
+@keyed.get("/api/usage/requests")
 async def usage_requests(
     request: Request,
     key: str | None = None,
@@ -190,7 +181,7 @@ async def usage_requests(
     with `before` set to this page's `next_before`. Filters: `model`, `status` (ok, error: the server's
     or the request's fault, cancelled: its client went away), `since`/`until`; the same rules for `key`
     as /api/usage."""
-    wanted = _usage_of(await authenticate(request), key)
+    wanted = _usage_of(caller(request), key)
     if not 1 <= limit <= MAX_PAGE:
         raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}.", param="limit")
     if status is not None and status not in STATUSES:

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from llmserver.api.access import Access, router
 from llmserver.api.deps import bearer_token, keys, require_admin, settings
 from llmserver.api.deps import metrics as metrics_of
 from llmserver.errors import StateUnavailable
 from llmserver.health import Readiness
 
-router = APIRouter()
+scraped = router(Access.OWN)  # a scrape token, or an admin key checked while the database is down
+routers = (scraped,)
 
 
-@router.get("/metrics", response_class=Response)
+@scraped.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     config = settings(request)
     if not config.metrics_public:

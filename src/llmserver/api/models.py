@@ -5,20 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from llmserver import model_catalog
-from llmserver.api.deps import admin_body, authenticate, require_admin, settings, speed, store, supervisor
+from llmserver.api.access import Access, body_of, caller, router
+from llmserver.api.deps import settings, speed, store, supervisor
 from llmserver.auth.keys import may_use
 from llmserver.errors import NotFound
 
-router = APIRouter()
+keyed = router(Access.KEY)
+admin = router(Access.ADMIN)
+routers = (keyed, admin)
 
 
-@router.get("/v1/models")
+@keyed.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    principal = await authenticate(request)
+    principal = caller(request)
     config = settings(request)
     created = int(request.app.state.started_at)
     data = []
@@ -56,39 +59,37 @@ def _status(request: Request, name: str) -> dict[str, Any]:
     }
 
 
-@router.get("/api/models")
+@admin.get("/api/models")
 async def list_catalog(request: Request) -> dict[str, Any]:
-    await require_admin(request)
     entries = await store(request).catalog()
     return {"object": "list", "data": [model_catalog.entry_body(e, _status(request, e.name)) for e in entries]}
 
 
-@router.get("/api/models/{name}")
+@admin.get("/api/models/{name}")
 async def get_model(request: Request, name: str) -> dict[str, Any]:
-    await require_admin(request)
     entry = await model_catalog.find(store(request), name)
     if entry is None:
         raise NotFound(f"The model catalog has no model {name!r}.", param="name")
     return model_catalog.entry_body(entry, _status(request, name))
 
 
-@router.post("/api/models", status_code=201, response_model=None)
+@admin.post("/api/models", status_code=201, response_model=None)
 async def add_model(request: Request) -> JSONResponse:
     """Add a model to the catalog: every gateway serves it within seconds (this one at once)."""
-    entry = await model_catalog.add(store(request), await admin_body(request))
+    entry = await model_catalog.add(store(request), body_of(request), settings(request).model_file_roots())
     await _catalog(request).refresh()
     return JSONResponse(model_catalog.entry_body(entry, _status(request, entry.name)), status_code=201)
 
 
-@router.patch("/api/models/{name}")
+@admin.patch("/api/models/{name}")
 async def update_model(request: Request, name: str) -> dict[str, Any]:
     """Change a model's settings: those an instance must restart for roll its instances over one by one."""
-    entry = await model_catalog.update(store(request), name, await admin_body(request))
+    entry = await model_catalog.update(store(request), name, body_of(request), settings(request).model_file_roots())
     await _catalog(request).refresh()
     return model_catalog.entry_body(entry, _status(request, name))
 
 
-@router.delete("/api/models/{name}")
+@admin.delete("/api/models/{name}")
 async def remove_model(request: Request, name: str) -> dict[str, Any]:
     """Remove a model: its instances drain, and its requests are answered 404."""
     entry = await model_catalog.remove(store(request), name)

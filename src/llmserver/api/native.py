@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
+from llmserver.api.access import Access, router
 from llmserver.api.deps import (
     FastJSONResponse,
     body_schema,
@@ -20,10 +21,13 @@ from llmserver.engine.generation import closed_on_failure
 from llmserver.jobs.runner import JobService
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
 
-router = APIRouter()
+# Each endpoint authenticates first thing (deps.parse): the key may travel in the body, and a large
+# body is gated by a key in the header before it is read.
+generating = router(Access.OWN)
+routers = (generating,)
 
 
-@router.post(
+@generating.post(
     "/api/generate",
     responses={200: {"model": GenerateResponse}},
     openapi_extra=body_schema(GenerateRequest),

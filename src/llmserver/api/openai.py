@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
+from llmserver.api.access import Access, router
 from llmserver.api.deps import (
     FastJSONResponse,
     body_schema,
@@ -23,18 +24,21 @@ from llmserver.jobs.runner import JobService
 from llmserver.pool.admission import Ticket
 from llmserver.schemas.openai import ChatRequest, CompletionRequest
 
-router = APIRouter()
+# Each endpoint authenticates first thing (deps.parse): the key may travel in the body, and a large
+# body is gated by a key in the header before it is read.
+generating = router(Access.OWN)
+routers = (generating,)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@router.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest), response_model=None)
+@generating.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest), response_model=None)
 @direct
 async def chat_completions(request: Request) -> FastJSONResponse | EventStream:
     return await _generate(request, ChatRequest, "/v1/chat/completions")
 
 
-@router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest), response_model=None)
+@generating.post("/v1/completions", openapi_extra=body_schema(CompletionRequest), response_model=None)
 @direct
 async def completions(request: Request) -> FastJSONResponse | EventStream:
     return await _generate(request, CompletionRequest, "/v1/completions")

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from llmserver.api import translated
+from llmserver.api.access import Access, router
 from llmserver.api.deps import FastJSONResponse, body_schema, direct
 from llmserver.api.events import EventStream
 from llmserver.engine import responses
 from llmserver.schemas.responses import PARAMS, ResponsesRequest
 
-router = APIRouter()
+# Each endpoint authenticates first thing (deps.parse): the key may travel in the body, and a large
+# body is gated by a key in the header before it is read.
+generating = router(Access.OWN)
+routers = (generating,)
 
 
-@router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest), response_model=None)
+@generating.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest), response_model=None)
 @direct
 async def create_response(request: Request) -> FastJSONResponse | EventStream:
     principal, body, chat = await translated.read(request, ResponsesRequest, PARAMS)
@@ -28,7 +32,7 @@ class InputTokensRequest(ResponsesRequest):
     stream: bool = False
 
 
-@router.post("/v1/responses/input_tokens", openapi_extra=body_schema(InputTokensRequest), response_model=None)
+@generating.post("/v1/responses/input_tokens", openapi_extra=body_schema(InputTokensRequest), response_model=None)
 @direct
 async def input_tokens(request: Request) -> FastJSONResponse:
     """The prompt tokens a response to this request would read, as the model's template and tokenizer make

@@ -76,9 +76,12 @@ def _settings_from(pairs: tuple[str, ...]) -> dict[str, Any]:
     return fields
 
 
-def _catalog(settings_file: Path | None, data_dir: Path | None, use: Callable[[Store], Awaitable[T]]) -> T:
+def _catalog(
+    settings_file: Path | None, data_dir: Path | None, use: Callable[[Store, tuple[Path, ...]], Awaitable[T]]
+) -> T:
     try:
-        return with_store(load(settings_file, data_dir=data_dir), use)
+        settings = load(settings_file, data_dir=data_dir)
+        return with_store(settings, lambda store: use(store, settings.model_file_roots()))
     except APIError as exc:
         raise click.ClickException(exc.message) from None
 
@@ -91,7 +94,7 @@ def _show(entry: CatalogEntry) -> str:
 @settings_options
 def list_catalog(config_file: Path | None, data_dir: Path | None) -> None:
     """The model catalog: every model the gateways serve, with its settings (those not at their default)."""
-    entries = _catalog(config_file, data_dir, lambda store: store.catalog())
+    entries = _catalog(config_file, data_dir, lambda store, _: store.catalog())
     for entry in entries:
         click.echo(_show(entry))
     if not entries:
@@ -122,7 +125,7 @@ def add(
         **{key: value for key, value in given.items() if value is not None},
         **_settings_from(pairs),
     }
-    click.echo(_show(_catalog(config_file, data_dir, lambda store: model_catalog.add(store, fields))))
+    click.echo(_show(_catalog(config_file, data_dir, lambda store, roots: model_catalog.add(store, fields, roots))))
 
 
 @models.command()
@@ -137,7 +140,9 @@ def update(
     changes: dict[str, Any] = {**_settings_from(pairs), **dict.fromkeys(reset)}
     if not changes:
         raise click.UsageError("nothing to change: give --set KEY=VALUE or --reset KEY")
-    click.echo(_show(_catalog(config_file, data_dir, lambda store: model_catalog.update(store, name, changes))))
+    click.echo(
+        _show(_catalog(config_file, data_dir, lambda store, roots: model_catalog.update(store, name, changes, roots)))
+    )
 
 
 @models.command()
@@ -145,5 +150,5 @@ def update(
 @click.argument("name")
 def remove(config_file: Path | None, data_dir: Path | None, name: str) -> None:
     """Remove a model from the catalog: its instances drain, and its requests are answered 404."""
-    entry = _catalog(config_file, data_dir, lambda store: model_catalog.remove(store, name))
+    entry = _catalog(config_file, data_dir, lambda store, _: model_catalog.remove(store, name))
     click.echo(f"removed {entry.name} (revision {entry.revision})")

@@ -21,6 +21,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserver.api.access import Access, router
+
 STATIC = Path(__file__).parent / "static"
 
 # The page may talk to this server only; WebAssembly is libsodium's.
@@ -93,16 +95,19 @@ def install(app: FastAPI) -> None:
     etag = f'"{hashlib.blake2b(page, digest_size=8).hexdigest()}"'
     page_headers = {"Cache-Control": "no-cache", "ETag": etag, **{k.decode(): v.decode() for k, v in HEADERS}}
 
-    @app.get("/console", include_in_schema=False)
+    routes = router(Access.PUBLIC)
+
+    @routes.get("/console", include_in_schema=False)
     async def console(request: Request) -> Response:
         if etag in (request.headers.get("if-none-match") or ""):
             return Response(status_code=304, headers=page_headers)
         return Response(page, media_type="text/html; charset=utf-8", headers=page_headers)
 
-    @app.get("/console/", include_in_schema=False)
+    @routes.get("/console/", include_in_schema=False)
     async def console_slash() -> RedirectResponse:
         return RedirectResponse("/console")
 
+    app.include_router(routes)
     # Compressed for clients that take gzip (libsodium.js: 639 kB, 232 kB gzipped).
     assets = GZipMiddleware(StaticFiles(directory=STATIC), minimum_size=1024, compresslevel=6)
     app.mount("/console/assets", _Versioned(assets, current), name="console-assets")

@@ -20,13 +20,31 @@ thread for over eleven minutes while its /health kept answering. Measured on thi
 A repetition whose body cannot be empty stays cheap however it nests (`^(a{1,30}){1,30}$`: 0.23 s), and
 so does one large repetition (`^a{0,100000}$`: 0.3 s). The cost: the pattern's expanded size (a
 character 1, a class 10, a repetition its body times its upper bound) times the product of the upper
-bounds of the repetitions around a body that may be empty. Above `PATTERN_COST` it is refused.
+bounds of the repetitions around a body that may be empty. A schema's patterns share one budget (the
+alternatives of `anyOf`, of a tool list, are all alive at once): above `max_pattern_cost` in all, the
+request is refused.
+
+**One reading: llama.cpp's.** A pattern is read exactly as llama.cpp's converter reads it
+(`common/json-schema-to-grammar.cpp`, `_pattern_to_rule`, of the pinned build), not as a regex engine
+would: every `{` starts a count, read with C's `stoi` (`{,99}`, `{ 0,99}`, `{0,99 }` are repetitions);
+a class ends at its first `]` (`[]` is an empty class); only the escapes its grammar knows are read
+(`\\d`, `\\w`, `\\s` are not: llama.cpp then accepts any string). `tests/engine/test_schema_reading.py`
+compares this reading with the grammar llama-server itself builds, on generated patterns.
+
+The walk is a superset of what llama.cpp reads: every object anywhere in the schema (a property named
+`enum` or `pattern`, a value under `enum` or `default` that a `$ref` may point into) is looked at, so
+no place can hide a pattern. `enum` and `const` values and the alternatives (`anyOf`, `oneOf`,
+`allOf`, a list of types) are bounded in number, since each becomes a branch of the grammar (50,000
+enum values held a model for 80 s).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from llmserver.errors import InvalidRequest
 
@@ -34,24 +52,51 @@ PATTERN_COST = 30_000  # the largest cost accepted by default (max_pattern_cost;
 PATTERN_CHARS = 4096  # the longest pattern
 SCHEMA_DEPTH = 64  # JSON levels in one schema (orjson refuses 255 when it builds llama-server's call)
 SCHEMA_COUNT = 100_000  # the largest minLength, maxItems, {m,n}, … a schema may state
+ENUM_VALUES = 1_000  # `enum` values in all of a request's schemas (as OpenAI's structured outputs)
+CONSTANT_BYTES = 64 * 1024  # the JSON of every `enum` and `const` value together
+ALTERNATIVES = 128  # anyOf, oneOf and allOf branches and listed types, in all
 
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-_DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: not walked
-_CLASS = 10  # what a character class, `.` or `\d` adds to the expanded size
+_BRANCHES = ("anyOf", "oneOf", "allOf")
+_CLASS = 10  # what a character class or `.` adds to the expanded size
 _CAP = 2**62  # sizes and products stop growing here (a refusal either way)
 _UNBOUNDED = 2  # `*`, `+`, `{m,}` become a rule that refers to itself: counted as two copies
+_INT_MAX = 2**31 - 1  # llama.cpp's "no upper bound" in a count
 
 
-def check_schema(schema: Any, param: str, where: str = "#", depth: int = 0, most: int = PATTERN_COST) -> None:
-    """Refuse what llama.cpp would not enforce (a `pattern` not anchored with ^ and $: it then accepts
-    any string) and what would make its grammar too costly (see the module's note); other schemas it
-    cannot use, llama-server refuses itself, naming the place."""
+@dataclass
+class Budget:
+    """What one request's schemas have used so far: they are priced together."""
+
+    most: int = PATTERN_COST
+    cost: int = 0
+    enum_values: int = 0
+    constant_bytes: int = 0
+    alternatives: int = 0
+
+
+def check_schema(
+    schema: Any, param: str, where: str = "#", depth: int = 0, most: int = PATTERN_COST, budget: Budget | None = None
+) -> None:
+    """Refuse what llama.cpp would not enforce (a `pattern` it reads as "any string") or could not read,
+    and what would make its grammar too costly (see the module's note); `budget`, when given, is shared
+    with the request's other schemas. Other schemas it cannot use, llama-server refuses itself."""
+    _walk(schema, param, where, depth, budget if budget is not None else Budget(most))
+
+
+def _walk(schema: Any, param: str, where: str, depth: int, budget: Budget) -> None:
     if depth > SCHEMA_DEPTH:
         raise InvalidRequest(f"{param}: the schema nests deeper than {SCHEMA_DEPTH} levels at {where}", param=param)
     if isinstance(schema, dict):
         pattern = schema.get("pattern")
         if isinstance(pattern, str):
-            check_pattern(pattern, param, f"{where}/pattern", most)
+            budget.cost = min(budget.cost + check_pattern(pattern, param, f"{where}/pattern", budget.most), _CAP)
+            if budget.cost > budget.most:
+                raise InvalidRequest(
+                    f"{param}: the schema's patterns together cost llama.cpp's grammar {budget.cost:,} at {where} "
+                    f"(at most {budget.most:,}); make repeated parts non-empty, lower the counts or use fewer",
+                    param=param,
+                )
         for name in _COUNTS:
             count = schema.get(name)
             if isinstance(count, int) and not isinstance(count, bool) and count > SCHEMA_COUNT:
@@ -59,12 +104,42 @@ def check_schema(schema: Any, param: str, where: str = "#", depth: int = 0, most
                     f"{param}: {name} {count} at {where} is more than this server allows ({SCHEMA_COUNT})",
                     param=param,
                 )
+        _count_constants(schema, param, where, budget)
         for key, value in schema.items():
-            if key not in _DATA_KEYS:
-                check_schema(value, param, f"{where}/{_escaped(str(key))}", depth + 1, most)
+            _walk(value, param, f"{where}/{_escaped(str(key))}", depth + 1, budget)
     elif isinstance(schema, list):
         for index, value in enumerate(schema):
-            check_schema(value, param, f"{where}/{index}", depth + 1, most)
+            _walk(value, param, f"{where}/{index}", depth + 1, budget)
+
+
+def _count_constants(schema: dict[str, Any], param: str, where: str, budget: Budget) -> None:
+    values = schema.get("enum")
+    if isinstance(values, list):
+        budget.enum_values += len(values)
+        if budget.enum_values > ENUM_VALUES:
+            raise InvalidRequest(
+                f"{param}: more than {ENUM_VALUES} enum values in all (at {where}/enum); each is a branch of "
+                "llama.cpp's grammar",
+                param=param,
+            )
+    for name in ("enum", "const"):
+        if name in schema:
+            budget.constant_bytes += len(orjson.dumps(schema[name], option=orjson.OPT_PASSTHROUGH_SUBCLASS))
+            if budget.constant_bytes > CONSTANT_BYTES:
+                raise InvalidRequest(
+                    f"{param}: the enum and const values come to more than {CONSTANT_BYTES:,} bytes of JSON "
+                    f"(at {where}/{name})",
+                    param=param,
+                )
+    branches = sum(len(schema[name]) for name in _BRANCHES if isinstance(schema.get(name), list))
+    types = schema.get("type")
+    branches += len(types) if isinstance(types, list) else 0
+    budget.alternatives += branches
+    if budget.alternatives > ALTERNATIVES:
+        raise InvalidRequest(
+            f"{param}: more than {ALTERNATIVES} alternatives (anyOf, oneOf, allOf, type lists) in all, at {where}",
+            param=param,
+        )
 
 
 def _escaped(key: str) -> str:
@@ -72,35 +147,87 @@ def _escaped(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def check_pattern(pattern: str, param: str, where: str, most: int = PATTERN_COST) -> None:
-    if not (pattern.startswith("^") and pattern.endswith("$")):
-        raise InvalidRequest(
-            f"{param}: the pattern {pattern!r} at {where} is not anchored with ^ and $; "
-            "llama.cpp can only enforce anchored patterns",
-            param=param,
-        )
+def check_pattern(pattern: str, param: str, where: str, most: int = PATTERN_COST) -> int:
+    """The pattern's cost, once it is known that llama.cpp enforces it and that it is within `most`."""
     if len(pattern) > PATTERN_CHARS:
         raise InvalidRequest(
             f"{param}: the pattern at {where} is {len(pattern)} characters long; at most {PATTERN_CHARS}",
             param=param,
         )
-    try:
-        cost = pattern_cost(pattern)
-    except _Unreadable as exc:
+    reading = read_pattern(pattern)
+    if reading.outcome == UNENFORCED:
+        if not (pattern.startswith("^") and pattern.endswith("$")):
+            raise InvalidRequest(
+                f"{param}: the pattern {_short(pattern)} at {where} is not anchored with ^ and $; "
+                "llama.cpp can only enforce anchored patterns",
+                param=param,
+            )
         raise InvalidRequest(
-            f"{param}: the pattern {_short(pattern)} at {where} cannot be read: {exc}", param=param
-        ) from None
-    if cost > most:
+            f"{param}: the pattern {_short(pattern)} at {where} uses what llama.cpp's grammar cannot enforce "
+            f"({reading.reason}): it would accept any string",
+            param=param,
+        )
+    if reading.outcome == INVALID:
+        raise InvalidRequest(
+            f"{param}: the pattern {_short(pattern)} at {where} cannot be read: {reading.reason}", param=param
+        )
+    largest = max((n for pair in reading.repetitions for n in pair if n is not None), default=0)
+    if largest > SCHEMA_COUNT:
+        raise InvalidRequest(
+            f"{param}: the pattern {_short(pattern)} at {where} repeats a part {largest:,} times; "
+            f"at most {SCHEMA_COUNT:,}",
+            param=param,
+        )
+    if reading.cost > most:
         raise InvalidRequest(
             f"{param}: the pattern {_short(pattern)} at {where} nests repetitions around a part that may be empty "
-            f"too deeply for llama.cpp's grammar (cost {cost:,}; at most {most:,}); "
+            f"too deeply for llama.cpp's grammar (cost {reading.cost:,}; at most {most:,}); "
             "make the repeated part non-empty or lower the counts",
             param=param,
         )
+    return reading.cost
 
 
 def _short(pattern: str) -> str:
     return repr(pattern if len(pattern) <= 80 else pattern[:77] + "...")
+
+
+def pattern_cost(pattern: str) -> int:
+    """The cost of a pattern llama.cpp enforces (the module's note); 0 for one it does not."""
+    reading = read_pattern(pattern)
+    return reading.cost if reading.outcome == ENFORCED else 0
+
+
+ENFORCED, UNENFORCED, INVALID = "enforced", "any string", "invalid"
+
+
+@dataclass
+class Reading:
+    """How llama.cpp reads a pattern: `enforced` (with its cost and every repetition it builds, as
+    (least, most or None) in the order they close), `any string` (it warns and enforces nothing), or
+    `invalid` (the request fails)."""
+
+    outcome: str
+    cost: int = 0
+    reason: str = ""
+    repetitions: list[tuple[int, int | None]] = field(default_factory=list)
+
+
+def read_pattern(pattern: str) -> Reading:
+    if len(pattern) < 2 or not pattern.startswith("^") or not pattern.endswith("$"):
+        return Reading(UNENFORCED, reason="not anchored with ^ and $")
+    reader = _Reader(pattern[1:-1])
+    try:
+        part = reader.sequence()
+        if reader.depth != 0:
+            raise _Invalid("unbalanced parentheses")
+    except _Unsupported as exc:
+        return Reading(UNENFORCED, reason=str(exc))
+    except _Invalid as exc:
+        return Reading(INVALID, reason=str(exc))
+    if reader.problems:
+        return Reading(INVALID, reason=reader.problems[0])
+    return Reading(ENFORCED, cost=part.cost, repetitions=reader.repetitions)
 
 
 @dataclass(frozen=True)
@@ -114,110 +241,192 @@ class _Part:
         return self.size * self.ambiguity if self.ambiguity > 1 else 0
 
 
-class _Unreadable(Exception):
-    pass
+_BAR = _Part(0, True, 1)  # an alternation's `|`, while the sequence is read (by identity)
+_NOT_LITERAL = frozenset("|.()[]{}*+?^$")
+_ESCAPED_CHARACTERS = frozenset("^$.[]()|{}*+?")  # `\.` and the like: the character itself
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_MAX_DEPTH = 100  # llama.cpp's MAX_PATTERN_DEPTH
+_STOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
 
 
-def pattern_cost(pattern: str) -> int:
-    """The cost of an anchored pattern (the module's note), read as llama.cpp reads patterns: literals,
-    escapes, classes, `.`, groups (`(…)`, `(?:…)`), `|`, and `*`, `+`, `?`, `{n}`, `{n,}`, `{m,n}`."""
-    reader = _Reader(pattern[1:-1])
-    part = reader.alternation()
-    if reader.at < len(reader.text):
-        raise _Unreadable(f"unbalanced ')' at character {reader.at + 1}")
-    return part.cost
+class _Unsupported(Exception):
+    """llama.cpp reads the pattern as any string."""
+
+
+class _Invalid(Exception):
+    """llama.cpp refuses the schema."""
+
+
+def _escape_length(text: str, at: int) -> int:
+    """How many characters of `text` from `at` (a backslash) make an escape llama.cpp's grammar knows; 0: none."""
+    if at + 1 >= len(text) or text[at] != "\\":
+        return 0
+    kind = text[at + 1]
+    if kind in 'trn\\"[]-':
+        return 2
+    digits = {"x": 2, "u": 4, "U": 8}.get(kind, 0)
+    if not digits or at + 2 + digits > len(text) or not set(text[at + 2 : at + 2 + digits]) <= _HEX_DIGITS:
+        return 0
+    return 2 + digits
+
+
+def _stoi(text: str) -> int:
+    """C's std::stoi: leading white space, a sign, digits, and whatever follows ignored."""
+    found = _STOI.match(text)
+    if found is None:
+        raise _Unsupported("invalid number in curly brackets")
+    value = int(found[1])
+    if not -(2**31) <= value <= _INT_MAX:
+        raise _Unsupported("invalid number in curly brackets")
+    return value
 
 
 class _Reader:
+    """llama.cpp's `_pattern_to_rule`, step for step, building costs instead of grammar rules."""
+
     def __init__(self, text: str) -> None:
-        self.text, self.at = text, 0
-
-    def peek(self) -> str:
-        return self.text[self.at] if self.at < len(self.text) else ""
-
-    def alternation(self) -> _Part:
-        branches = [self.sequence()]
-        while self.peek() == "|":
-            self.at += 1
-            branches.append(self.sequence())
-        size = min(sum(b.size for b in branches), _CAP)
-        return _Part(size, any(b.empty for b in branches), max(b.ambiguity for b in branches))
+        self.text, self.at, self.depth = text, 0, 0
+        self.repetitions: list[tuple[int, int | None]] = []
+        self.problems: list[str] = []  # what makes llama.cpp refuse the grammar once it is built
 
     def sequence(self) -> _Part:
-        size, empty, ambiguity = 0, True, 1
-        while self.peek() not in ("", "|", ")"):
-            part = self.repeated(self.atom())
-            size, empty, ambiguity = min(size + part.size, _CAP), empty and part.empty, max(ambiguity, part.ambiguity)
-        return _Part(size, empty, ambiguity)
-
-    def atom(self) -> _Part:
-        char = self.peek()
-        self.at += 1
-        if char == "(":
-            if self.text.startswith("?:", self.at):
-                self.at += 2
-            elif self.peek() == "?":
-                raise _Unreadable("lookarounds and named groups are not supported by llama.cpp")
-            inner = self.alternation()
-            if self.peek() != ")":
-                raise _Unreadable("a group is not closed")
-            self.at += 1
-            return inner
-        if char == "[":
-            self._class()
-            return _Part(_CLASS, False, 1)
-        if char == "\\":
-            if self.at >= len(self.text):
-                raise _Unreadable("the pattern ends with a backslash")
-            escaped = self.text[self.at]
-            self.at += 1
-            return _Part(_CLASS if escaped in "dDwWsS" else 1, False, 1)
-        if char == ".":
-            return _Part(_CLASS, False, 1)
-        if char in "*+?":
-            raise _Unreadable(f"{char!r} at character {self.at} repeats nothing")
-        return _Part(1, False, 1)
-
-    def _class(self) -> None:
-        if self.peek() == "^":
-            self.at += 1
-        if self.peek() == "]":
-            self.at += 1
-        while self.peek() not in ("", "]"):
-            self.at += 2 if self.peek() == "\\" else 1
-        if self.peek() != "]":
-            raise _Unreadable("a character class is not closed")
-        self.at += 1
-
-    def repeated(self, part: _Part) -> _Part:
-        while True:
-            bounds = self._quantifier()
-            if bounds is None:
-                return part
-            least, most = bounds
-            if least > SCHEMA_COUNT or (most or 0) > SCHEMA_COUNT:
-                raise _Unreadable(f"a repetition count above {SCHEMA_COUNT}")
-            copies = most if most is not None else max(least, 1) + _UNBOUNDED - 1
-            ambiguity = part.ambiguity * copies if part.empty and copies > 1 else part.ambiguity
-            part = _Part(min(part.size * max(copies, 1), _CAP), least == 0 or part.empty, min(ambiguity, _CAP))
-
-    def _quantifier(self) -> tuple[int, int | None] | None:
-        char = self.peek()
-        if char in ("*", "+", "?"):
-            self.at += 1
-            if self.peek() in ("?", "+"):  # lazy or possessive: the same language
+        """From here to the `)` that closes the group (consumed), or to the end."""
+        text, seq = self.text, []
+        while self.at < len(text):
+            char = text[self.at]
+            if char == ".":
+                seq.append(_Part(_CLASS, False, 1))
                 self.at += 1
-            return {"*": (0, None), "+": (1, None), "?": (0, 1)}[char]
-        if char != "{":
-            return None
-        end = self.text.find("}", self.at)
-        inside = self.text[self.at + 1 : end] if end > 0 else ""
-        low, comma, high = inside.partition(",")
-        if not low.isdigit() or (high and not high.isdigit()):
-            return None  # a literal `{`, as llama.cpp reads one that starts no count
-        self.at = end + 1
-        least = int(low)
-        most = int(high) if high else (None if comma else least)
-        if most is not None and most < least:
-            raise _Unreadable(f"the repetition {{{inside}}} counts down")
-        return least, most
+            elif char == "(":
+                self.at += 1
+                if self.at < len(text) and text[self.at] == "?":
+                    if self.at + 1 < len(text) and text[self.at + 1] == ":":
+                        self.at += 2
+                    else:
+                        raise _Unsupported("unsupported group syntax (lookarounds, named groups, flags)")
+                self.depth += 1
+                if self.depth > _MAX_DEPTH:
+                    raise _Unsupported("pattern nesting too deep")
+                seq.append(self.sequence())
+            elif char == ")":
+                self.at += 1
+                if self.depth == 0:
+                    raise _Invalid("unbalanced parentheses")
+                self.depth -= 1
+                return _joined(seq)
+            elif char in "^$":
+                raise _Unsupported("an anchor inside the pattern")
+            elif char == "[":
+                self.at += 1
+                while self.at < len(text) and text[self.at] != "]":
+                    if text[self.at] == "\\":
+                        length = _escape_length(text, self.at)
+                        if length == 0:
+                            raise _Unsupported(
+                                f"unsupported escape in a character class: {text[self.at : self.at + 2]}"
+                            )
+                        self.at += length
+                    else:
+                        self.at += 1
+                if self.at >= len(text):
+                    raise _Invalid("unterminated character class")
+                self.at += 1
+                seq.append(_Part(_CLASS, False, 1))
+            elif char == "|":
+                seq.append(_BAR)
+                self.at += 1
+            elif char in "*+?":
+                if not seq:
+                    raise _Invalid("nothing to repeat")
+                seq[-1] = self._repeated(seq[-1], *{"*": (0, None), "+": (1, None), "?": (0, 1)}[char])
+                self.at += 1
+            elif char == "{":
+                end = text.find("}", self.at + 1)
+                if end < 0:
+                    raise _Unsupported("unterminated curly brackets")
+                numbers = text[self.at + 1 : end].split(",")
+                self.at = end + 1
+                if len(numbers) == 1:
+                    least = _stoi(numbers[0])
+                    most: int | None = least
+                elif len(numbers) == 2:
+                    least = _stoi(numbers[0]) if numbers[0] else 0
+                    most = _stoi(numbers[1]) if numbers[1] else None
+                else:
+                    raise _Unsupported("wrong number of values in curly brackets")
+                if not seq:
+                    raise _Invalid("nothing to repeat")
+                # llama.cpp writes these into the grammar, whose parser then refuses it, or (a count that
+                # goes down) loops without end: refused unless something later makes it "any string".
+                if most == 0:
+                    pass  # nothing is written for it, whatever the lower count says
+                elif least < 0 or (most is not None and most < 0):
+                    self.problems.append("a negative count")
+                elif most is not None and most < least:
+                    self.problems.append(f"the repetition {{{least},{most}}} counts down")
+                seq[-1] = self._repeated(seq[-1], max(least, 0), most if most is None or most >= 0 else 0)
+            else:
+                seq.append(self._literal())
+        return _joined(seq)
+
+    def _literal(self) -> _Part:
+        """Characters up to the one a quantifier may follow (which is a literal of its own)."""
+        text, length, size = self.text, len(self.text), 0
+        while self.at < length:
+            char = text[self.at]
+            if char == "\\":
+                if self.at == length - 1:
+                    raise _Invalid("trailing backslash")
+                if text[self.at + 1] in _ESCAPED_CHARACTERS:
+                    self.at += 2
+                else:
+                    escape = _escape_length(text, self.at)
+                    if escape == 0:
+                        raise _Unsupported(f"unsupported escape: {text[self.at : self.at + 2]}")
+                    self.at += escape
+                size += 1
+            elif char == '"' or (  # a quote is taken whatever follows, as llama.cpp does
+                char not in _NOT_LITERAL
+                and (
+                    self.at == length - 1
+                    or size == 0
+                    or text[self.at + 1] == "."
+                    or text[self.at + 1] not in _NOT_LITERAL
+                )
+            ):
+                self.at += 1
+                size += 1
+            else:
+                break
+        if size == 0:
+            raise _Unsupported(f"unsupported character: {text[self.at]}")  # a stray `]` or `}`
+        return _Part(size, False, 1)
+
+    def _repeated(self, part: _Part, least: int, most: int | None) -> _Part:
+        if part is _BAR:
+            self.problems.append("a quantifier after '|'")  # llama.cpp builds a grammar its parser refuses
+            return part
+        if most == _INT_MAX:
+            most = None
+        if most == 0:
+            return _Part(0, True, 1)
+        self.repetitions.append((least, most))
+        copies = most if most is not None else max(least, 1) + _UNBOUNDED - 1
+        ambiguity = part.ambiguity * copies if part.empty and copies > 1 else part.ambiguity
+        return _Part(min(part.size * max(copies, 1), _CAP), least == 0 or part.empty, min(ambiguity, _CAP))
+
+
+def _joined(seq: list[_Part]) -> _Part:
+    """A sequence with its `|`s: the alternation of its branches."""
+    branches: list[_Part] = []
+    size, empty, ambiguity = 0, True, 1
+    for part in seq:
+        if part is _BAR:
+            branches.append(_Part(size, empty, ambiguity))
+            size, empty, ambiguity = 0, True, 1
+        else:
+            size, empty, ambiguity = min(size + part.size, _CAP), empty and part.empty, max(ambiguity, part.ambiguity)
+    branches.append(_Part(size, empty, ambiguity))
+    return _Part(
+        min(sum(b.size for b in branches), _CAP), any(b.empty for b in branches), max(b.ambiguity for b in branches)
+    )

@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserver.engine.schemas import PATTERN_COST, check_schema
+from llmserver.engine.schemas import PATTERN_COST, Budget, check_schema
 from llmserver.engine.translate import content_message, message_text
 from llmserver.schemas.openai import (
     ChatMessage,
@@ -60,9 +60,10 @@ def response_schema(request: ChatRequest) -> JSON | None:
 def check_request(request: ChatRequest, most: int = PATTERN_COST) -> None:
     """The schema checks of `response_format` and the tools' parameters, before admission (`most`: the
     largest pattern cost accepted)."""
-    check_schema(response_schema(request), "response_format", most=most)
+    budget = Budget(most)  # every schema's grammar is built into the one request's: one budget
+    check_schema(response_schema(request), "response_format", budget=budget)
     for tool in request.tools or []:
-        check_schema(tool.function.parameters or {}, "tools", most=most)
+        check_schema(tool.function.parameters or {}, "tools", budget=budget)
 
 
 def added_prompt(request: ChatRequest) -> str:

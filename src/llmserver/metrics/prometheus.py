@@ -55,8 +55,13 @@ class _PoolCollector(Collector):
         )
         stalls = CounterMetricFamily(
             "llmserver_instance_stalls",
-            "Instances restarted because their main loop made no progress with requests in flight",
+            "Instances restarted because their main loop made no progress (requests in flight or not)",
             labels=["model"],
+        )
+        stalls_by_key = CounterMetricFamily(
+            "llmserver_instance_stalls_by_key",
+            "Watchdog restarts by the key whose request the instance was working on (key ids, made by admins)",
+            labels=["model", "key"],
         )
         depth = GaugeMetricFamily("llmserver_queue_depth", "Requests waiting for a slot", labels=["model"])
         flight = GaugeMetricFamily("llmserver_in_flight", "Requests on instances", labels=["model"])
@@ -74,6 +79,8 @@ class _PoolCollector(Collector):
             cold_seconds.add_metric([name], pool.cold_start_seconds)
             evictions.add_metric([name], pool.evictions)
             stalls.add_metric([name], pool.stalls)
+            for key, count in pool.stalls_by_key.items():
+                stalls_by_key.add_metric([name, key], count)
             crashes.add_metric([name], pool.crashes)
             flight.add_metric([name], sum(i.in_flight for i in pool.instances))
             nodes: dict[str, collections.Counter[str]] = {self._node: collections.Counter()}
@@ -86,7 +93,7 @@ class _PoolCollector(Collector):
             for node, counts in nodes.items():
                 for status in STATUSES:
                     instances.add_metric([name, node, status], counts[status])
-        yield from (depth, flight, instances, open_, cold, cold_seconds, evictions, crashes, stalls)
+        yield from (depth, flight, instances, open_, cold, cold_seconds, evictions, crashes, stalls, stalls_by_key)
         saved = self._supervisor.saved_prompts
         if saved is not None:
             yield CounterMetricFamily(

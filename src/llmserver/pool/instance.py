@@ -190,6 +190,7 @@ class Instance:
     # pool/registry.py); this gateway's own are `in_flight`.
     elsewhere: int = 0
     failures: int = 0  # requests in a row that could not reach it (a remote instance's circuit breaker)
+    last_key: str = ""  # the key of the request begun last (the watchdog names it when the instance stalls)
     answered_at: float = 0.0  # when it last answered a request (time.monotonic()): alive then, no probe needed
     users: dict[str, int] = field(default_factory=dict)  # key id → its requests in flight here
     crashes: collections.deque[float] = field(default_factory=collections.deque)
@@ -315,6 +316,7 @@ class Instance:
                 self._slot_owner[slot] = None
 
     def begin(self, key_id: str) -> None:
+        self.last_key = key_id
         self.idle.clear()
         self.in_flight += 1
         self.users[key_id] = self.users.get(key_id, 0) + 1

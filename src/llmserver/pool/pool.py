@@ -74,6 +74,7 @@ class ModelPool:
         self.cold_start_seconds = 0.0
         self.evictions = 0
         self.stalls = 0  # instances restarted by the watchdog (pool/supervisor.py)
+        self.stalls_by_key: collections.Counter[str] = collections.Counter()  # the keys whose requests stalled them
         self.crashes = 0  # instances that died, hung or stalled (each restarted or given up)
         # With other gateways routing to the same instances (role `gateway`, from the registry):
         # the requests they have waiting for this model, and this gateway's fair share of its slots

@@ -483,7 +483,9 @@ class Supervisor:
                     self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
                 elif instance.accepting and probe and now - instance.answered_at >= self.settings.health_interval:
                     self._spawn(self._probe(instance))  # not one that answered a request since the last probe
-                if instance.accepting and probe and instance.in_flight and instance.id not in self._progress_probes:
+                # Idle ones too: a request whose client left can leave the main loop busy (a grammar that
+                # explodes) with nothing in flight, and the next key's request would wait its queue out.
+                if instance.accepting and probe and instance.id not in self._progress_probes:
                     self._progress_probes.add(instance.id)
                     self._spawn(self._progress(instance))
                 if instance.accepting and sample:
@@ -517,12 +519,20 @@ class Supervisor:
             if self.remote is not None and isinstance(instance, RemoteInstance):
                 return  # a node's: its gateways' request_timeout applies (the node sees no requests)
             bound = self.stall_bound(instance.model.name)
-            if await instance.answers_slots(bound) or not instance.accepting or not instance.in_flight:
+            if await instance.answers_slots(bound) or not instance.accepting:
                 return
+            # Whose request it was: those in flight, else the last one's (its client may have left).
+            blamed = sorted(instance.users) or ([instance.last_key] if instance.last_key else [])
             if (pool := self.pools.get(instance.model.name)) is not None:
                 pool.stalls += 1
+                pool.stalls_by_key.update(blamed)
             instance.stalled = True
-            self.crashed(instance, f"made no progress for {bound:.0f} s with {instance.in_flight} requests in flight")
+            flight = f"{instance.in_flight} requests in flight" if instance.in_flight else "no request in flight"
+            log.warning(
+                "instance %s of %s made no progress for %.0f s with %s; key(s) %s sent what it was working on",
+                instance.id, instance.model.name, bound, flight, ", ".join(blamed) or "unknown",
+            )  # fmt: skip
+            self.crashed(instance, f"made no progress for {bound:.0f} s with {flight}")
         finally:
             self._progress_probes.discard(instance.id)
 

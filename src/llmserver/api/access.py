@@ -1,0 +1,141 @@
+"""Who may call what, declared once per router and checked from the route table.
+
+Every router is made by `router(access)`:
+- `Access.ADMIN`: the router carries `admin_key` as a dependency, so none of its routes can forget it;
+- `Access.KEY`: the router carries `any_key`; the endpoint reads the caller with `caller(request)`;
+- `Access.PUBLIC`: no key, and only for the paths in `PUBLIC` below;
+- `Access.OWN`: the endpoint authenticates itself first thing: the generating endpoints, which take
+  a key in their body and gate a large body before reading it (`deps.parse`, with the fast lane of
+  `deps.direct` skipping FastAPI's dependencies), and `/metrics` with its scrape token.
+
+`check_routes(app)` runs when the app is built and refuses a route whose router declared nothing, or a
+public route whose path is not listed here; `tests/api/test_access.py` calls every route of the app
+without a key, with a user key and with a revoked key.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.routing import APIRoute
+from starlette.routing import BaseRoute, Mount
+
+from llmserver.api.deps import authenticate, json_body
+from llmserver.auth.keys import Principal
+from llmserver.errors import APIError, InvalidRequest, PermissionDenied
+
+
+class Access(enum.Enum):
+    PUBLIC = "public"
+    KEY = "key"
+    ADMIN = "admin"
+    OWN = "own"
+
+
+# The routes anyone may call, without a key: liveness, readiness, the API's description, the console's
+# page and its assets (the console signs in with a key against the API itself).
+PUBLIC = frozenset({"/health", "/ready", "/openapi.json", "/console", "/console/"})
+PUBLIC_MOUNTS = frozenset({"/console/assets"})
+
+# Methods whose body may carry `api_key` (as everywhere in the API).
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+async def _caller(request: Request, *, admin: bool) -> Principal:
+    """The key (header, query string, or the body's `api_key`), checked before anything else: a bad key
+    is a 401 whatever the body; a body's own problem is kept for the endpoint (`body_of`)."""
+    body: dict[str, Any] | None = None
+    problem: APIError | None = None
+    if request.method in BODY_METHODS:
+        try:
+            body = await json_body(request)
+        except APIError as exc:
+            problem = exc
+    principal = await authenticate(request, body)
+    if admin and not principal.is_admin:
+        raise PermissionDenied("This endpoint needs an admin key.")
+    request.state.body = body
+    request.state.body_problem = problem
+    return principal
+
+
+async def admin_key(request: Request) -> Principal:
+    return await _caller(request, admin=True)
+
+
+async def any_key(request: Request) -> Principal:
+    return await _caller(request, admin=False)
+
+
+_DEPENDENCY = {Access.ADMIN: admin_key, Access.KEY: any_key}
+
+
+def router(access: Access) -> APIRouter:
+    """A router whose every route has `access`."""
+    dependency = _DEPENDENCY.get(access)
+    made = APIRouter(dependencies=[Depends(dependency)] if dependency else [])
+    made.tags = [f"access:{access.value}"]
+    return made
+
+
+def caller(request: Request) -> Principal:
+    """The key the router's dependency authenticated."""
+    principal: Principal = request.state.principal
+    return principal
+
+
+def body_of(request: Request) -> dict[str, Any]:
+    """The JSON body of a KEY or ADMIN route, read while its key was checked; `api_key` taken out."""
+    problem: APIError | None = getattr(request.state, "body_problem", None)
+    found: dict[str, Any] | None = getattr(request.state, "body", None)
+    if problem is not None:
+        raise problem
+    if found is None:
+        raise InvalidRequest("The request body must be a JSON object.")
+    found.pop("api_key", None)
+    return found
+
+
+def access_of(route: APIRoute) -> Access | None:
+    """What a route declared through its router, None when nothing."""
+    declared = [tag for tag in route.tags if isinstance(tag, str) and tag.startswith("access:")]
+    if len(declared) != 1:
+        return None
+    access = Access(declared[0].removeprefix("access:"))
+    needed = _DEPENDENCY.get(access)
+    if needed is not None and not any(d.dependency is needed for d in route.dependencies):
+        return None  # declared, but its dependency is gone: refuse rather than trust the tag
+    return access
+
+
+def app_routes(routes: Sequence[BaseRoute]) -> Iterator[BaseRoute]:
+    """Every route, those of included routers too (newer FastAPI keeps an included router as one entry
+    of `app.routes` that holds the router's own routes, each with the router's dependencies and tags)."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            yield from app_routes(included.routes)
+        else:
+            yield route
+
+
+def check_routes(app: FastAPI) -> None:
+    """Refuse to build an app with a route that declares no access, or a public route not in PUBLIC."""
+    for route in app_routes(app.routes):
+        if isinstance(route, Mount):
+            if route.path not in PUBLIC_MOUNTS:
+                raise RuntimeError(f"the mount {route.path} is not a listed public one")
+            continue
+        if not isinstance(route, APIRoute):
+            continue  # Starlette's own routes: /openapi.json (listed public)
+        access = access_of(route)
+        if access is None:
+            raise RuntimeError(f"route {route.path} declares no access: make its router with access.router()")
+        if access is Access.PUBLIC and route.path not in PUBLIC:
+            raise RuntimeError(f"route {route.path} is public but not listed in access.PUBLIC")
+        if getattr(route.endpoint, "direct", False) and access is not Access.OWN:
+            # The fast lane calls a direct endpoint past FastAPI's dependencies: it must check its own key.
+            raise RuntimeError(f"route {route.path} is direct, so its router must be Access.OWN")
