@@ -168,17 +168,17 @@ def server_models(server: Server, admin: str) -> list[str]:
 def test_a_model_added_with_a_file_that_is_not_there_says_why(start_server: Callable[..., Server]) -> None:
     server = start_server(FILE_MODEL)
     admin = make_key(server.data_dir, "admin", admin=True)
-    body = {**B, "name": "missing", "path": "/nowhere/model.gguf"}
+    missing = str(server.data_dir / "models" / "nowhere.gguf")  # in an allowed directory, but not there
+    body = {**B, "name": "missing", "path": missing}
     assert admin_call(server, admin, "POST", "/api/models", body).status_code == 201
     assert wait_for(
-        lambda: "/nowhere/model.gguf" in str(admin_call(server, admin, "GET", "/api/models/missing").json()["blocked"]),
-        10,
+        lambda: missing in str(admin_call(server, admin, "GET", "/api/models/missing").json()["blocked"]), 10
     )
     started_at = time.monotonic()
     answer = httpx.post(server.url + "/api/generate", json={"model": "missing", "prompt": "hi", "max_tokens": 2},
                         headers={"Authorization": f"Bearer {admin}"}, timeout=120)  # fmt: skip
     error = assert_error(answer, 503, "overloaded_error")  # at once: no instance can be started to wait for
-    assert "/nowhere/model.gguf" in str(error["message"]) and time.monotonic() - started_at < 5
+    assert missing in str(error["message"]) and time.monotonic() - started_at < 5
 
 
 def test_gateways_of_role_all_on_one_database_keep_their_own_models(
