@@ -45,7 +45,6 @@ ALLOWED: dict[str, bool] = _spellings({
     # RoPE and context extension
     ("--rope-scale",): _VALUE, ("--yarn-orig-ctx",): _VALUE, ("--yarn-ext-factor",): _VALUE,
     ("--yarn-attn-factor",): _VALUE, ("--yarn-beta-slow",): _VALUE, ("--yarn-beta-fast",): _VALUE,
-    ("-gan", "--grp-attn-n"): _VALUE, ("-gaw", "--grp-attn-w"): _VALUE,
     # CPU and device placement
     ("--numa",): _VALUE, ("-dev", "--device"): _VALUE, ("-ot", "--override-tensor"): _VALUE,
     ("-cmoe", "--cpu-moe"): _SWITCH, ("-ncmoe", "--n-cpu-moe"): _VALUE, ("-sm", "--split-mode"): _VALUE,
