@@ -35,7 +35,8 @@ The walk is a superset of what llama.cpp reads: every object anywhere in the sch
 `enum` or `pattern`, a value under `enum` or `default` that a `$ref` may point into) is looked at, so
 no place can hide a pattern. `enum` and `const` values and the alternatives (`anyOf`, `oneOf`,
 `allOf`, a list of types) are bounded in number, since each becomes a branch of the grammar (50,000
-enum values held a model for 80 s).
+enum values held a model for 80 s; measured for 8 tokens: 100 values 0.33 s, 1,000 values 1.25 s,
+5,000 values 7.4 s, against 0.24 s without a schema).
 """
 
 from __future__ import annotations
