@@ -31,13 +31,12 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from llmserver.errors import Conflict, InvalidRequest, NotFound
-from llmserver.settings import ModelConfig, Settings, outside, share_threads
+from llmserver.settings import FileRoots, ModelConfig, Settings, share_threads
 from llmserver.store import CatalogEntry, CatalogStore, is_postgres
 
 log = logging.getLogger(__name__)
@@ -205,18 +204,18 @@ def entry_body(entry: CatalogEntry, status: dict[str, Any] | None = None) -> dic
 # Changes, from the admin API and `llmserver models` alike
 
 
-def _validated(fields: dict[str, Any], roots: tuple[Path, ...]) -> ModelConfig:
+def _validated(fields: dict[str, Any], roots: FileRoots) -> ModelConfig:
     from llmserver.api.deps import validation_error
 
     try:
         model = ModelConfig.model_validate(fields)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
-    field = outside(model, roots)
+    field = roots.outside(model)
     if field is not None:
         raise InvalidRequest(
             f"{field}: {getattr(model, field)} is outside the directories model files may be in "
-            f"({', '.join(str(root) for root in roots)}; the model_dirs setting adds more)",
+            f"({', '.join(str(root) for root in roots.dirs)}; the model_dirs setting adds more)",
             param=field,
         )
     return model
@@ -237,7 +236,7 @@ async def find(store: CatalogStore, name: str) -> CatalogEntry | None:
     return next((entry for entry in await store.catalog() if entry.name == name), None)
 
 
-async def add(store: CatalogStore, fields: dict[str, Any], roots: tuple[Path, ...]) -> CatalogEntry:
+async def add(store: CatalogStore, fields: dict[str, Any], roots: FileRoots) -> CatalogEntry:
     """A new model (409 if the name is taken), its files within `roots` (Settings.model_file_roots)."""
     model = _validated(fields, roots)
     entry = await store.catalog_put(model.name, stored(model), API, create=True)
@@ -247,7 +246,7 @@ async def add(store: CatalogStore, fields: dict[str, Any], roots: tuple[Path, ..
     return entry
 
 
-async def update(store: CatalogStore, name: str, changes: dict[str, Any], roots: tuple[Path, ...]) -> CatalogEntry:
+async def update(store: CatalogStore, name: str, changes: dict[str, Any], roots: FileRoots) -> CatalogEntry:
     """A model's settings changed: `changes` over its current ones (a null sets one back to its default)."""
     entry = _owned(await find(store, name), name, "change")
     if "name" in changes and changes["name"] != name:

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,13 +71,28 @@ def model_files(model: ModelConfig) -> list[Path]:
     return [path for name in MODEL_FILE_FIELDS if (path := getattr(model, name)) is not None]
 
 
-def outside(model: ModelConfig, roots: tuple[Path, ...]) -> str | None:
-    """The first file field of `model` whose path resolves (`..` and symlinks followed) outside `roots`."""
-    for name in MODEL_FILE_FIELDS:
-        path = getattr(model, name)
-        if path is not None and not any(path.expanduser().resolve().is_relative_to(root) for root in roots):
-            return name
-    return None
+@dataclass(frozen=True)
+class FileRoots:
+    """The directories a catalog model's files may be in. Where this host runs the instances (`resolve`)
+    a path is resolved here, `..` and symlinks followed; a gateway of role `gateway` cannot see the
+    nodes' files (`~` is a node's home there), so it compares the path as written, `..` folded."""
+
+    dirs: tuple[Path, ...]
+    resolve: bool
+
+    def outside(self, model: ModelConfig) -> str | None:
+        """The first file field of `model` whose path is outside the directories."""
+        for name in MODEL_FILE_FIELDS:
+            path = getattr(model, name)
+            if path is not None and not any(form.is_relative_to(root) for form in self._forms(path)
+                                            for root in self.dirs):  # fmt: skip
+                return name
+        return None
+
+    def _forms(self, path: Path) -> list[Path]:
+        if self.resolve:
+            return [path.expanduser().resolve()]
+        return [Path(os.path.normpath(path)), Path(os.path.normpath(path.expanduser()))]
 
 
 class ModelConfig(BaseModel):
@@ -691,10 +707,15 @@ class Settings(BaseSettings):
             max_files=self.max_files, max_bytes=self.max_file_bytes, max_chars=self.file_max_chars, archive=archive
         )
 
-    def model_file_roots(self) -> tuple[Path, ...]:
-        """Where a catalog model's files may be (`model_dirs`), resolved."""
+    def model_file_roots(self) -> FileRoots:
+        """Where a catalog model's files may be (`model_dirs`): resolved on a host that runs instances,
+        as written (and expanded) on a gateway of role `gateway`."""
         roots = (self.model_cache_dir, *self.model_dirs)
-        return tuple(dict.fromkeys((*(root.expanduser().resolve() for root in roots), *self._file_model_dirs)))
+        if self.role != "gateway":
+            resolved = (*(root.expanduser().resolve() for root in roots), *self._file_model_dirs)
+            return FileRoots(tuple(dict.fromkeys(resolved)), resolve=True)
+        written = [Path(os.path.normpath(form)) for root in roots for form in (root, root.expanduser())]
+        return FileRoots(tuple(dict.fromkeys(written)), resolve=False)
 
     @property
     def model_cache_dir(self) -> Path:

@@ -111,8 +111,9 @@ class Cluster:
         index = list(GATEWAYS)[number - 1]
         args, given = compose_service(f"gateway-{number}", COMPOSE_VALUES)
         assert args[:1] == ["serve"] and args[-2:] == ["--host", "0.0.0.0"], args
+        # The nodes' model folder, as they see it: a gateway of role `gateway` takes catalog paths only there.
         env = {**given, "LLMSERVER_REDIS_URL": self.redis.url, "LLMSERVER_DATABASE_URL": self.database_url,
-               "LLMSERVER_SCHEDULER_LEASE_SECONDS": "3"}  # fmt: skip
+               "LLMSERVER_SCHEDULER_LEASE_SECONDS": "3", "LLMSERVER_MODEL_DIRS": '["~/models"]'}  # fmt: skip
         gateway = Server(data_dir=self.root / f"gw-{number}", env=env, host=f"{NET}.{10 + index}",
                          namespace=GATEWAYS[index], extra_args=args[1:-2])  # fmt: skip
         return gateway.start()

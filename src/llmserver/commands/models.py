@@ -14,6 +14,7 @@ from llmserver import model_catalog
 from llmserver.catalog import BUILTIN, ModelFileError, mmproj_path, model_path
 from llmserver.commands import load, models_from_args, settings_options, with_store
 from llmserver.errors import APIError
+from llmserver.settings import FileRoots
 from llmserver.store import CatalogEntry, Store
 
 T = TypeVar("T")
@@ -76,9 +77,7 @@ def _settings_from(pairs: tuple[str, ...]) -> dict[str, Any]:
     return fields
 
 
-def _catalog(
-    settings_file: Path | None, data_dir: Path | None, use: Callable[[Store, tuple[Path, ...]], Awaitable[T]]
-) -> T:
+def _catalog(settings_file: Path | None, data_dir: Path | None, use: Callable[[Store, FileRoots], Awaitable[T]]) -> T:
     try:
         settings = load(settings_file, data_dir=data_dir)
         return with_store(settings, lambda store: use(store, settings.model_file_roots()))

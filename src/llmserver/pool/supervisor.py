@@ -484,8 +484,13 @@ class Supervisor:
                 elif instance.accepting and probe and now - instance.answered_at >= self.settings.health_interval:
                     self._spawn(self._probe(instance))  # not one that answered a request since the last probe
                 # Idle ones too: a request whose client left can leave the main loop busy (a grammar that
-                # explodes) with nothing in flight, and the next key's request would wait its queue out.
-                if instance.accepting and probe and instance.id not in self._progress_probes:
+                # explodes) with nothing in flight, and the next key's request would wait its queue out;
+                # one that answered a request since the last probe is making progress.
+                idle_and_quiet = not instance.in_flight and now - instance.answered_at >= self.settings.health_interval
+                if (
+                    instance.accepting and probe and (instance.in_flight or idle_and_quiet)
+                    and instance.id not in self._progress_probes
+                ):  # fmt: skip
                     self._progress_probes.add(instance.id)
                     self._spawn(self._progress(instance))
                 if instance.accepting and sample:
