@@ -53,12 +53,12 @@ def nested(levels: int) -> dict[str, Any]:
                 "tools": [{"type": "function", "function": {"name": "f", "parameters": {
                     "type": "object", "properties": {"x": {"type": "string", "pattern": HANGS}}}}}],
             },
-            "tools",
+            "tools.0",
             "#/properties/x/pattern",
         ),
         ("/v1/chat/completions", chat_with_schema(nested(300)), "response_format", "#/properties/a"),
         ("/api/generate", {"prompt": "hi", "format": nested(300)}, "format", "#/properties/a"),
-        ("/v1/chat/completions", chat_with_schema({"type": "string", "maxLength": 10**9}), "response_format", "#"),
+        ("/v1/chat/completions", chat_with_schema({"type": "string", "maxLength": 10**10}), "response_format", "#"),
     ],
     ids=["nested-repetition", "optional-repeated", "native-format", "tool-parameters", "deep", "deep-native", "count"],
 )  # fmt: skip
@@ -93,7 +93,7 @@ BYPASSES = {
 }
 SURFACES = {
     "chat-response-format": ("/v1/chat/completions", "response_format", lambda s: chat_with_schema(s)),
-    "chat-tools-required": ("/v1/chat/completions", "tools", lambda s: {
+    "chat-tools-required": ("/v1/chat/completions", "tools.0", lambda s: {
         "messages": [{"role": "user", "content": "Say a."}], "max_tokens": 4, "tool_choice": "required",
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
             "x": s}}}}],
@@ -102,7 +102,7 @@ SURFACES = {
         "input": "Say a.", "max_output_tokens": 4,
         "text": {"format": {"type": "json_schema", "name": "x", "schema": s}},
     }),
-    "anthropic-tools": ("/v1/messages", "tools", lambda s: {
+    "anthropic-tools": ("/v1/messages", "tools.0", lambda s: {
         "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Say a."}],
         "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"x": s}}}],
         "tool_choice": {"type": "any"},

@@ -61,7 +61,7 @@ def test_the_bound_sits_between_the_measured_fast_and_slow_patterns() -> None:
         ("^a$b$", "cannot enforce (an anchor inside the pattern)"),
         ("^a{5,2}$", "counts down"),
         ("^a{-1,2}$", "a negative count"),
-        ("^a{0,200000}$", "repeats a part 200,000 times"),
+        ("^a{200000}$", "repeats a part at least 200,000 times"),
     ],
 )
 def test_unreadable_patterns_are_refused(pattern: str, words: str) -> None:
@@ -121,6 +121,22 @@ def test_depth_and_counts_are_bounded() -> None:
         schema = {"type": "object", "properties": {"a": schema}}  # 80 levels of JSON
     with pytest.raises(InvalidRequest, match="deeper than 64"):
         check_schema(schema, "format")
-    with pytest.raises(InvalidRequest, match="maxItems 100001"):
-        check_schema({"type": "array", "maxItems": 100_001}, "format")
-    check_schema({"type": "array", "maxItems": 100_000}, "format")
+    with pytest.raises(InvalidRequest, match="minItems 100001"):
+        check_schema({"type": "array", "minItems": 100_001}, "format")
+    check_schema({"type": "array", "minItems": 100_000}, "format")
+    # an upper count costs the grammar nothing at any size (maxLength 2**31 - 1: 0.18 s for 8 tokens)
+    check_schema({"type": "string", "maxLength": 524_288}, "format")
+    check_schema({"type": "array", "maxItems": 2**31 - 1}, "format")
+    with pytest.raises(InvalidRequest, match="maxItems 2147483648"):
+        check_schema({"type": "array", "maxItems": 2**31}, "format")
+
+
+def test_a_tools_pattern_llama_cpp_cannot_enforce_is_left_unenforced() -> None:
+    """Issue 55: JSON Schema patterns are unanchored by definition; one such tool refused every request."""
+    tool = {"type": "object", "properties": {"v": {"type": "string", "pattern": "[0-9]+\\.[0-9]+"}}}
+    with pytest.raises(InvalidRequest, match="not anchored"):
+        check_schema(tool, "response_format")
+    check_schema(tool, "tools.0", budget=Budget(unenforced_ok=True))
+    check_schema({"pattern": "^\\d{3}$"}, "tools.0", budget=Budget(unenforced_ok=True))
+    with pytest.raises(InvalidRequest, match="cannot be read"):  # what llama.cpp refuses stays refused
+        check_schema({"pattern": "^a)$"}, "tools.0", budget=Budget(unenforced_ok=True))

@@ -183,11 +183,6 @@ def test_structured_answers_lose_a_markdown_fence() -> None:
                 "json_schema": {"name": "x", "schema": {"properties": {"code": {"pattern": "ab"}}}},
             }
         },
-        {
-            "tools": [
-                {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"pattern": "^a"}}}}}
-            ]
-        },
     ],
 )
 def test_unanchored_patterns_are_refused_naming_the_place(fields: dict[str, Any]) -> None:
@@ -195,6 +190,18 @@ def test_unanchored_patterns_are_refused_naming_the_place(fields: dict[str, Any]
         check_request(request(**fields))
     assert caught.value.param == next(iter(fields))
     assert "not anchored" in caught.value.message and "#/" in caught.value.message
+
+
+def test_a_tools_unanchored_pattern_is_left_unenforced_and_a_refusal_names_the_tool() -> None:
+    unanchored = {"properties": {"a": {"pattern": "^a"}}}
+    hangs = {"properties": {"a": {"pattern": "^((a{0,99}){0,99}){0,99}$"}}}
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}}
+             for name, schema in (("f", unanchored), ("g", unanchored), ("read_file", hangs))]  # fmt: skip
+    check_request(request(tools=tools[:2]))
+    with pytest.raises(InvalidRequest) as caught:
+        check_request(request(tools=tools))
+    assert caught.value.param == "tools.2"
+    assert caught.value.message.startswith("tools.2 (read_file): the pattern")
 
 
 def test_logprobs_take_openai_shapes() -> None:

@@ -52,12 +52,16 @@ from llmserver.errors import InvalidRequest
 PATTERN_COST = 30_000  # the largest cost accepted by default (max_pattern_cost; the table above)
 PATTERN_CHARS = 4096  # the longest pattern
 SCHEMA_DEPTH = 64  # JSON levels in one schema (orjson refuses 255 when it builds llama-server's call)
-SCHEMA_COUNT = 100_000  # the largest minLength, maxItems, {m,n}, … a schema may state
+SCHEMA_COUNT = 100_000  # the largest minLength, minItems, {m,…}, … a schema may state (llama.cpp refuses more)
+UPPER_COUNT = 2**31 - 1  # the largest maxLength, maxItems, {…,n} (llama.cpp counts in a C int; cheap at any size)
 ENUM_VALUES = 1_000  # `enum` values in all of a request's schemas (as OpenAI's structured outputs)
 CONSTANT_BYTES = 64 * 1024  # the JSON of every `enum` and `const` value together
 ALTERNATIVES = 128  # anyOf, oneOf and allOf branches and listed types, in all
 
-_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_COUNTS = {
+    "minLength": SCHEMA_COUNT, "minItems": SCHEMA_COUNT, "minProperties": SCHEMA_COUNT,
+    "maxLength": UPPER_COUNT, "maxItems": UPPER_COUNT, "maxProperties": UPPER_COUNT,
+}  # fmt: skip
 _BRANCHES = ("anyOf", "oneOf", "allOf")
 _CLASS = 10  # what a character class or `.` adds to the expanded size
 _CAP = 2**62  # sizes and products stop growing here (a refusal either way)
@@ -70,6 +74,10 @@ class Budget:
     """What one request's schemas have used so far: they are priced together."""
 
     most: int = PATTERN_COST
+    # Patterns llama.cpp would take as any string (unanchored, `\\d`, …) are accepted, unenforced: in a
+    # tool's parameters, where JSON Schema means a search and one such tool must not refuse every request.
+    unenforced_ok: bool = False
+    label: str = ""  # how messages name the schema, when not by its parameter alone (a tool's name)
     cost: int = 0
     enum_values: int = 0
     constant_bytes: int = 0
@@ -86,23 +94,25 @@ def check_schema(
 
 
 def _walk(schema: Any, param: str, where: str, depth: int, budget: Budget) -> None:
+    shown = budget.label or param
     if depth > SCHEMA_DEPTH:
-        raise InvalidRequest(f"{param}: the schema nests deeper than {SCHEMA_DEPTH} levels at {where}", param=param)
+        raise InvalidRequest(f"{shown}: the schema nests deeper than {SCHEMA_DEPTH} levels at {where}", param=param)
     if isinstance(schema, dict):
         pattern = schema.get("pattern")
         if isinstance(pattern, str):
-            budget.cost = min(budget.cost + check_pattern(pattern, param, f"{where}/pattern", budget.most), _CAP)
+            cost = check_pattern(pattern, param, f"{where}/pattern", budget.most, budget.unenforced_ok, shown)
+            budget.cost = min(budget.cost + cost, _CAP)
             if budget.cost > budget.most:
                 raise InvalidRequest(
-                    f"{param}: the schema's patterns together cost llama.cpp's grammar {budget.cost:,} at {where} "
+                    f"{shown}: the schema's patterns together cost llama.cpp's grammar {budget.cost:,} at {where} "
                     f"(at most {budget.most:,}); make repeated parts non-empty, lower the counts or use fewer",
                     param=param,
                 )
-        for name in _COUNTS:
+        for name, most in _COUNTS.items():
             count = schema.get(name)
-            if isinstance(count, int) and not isinstance(count, bool) and count > SCHEMA_COUNT:
+            if isinstance(count, int) and not isinstance(count, bool) and count > most:
                 raise InvalidRequest(
-                    f"{param}: {name} {count} at {where} is more than this server allows ({SCHEMA_COUNT})",
+                    f"{shown}: {name} {count} at {where} is more than this server allows ({most})",
                     param=param,
                 )
         _count_constants(schema, param, where, budget)
@@ -114,12 +124,13 @@ def _walk(schema: Any, param: str, where: str, depth: int, budget: Budget) -> No
 
 
 def _count_constants(schema: dict[str, Any], param: str, where: str, budget: Budget) -> None:
+    shown = budget.label or param
     values = schema.get("enum")
     if isinstance(values, list):
         budget.enum_values += len(values)
         if budget.enum_values > ENUM_VALUES:
             raise InvalidRequest(
-                f"{param}: more than {ENUM_VALUES} enum values in all (at {where}/enum); each is a branch of "
+                f"{shown}: more than {ENUM_VALUES} enum values in all (at {where}/enum); each is a branch of "
                 "llama.cpp's grammar",
                 param=param,
             )
@@ -128,7 +139,7 @@ def _count_constants(schema: dict[str, Any], param: str, where: str, budget: Bud
             budget.constant_bytes += len(orjson.dumps(schema[name], option=orjson.OPT_PASSTHROUGH_SUBCLASS))
             if budget.constant_bytes > CONSTANT_BYTES:
                 raise InvalidRequest(
-                    f"{param}: the enum and const values come to more than {CONSTANT_BYTES:,} bytes of JSON "
+                    f"{shown}: the enum and const values come to more than {CONSTANT_BYTES:,} bytes of JSON "
                     f"(at {where}/{name})",
                     param=param,
                 )
@@ -138,7 +149,7 @@ def _count_constants(schema: dict[str, Any], param: str, where: str, budget: Bud
     budget.alternatives += branches
     if budget.alternatives > ALTERNATIVES:
         raise InvalidRequest(
-            f"{param}: more than {ALTERNATIVES} alternatives (anyOf, oneOf, allOf, type lists) in all, at {where}",
+            f"{shown}: more than {ALTERNATIVES} alternatives (anyOf, oneOf, allOf, type lists) in all, at {where}",
             param=param,
         )
 
@@ -148,40 +159,47 @@ def _escaped(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def check_pattern(pattern: str, param: str, where: str, most: int = PATTERN_COST) -> int:
-    """The pattern's cost, once it is known that llama.cpp enforces it and that it is within `most`."""
+def check_pattern(
+    pattern: str, param: str, where: str, most: int = PATTERN_COST, unenforced_ok: bool = False, label: str = ""
+) -> int:
+    """The pattern's cost, once it is known that llama.cpp enforces it (or, `unenforced_ok`, takes it as
+    any string: cost 0) and that it is within `most`."""
+    shown = label or param
     if len(pattern) > PATTERN_CHARS:
         raise InvalidRequest(
-            f"{param}: the pattern at {where} is {len(pattern)} characters long; at most {PATTERN_CHARS}",
+            f"{shown}: the pattern at {where} is {len(pattern)} characters long; at most {PATTERN_CHARS}",
             param=param,
         )
     reading = read_pattern(pattern)
+    if reading.outcome == UNENFORCED and unenforced_ok:
+        return 0
     if reading.outcome == UNENFORCED:
         if not (pattern.startswith("^") and pattern.endswith("$")):
             raise InvalidRequest(
-                f"{param}: the pattern {_short(pattern)} at {where} is not anchored with ^ and $; "
+                f"{shown}: the pattern {_short(pattern)} at {where} is not anchored with ^ and $; "
                 "llama.cpp can only enforce anchored patterns",
                 param=param,
             )
         raise InvalidRequest(
-            f"{param}: the pattern {_short(pattern)} at {where} uses what llama.cpp's grammar cannot enforce "
+            f"{shown}: the pattern {_short(pattern)} at {where} uses what llama.cpp's grammar cannot enforce "
             f"({reading.reason}): it would accept any string",
             param=param,
         )
     if reading.outcome == INVALID:
         raise InvalidRequest(
-            f"{param}: the pattern {_short(pattern)} at {where} cannot be read: {reading.reason}", param=param
+            f"{shown}: the pattern {_short(pattern)} at {where} cannot be read: {reading.reason}", param=param
         )
-    largest = max((n for pair in reading.repetitions for n in pair if n is not None), default=0)
-    if largest > SCHEMA_COUNT:
+    least = max((pair[0] for pair in reading.repetitions), default=0)
+    most_count = max((pair[1] or 0 for pair in reading.repetitions), default=0)
+    if least > SCHEMA_COUNT or most_count > UPPER_COUNT:
         raise InvalidRequest(
-            f"{param}: the pattern {_short(pattern)} at {where} repeats a part {largest:,} times; "
-            f"at most {SCHEMA_COUNT:,}",
+            f"{shown}: the pattern {_short(pattern)} at {where} repeats a part at least {least:,} times "
+            f"(at most {SCHEMA_COUNT:,}) or up to {most_count:,}",
             param=param,
         )
     if reading.cost > most:
         raise InvalidRequest(
-            f"{param}: the pattern {_short(pattern)} at {where} nests repetitions around a part that may be empty "
+            f"{shown}: the pattern {_short(pattern)} at {where} nests repetitions around a part that may be empty "
             f"too deeply for llama.cpp's grammar (cost {reading.cost:,}; at most {most:,}); "
             "make the repeated part non-empty or lower the counts",
             param=param,

@@ -62,8 +62,11 @@ def check_request(request: ChatRequest, most: int = PATTERN_COST) -> None:
     largest pattern cost accepted)."""
     budget = Budget(most)  # every schema's grammar is built into the one request's: one budget
     check_schema(response_schema(request), "response_format", budget=budget)
-    for tool in request.tools or []:
-        check_schema(tool.function.parameters or {}, "tools", budget=budget)
+    budget.unenforced_ok = True  # a tool's pattern llama.cpp cannot enforce is left unenforced (docs/api/openai.md)
+    for index, tool in enumerate(request.tools or []):
+        # Named by its place and its name: an agent sends dozens of tools.
+        budget.label = f"tools.{index} ({tool.function.name})"
+        check_schema(tool.function.parameters or {}, f"tools.{index}", budget=budget)
 
 
 def added_prompt(request: ChatRequest) -> str:
