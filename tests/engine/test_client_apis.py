@@ -113,6 +113,8 @@ def test_chat_errors_are_renamed_to_the_clients_parameters() -> None:
     assert _rename("max_tokens", origins, PARAMS) == "max_output_tokens"
     assert _rename("response_format.json_schema", origins, PARAMS) == "text.format.json_schema"
     assert _rename("temperature", origins, PARAMS) == "temperature"
+    # raised while translating: already the client's own place, kept whole (issue 55)
+    assert _rename("messages.3.content.0.content.1.type", [], {}) == "messages.3.content.0.content.1.type"
 
 
 def test_anthropic_messages_become_the_chat_conversation() -> None:
@@ -167,7 +169,10 @@ def test_anthropic_output_config_is_an_effort_and_a_schema() -> None:
 @pytest.mark.parametrize(
     ("messages", "param"),
     [
-        ([{"role": "system", "content": "x"}], "messages.0.role"),
+        ([{"role": "tool", "content": "x"}], "messages.0.role"),
+        # a block deep in a tool result keeps its whole place (issue 55: it was named `messages`)
+        ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "text", "text": "a"}, {"type": "search_result"}]}]}], "messages.0.content.0.content.1.type"),
         ([{"role": "user", "content": [{"type": "search_result"}]}], "messages.0.content.0.type"),
         ([{"role": "user", "content": [{"type": "document", "source": {"type": "url", "url": "http://x"}}]}],
          "messages.0.content.0.source"),
@@ -179,6 +184,52 @@ def test_anthropic_blocks_it_cannot_read_are_refused_by_name(messages: list[Any]
     with pytest.raises(InvalidRequest) as refused:
         MessagesRequest.model_validate({"max_tokens": 5, "messages": messages}).chat()
     assert refused.value.param == param
+
+
+def test_anthropic_system_messages_among_the_turns() -> None:
+    """Claude Code sends `role: system` inside messages (its agent and skill lists, background notices):
+    before any turn they join the system prompt; later they are a note in the user's turn, so that the
+    template gets one system message, first, and the prompt before them is unchanged (cached)."""
+    request = MessagesRequest.model_validate({"max_tokens": 5, "system": "S", "messages": [
+        {"role": "system", "content": "Agents: a, b."},
+        {"role": "user", "content": "Run ls."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {"c": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.txt"}]},
+        {"role": "system", "content": [{"type": "text", "text": "A task finished."}]},
+        {"role": "assistant", "content": "Done."},
+        {"role": "system", "content": "Remember b."},
+    ]})  # fmt: skip
+    chat = request.chat()
+    roles = [m["role"] for m in chat.body["messages"]]
+    assert roles == ["system", "user", "assistant", "tool", "user", "assistant", "user"]
+    assert chat.body["messages"][0]["content"] == "S\n\nAgents: a, b."
+    assert chat.body["messages"][4]["content"] == [{"type": "text", "text": "<system>\nA task finished.\n</system>"}]
+    assert chat.origins[4] == "messages.4" and chat.origins[6] == "messages.6"
+    ChatRequest.model_validate(chat.body)
+
+
+def test_anthropic_fields_that_change_no_answer_are_accepted() -> None:
+    """Claude Code's and the API's fields (issue 55): context management, every tool field, and
+    thinking or an effort it may skip on a model that does not think; `thinking: enabled` still demands."""
+    request = MessagesRequest.model_validate({
+        "max_tokens": 32000, "messages": [{"role": "user", "content": "x"}], "context_management": {"edits": []},
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "medium"},
+        "tools": [{"name": "f", "input_schema": {"type": "object"}, "strict": True, "eager_input_streaming": True,
+                   "input_examples": [{}], "defer_loading": False, "allowed_callers": ["direct"]}],
+    })  # fmt: skip
+    chat = request.chat()
+    assert chat.optional_thinking and chat.body["reasoning_effort"] == "medium"
+    assert reasoning.fields("medium", None, 100, reasoning.Template(), "m", optional=True) == {}
+    demanded = MessagesRequest.model_validate({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                                               "thinking": {"type": "enabled", "budget_tokens": 2}}).chat()  # fmt: skip
+    assert not demanded.optional_thinking
+    with pytest.raises(InvalidRequest):
+        reasoning.fields("high", 2, 5, reasoning.Template(), "m", optional=demanded.optional_thinking)
+
+
+def test_codex_client_metadata_is_accepted() -> None:
+    request = ResponsesRequest.model_validate({"input": "x", "client_metadata": {"originator": "codex_exec"}})
+    assert "client_metadata" not in request.chat().body
 
 
 ANSWER = {

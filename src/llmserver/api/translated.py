@@ -40,6 +40,8 @@ def renamed(origins: Sequence[str], names: Mapping[str, str]) -> Iterator[None]:
 
 def _rename(param: str, origins: Sequence[str], names: Mapping[str, str]) -> str:
     head, _, rest = param.partition(".")
+    if head == "messages" and not origins:
+        return param  # raised while translating: it already names the client's own place
     if head == "messages":
         index, _, tail = rest.partition(".")
         if index.isdigit() and int(index) < len(origins):
@@ -67,6 +69,7 @@ async def _admitted(
     service = generation(request)
     body = validate(ChatRequest, {**chat.body, **fields})
     body._thinking_budget = chat.budget
+    body._thinking_optional = chat.optional_thinking
     ticket = await service.admit(principal, body, endpoint, header(request, b"x-session-id"))
     request.state.tally = ticket.tally  # for the access log
     return service, body, ticket

@@ -137,16 +137,14 @@ class GenerationService:
         return await self.admission.admit(principal, endpoint, model, bound, affinity, keep_alive)
 
     def _max_tokens(self, request: Request) -> int:
-        param, requested = "max_tokens", request.max_tokens
+        requested = request.max_tokens
         if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
-            param, requested = "max_completion_tokens", request.max_completion_tokens
+            requested = request.max_completion_tokens
         if requested is None:
             return self.default_max_tokens
-        if requested > self.max_tokens_limit:
-            raise InvalidRequest(
-                f"{param} is {requested}; this server allows at most {self.max_tokens_limit}.", param=param
-            )
-        return requested
+        # An upper bound, so the most this server allows rather than a refusal: an answer cut there ends
+        # with the finish reason that says so (`length`, `max_tokens`). Agents ask for 32,000 by default.
+        return min(requested, self.max_tokens_limit)
 
     def _surely_too_long(self, model: str, prompt_bound: int, param: str) -> None:
         """Refuse, without sending it, a prompt that cannot fit even if every token were as long as
@@ -229,7 +227,8 @@ class GenerationService:
         max_tokens = self._max_tokens(request)
         payload = translate.chat_payload(request, max_tokens, plan.payload(messages))
         effort, budget = request.reasoning_effort, request._thinking_budget
-        payload.update(reasoning.fields(effort, budget, max_tokens, template, ticket.model))
+        optional = request._thinking_optional
+        payload.update(reasoning.fields(effort, budget, max_tokens, template, ticket.model, optional))
         await self._resize(ticket, self.inputs.bound(messages), payload)
         return payload, plan
 

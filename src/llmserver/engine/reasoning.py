@@ -16,8 +16,9 @@ the answer always keeps room after the thinking:
 | high, xhigh | on | none (up to max_tokens) |
 
 A template that also takes an effort level itself (`supports_reasoning_effort`) is given it as well.
-Asking a template that does not think for reasoning is refused, naming the parameter; asking for
-none of it is what it does anyway.
+Demanding reasoning of a template that does not think is refused, naming the parameter; wishing for
+it (Anthropic's `adaptive` thinking, an effort level alone) or asking for none of it is answered
+without.
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ class Template:
     effort: bool = False  # takes an effort level itself (llama-server's supports_reasoning_effort)
 
 
-def fields(effort: str | None, budget: int | None, max_tokens: int, template: Template, model: str) -> JSON:
+def fields(
+    effort: str | None, budget: int | None, max_tokens: int, template: Template, model: str, optional: bool = False
+) -> JSON:
     """llama-server's payload fields for a request's reasoning effort (or explicit budget); {} for
-    neither. `effort` is "none" for thinking off."""
+    neither. `effort` is "none" for thinking off; `optional`: thinking is wished for, not demanded."""
     if effort is None and budget is None:
         return {}
     if not template.thinks:
-        if effort == "none":
+        if effort == "none" or optional:
             return {}
         raise InvalidRequest(
             f"reasoning_effort: the chat template of {model!r} does not think, so reasoning cannot be asked of it "

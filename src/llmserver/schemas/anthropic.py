@@ -29,7 +29,12 @@ PARAMS = {
     "response_format": "output_config.format",
 }
 # Anthropic's server tools (web search, code execution, …) are typed `<name>_<date>`; ours are "custom".
-CUSTOM_TOOL_FIELDS = {"type", "name", "description", "input_schema", "cache_control"}
+# Besides what makes a tool, what the API defines for one and changes no answer here: strict schemas
+# (every call is held to the schema anyway), streaming and loading hints, examples, who may call it.
+CUSTOM_TOOL_FIELDS = {
+    "type", "name", "description", "input_schema", "cache_control", "strict", "eager_input_streaming",
+    "input_examples", "defer_loading", "allowed_callers",
+}  # fmt: skip
 # What a block may carry besides its content, and has no effect here: prompt caching, citations.
 NO_EFFECT = {"cache_control", "citations"}
 
@@ -78,13 +83,15 @@ class MessagesRequest(AsChatRequest):
     speed: str | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+    context_management: Any = Field(
+        default=None, description="Accepted; a beta optimisation (clearing old tool results) that changes no answer."
+    )
     # Refused by name.
     container: Any = refused("code-execution containers")
     mcp_servers: Any = refused("MCP servers")
-    context_management: Any = refused("context management")
     diagnostics: Any = refused("diagnostics")
 
-    @field_validator("container", "mcp_servers", "context_management", "diagnostics")
+    @field_validator("container", "mcp_servers", "diagnostics")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return absent(cls, value, info)
@@ -112,6 +119,9 @@ class MessagesRequest(AsChatRequest):
             body.update(_tool_choice(self.tool_choice))
         budget, names = None, PARAMS
         effort = self.output_config.effort if self.output_config else None
+        # Only `thinking: enabled` demands thinking; `adaptive` and an effort alone let the model think if
+        # it can, so a model that cannot answers without (Claude Code sends both by default).
+        optional = self.thinking is None or self.thinking.type == "adaptive"
         if self.thinking is not None:
             body["reasoning_effort"] = "none" if self.thinking.type == "disabled" else effort or "high"
             budget = self.thinking.budget_tokens if self.thinking.type == "enabled" else None
@@ -121,7 +131,8 @@ class MessagesRequest(AsChatRequest):
         if self.output_config is not None and self.output_config.format is not None:
             schema = self.output_config.format.schema_
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
-        return AsChat({name: value for name, value in body.items() if value is not None}, origins, names, budget)
+        chat_body = {name: value for name, value in body.items() if value is not None}
+        return AsChat(chat_body, origins, names, budget, optional_thinking=optional)
 
 
 def messages(system: str | list[JSON] | None, given: list[JSON]) -> tuple[list[JSON], list[str]]:
@@ -135,12 +146,16 @@ def messages(system: str | list[JSON] | None, given: list[JSON]) -> tuple[list[J
     for index, message in enumerate(given):
         where = f"messages.{index}"
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise InvalidRequest(f"{where}.role: must be user or assistant", param=f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise InvalidRequest(f"{where}.role: must be user, assistant or system", param=f"{where}.role")
         unknown = set(message) - {"role", "content"}
         if unknown:
             raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{min(unknown)}", param=where)
         content = message.get("content")
+        if role == "system":
+            _system_turn(out, origins, content if isinstance(content, str) else _texts(content, f"{where}.content"),
+                         where)  # fmt: skip
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             origins.append(where)
@@ -151,6 +166,28 @@ def messages(system: str | list[JSON] | None, given: list[JSON]) -> tuple[list[J
         out.extend(converted)
         origins.extend([where] * len(converted))
     return out, origins
+
+
+def _system_turn(out: list[JSON], origins: list[str], text: str, where: str) -> None:
+    """A `system` message among the turns (as Anthropic's API allows): before any turn, part of the
+    system prompt; later, a note in the user's turn, since chat templates take one system message and
+    only first — and the prompt before it stays as it was, cached."""
+    if all(message["role"] == "system" for message in out):
+        if out:
+            out[0]["content"] += "\n\n" + text
+        else:
+            out.append({"role": "system", "content": text})
+            origins.append(where)
+        return
+    note = {"type": "text", "text": f"<system>\n{text}\n</system>"}
+    last = out[-1]
+    if last["role"] == "user":
+        if isinstance(last["content"], str):
+            last["content"] = [{"type": "text", "text": last["content"]}]
+        last["content"].append(note)
+        return
+    out.append({"role": "user", "content": [note]})
+    origins.append(where)
 
 
 def _user(blocks: list[Any], where: str) -> list[JSON]:

@@ -77,6 +77,7 @@ class AsChat:
     origins: list[str]
     names: dict[str, str]
     budget: int | None = None
+    optional_thinking: bool = False  # the effort asked for is a wish: a model that cannot think answers without
 
 
 class AsChatRequest(Strict):

@@ -200,6 +200,7 @@ class ChatRequest(_OpenAIRequest):
     modalities: list[str] | None = Field(default=None, description='Only ["text"] is supported.')
     # Set by the Anthropic Messages translation (`thinking.budget_tokens`), which has no effort levels.
     _thinking_budget: int | None = PrivateAttr(default=None)
+    _thinking_optional: bool = PrivateAttr(default=False)
 
     audio: Any = _refuse("audio output")
     prediction: Any = _refuse("predicted outputs")

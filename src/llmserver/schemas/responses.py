@@ -77,6 +77,8 @@ class ResponsesRequest(AsChatRequest):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_retention: str | None = None
+    client_metadata: JSON | None = Field(default=None, description="Accepted (Codex sends it with every request).")
+    context_management: Any = Field(default=None, description="Accepted; a beta optimisation that changes no answer.")
     # Refused by name.
     previous_response_id: Any = refused("responses are not stored; send the whole conversation in input")
     conversation: Any = refused("conversations are not stored; send the whole conversation in input")
@@ -84,11 +86,9 @@ class ResponsesRequest(AsChatRequest):
     prompt: Any = refused("stored prompt templates")
     top_logprobs: Any = refused("logprobs; use /v1/chat/completions")
     max_tool_calls: Any = refused("a tool-call budget")
-    context_management: Any = refused("context management")
 
     @field_validator(
-        "previous_response_id", "conversation", "background", "prompt", "top_logprobs", "max_tool_calls",
-        "context_management",
+        "previous_response_id", "conversation", "background", "prompt", "top_logprobs", "max_tool_calls"
     )  # fmt: skip
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
