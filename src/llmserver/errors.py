@@ -58,7 +58,11 @@ ANTHROPIC_TYPES = {
 def anthropic_error(error: dict[str, Any]) -> dict[str, Any]:
     """Our envelope's `error` as Anthropic's error object."""
     kind = str(error.get("type", "api_error"))
-    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(kind, kind), "message": error.get("message", "")}}
+    message = error.get("message", "")
+    if kind == "context_length_exceeded" and "prompt_tokens" in error:
+        # Anthropic's own words, which Claude Code reads to compact the conversation and say why.
+        message = f"prompt is too long: {error['prompt_tokens']} tokens > {error['context_tokens']} maximum"
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(kind, kind), "message": message}}
 
 
 def for_path(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +78,16 @@ class InvalidRequest(APIError):
 class ContextLengthExceeded(APIError):
     status = 400
     type = "context_length_exceeded"
+
+    def __init__(self, message: str, *, param: str | None = None, tokens: int | None = None, context: int = 0) -> None:
+        super().__init__(message, param=param)
+        self.tokens, self.context = tokens, context
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        if self.tokens is not None:  # counted: what clients that compact a conversation read
+            body["error"]["prompt_tokens"], body["error"]["context_tokens"] = self.tokens, self.context
+        return body
 
 
 class AuthenticationError(APIError):

@@ -316,3 +316,13 @@ def test_a_failure_mid_stream_is_each_apis_error_event() -> None:
     assert [event["type"] for event in got][-2:] == ["error", "response.failed"]
     got = events(anthropic.stream(chat_stream(STREAMED[2], failure), "m"))
     assert got[-1] == {"type": "error", "error": {"type": "api_error", "message": "The stream failed."}}
+
+
+def test_a_counted_prompt_too_long_is_anthropics_own_words() -> None:
+    from llmserver.errors import ContextLengthExceeded, for_path
+
+    error = ContextLengthExceeded("The prompt is 900 tokens, ...", param="messages", tokens=900, context=512)
+    assert for_path("/v1/messages", error.body())["error"] == {
+        "type": "invalid_request_error", "message": "prompt is too long: 900 tokens > 512 maximum"
+    }  # fmt: skip
+    assert for_path("/v1/chat/completions", error.body())["error"]["prompt_tokens"] == 900

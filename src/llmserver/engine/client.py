@@ -265,6 +265,8 @@ def upstream_error(body: Any, status: int) -> APIError:
             message = (
                 f"The prompt is {n_prompt} tokens, {n_prompt - n_ctx} more than the model's context of {n_ctx} tokens."
             )
+        if isinstance(n_prompt, int) and isinstance(n_ctx, int):
+            return ContextLengthExceeded(message, param="messages", tokens=n_prompt, context=n_ctx)
         return ContextLengthExceeded(message, param="messages")
     if status == 400 or kind == "invalid_request_error":
         return InvalidRequest(message)

@@ -54,6 +54,7 @@ RAW_PROMPT_TOKENS = 8
 MAX_TOKEN_BYTES = 256
 # What of a chat payload llama-server's /apply-template renders.
 TEMPLATE_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+COUNT_TIMEOUT = 10.0  # seconds for an instance to render and count a prompt before the queue
 
 
 def closed_on_failure(ticket: Ticket) -> AbstractContextManager[None]:
@@ -218,7 +219,39 @@ class GenerationService:
             latency_ms=round(latency * 1000, 1),
         )
 
+    async def _counted_before_the_queue(self, ticket: Ticket, request: ChatRequest) -> None:
+        """A text prompt that may not fit the model's context is counted before it waits for a slot, by
+        an instance's template and tokenizer (llama-server's /apply-template and /tokenize, answered by
+        its HTTP threads whatever its slots are doing): one too long is refused at once, not after the
+        queue (140 s on a busy instance, issue 55). A prompt whose bound (bytes) is within the context
+        surely fits and costs nothing here; images and files are counted once read, on the slot."""
+        context = self._context.get(ticket.model)
+        if context is None or self.inputs.bound(request.messages) < context:
+            return
+        if any(isinstance(m.content, list) and any(p.type != "text" for p in m.content) for m in request.messages):
+            return
+        instance = next((i for i in ticket.lease.pool.instances if i.accepting and i.client is not None), None)
+        if instance is None or instance.client is None:
+            return  # none ready yet: counted on its slot
+        plan = ToolPlan.of(request, native=instance.template.tools)
+        payload = translate.chat_payload(request, self._max_tokens(request), plan.payload(list(request.messages)))
+        template = {key: payload[key] for key in TEMPLATE_FIELDS if key in payload}
+        try:
+            prompt = (await instance.client.post_json("/apply-template", template, timeout=COUNT_TIMEOUT))["prompt"]
+            counted = {"content": prompt, "add_special": True, "parse_special": True}
+            tokens = len((await instance.client.post_json("/tokenize", counted, timeout=COUNT_TIMEOUT))["tokens"])
+        except (APIError, KeyError, TypeError):
+            return  # the slot's own call says what is wrong
+        if tokens >= context:
+            raise ContextLengthExceeded(
+                f"The prompt is {tokens} tokens, {tokens - context} more than the model's context of {context} tokens.",
+                param="messages",
+                tokens=tokens,
+                context=context,
+            )
+
     async def _chat_payload(self, ticket: Ticket, request: ChatRequest) -> tuple[JSON, ToolPlan]:
+        await self._counted_before_the_queue(ticket, request)
         messages = await self._prepared(ticket, request.messages)
         # The slot is taken: its instance's chat template decides how tools and reasoning are served.
         instance = ticket.lease.instance
