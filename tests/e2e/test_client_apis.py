@@ -377,6 +377,23 @@ def test_anthropic_errors_and_its_key_header(server: Server, key: str) -> None:
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
     answered = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": key}, timeout=60)
     assert answered.status_code == 200 and answered.json()["type"] == "message"
+    assert answered.headers["x-llmserver-instance"]  # issue 55: it was read before the slot, and empty
+    # What Claude Code sends by default (issue 55: each was a 400): answered
+    claude_code = {
+        **body, "max_tokens": 32000, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+        "thinking": {"type": "adaptive"}, "output_config": {"effort": "medium"},
+        "messages": [{"role": "system", "content": "Agents: none."}, {"role": "user", "content": []},
+                     {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Say a."},
+                     {"role": "system", "content": "A task finished."}],
+        "tools": [{"name": "Read", "input_schema": {"type": "object", "properties": {
+            "file_path": {"type": "string", "maxLength": 524288}}}, "strict": True, "eager_input_streaming": True}],
+    }  # fmt: skip
+    accepted = httpx.post(server.url + "/v1/messages", json=claude_code, headers={"x-api-key": key}, timeout=120)
+    assert accepted.status_code == 200, accepted.text
+    streamed = httpx.post(server.url + "/v1/responses", json={"input": "x", "max_output_tokens": 2, "stream": True,
+                          "client_metadata": {"originator": "codex_exec"}}, headers={"Authorization": f"Bearer {key}"},
+                          timeout=60)  # fmt: skip
+    assert streamed.status_code == 200 and streamed.headers["x-llmserver-instance"]
     refusals: list[tuple[dict[str, Any], str]] = [
         ({"model": "nope"}, "not_found_error"),
         ({"max_tokens": 0}, "invalid_request_error"),

@@ -96,10 +96,14 @@ async def answer(
     chunks turned into `events`."""
     with renamed(chat.origins, chat.names):
         service, body, ticket = await _admitted(request, principal, chat, endpoint)
-        served = {"x-llmserver-instance": ticket.tally.instance_id or ""}
         with closed_on_failure(ticket):
             if body.stream:
                 stream = await service.chat_stream(ticket, body)
-                return EventStream(events(stream, ticket.model), {**SSE_HEADERS, **served})
+                return EventStream(events(stream, ticket.model), {**SSE_HEADERS, **_served(ticket)})
             answered = await cancel_on_disconnect(request, service.chat(ticket, body))
-        return FastJSONResponse(shape(answered), headers=served)
+        return FastJSONResponse(shape(answered), headers=_served(ticket))
+
+
+def _served(ticket: Ticket) -> dict[str, str]:
+    """The instance that answers, once its slot is taken (issue 55: it was read before, and empty)."""
+    return {"x-llmserver-instance": ticket.tally.instance_id or ""}

@@ -211,8 +211,8 @@ def _user(blocks: list[Any], where: str) -> list[JSON]:
             parts.append(block)  # our chat parts, as /v1/chat/completions takes them
         else:
             raise InvalidRequest(f"{at}.type: {kind!r} blocks are not supported in a user turn", param=f"{at}.type")
-    if parts:
-        results.append({"role": "user", "content": parts})
+    if parts or not results:  # `content: []` is an empty turn, as Anthropic's API takes it
+        results.append({"role": "user", "content": parts or ""})
     return results
 
 
