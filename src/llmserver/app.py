@@ -302,7 +302,7 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     app = request.scope.get("app")
     if exc.status != 499 and app is not None and (metrics := getattr(app.state, "metrics", None)) is not None:
         metrics.refusals.labels(exc.reason or exc.type).inc()
-    return JSONResponse(for_path(request.url.path, exc.body()), status_code=exc.status, headers=exc.headers)
+    return JSONResponse(exc.body_for(request.url.path), status_code=exc.status, headers=exc.headers)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -31,6 +31,10 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.type, self.message, self.param)
 
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The error as the API of `path` shapes its errors."""
+        return for_path(path, self.body())
+
 
 def error_body(status: int, type_: str, message: str, param: str | None = None) -> dict[str, Any]:
     error: dict[str, Any] = {"message": message, "type": type_, "code": status}
@@ -58,11 +62,7 @@ ANTHROPIC_TYPES = {
 def anthropic_error(error: dict[str, Any]) -> dict[str, Any]:
     """Our envelope's `error` as Anthropic's error object."""
     kind = str(error.get("type", "api_error"))
-    message = error.get("message", "")
-    if kind == "context_length_exceeded" and "prompt_tokens" in error:
-        # Anthropic's own words, which Claude Code reads to compact the conversation and say why.
-        message = f"prompt is too long: {error['prompt_tokens']} tokens > {error['context_tokens']} maximum"
-    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(kind, kind), "message": message}}
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(kind, kind), "message": error.get("message", "")}}
 
 
 def for_path(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -83,11 +83,12 @@ class ContextLengthExceeded(APIError):
         super().__init__(message, param=param)
         self.tokens, self.context = tokens, context
 
-    def body(self) -> dict[str, Any]:
-        body = super().body()
-        if self.tokens is not None:  # counted: what clients that compact a conversation read
-            body["error"]["prompt_tokens"], body["error"]["context_tokens"] = self.tokens, self.context
-        return body
+    def body_for(self, path: str) -> dict[str, Any]:
+        if path in ANTHROPIC_PATHS and self.tokens is not None:
+            # Anthropic's own words, which Claude Code reads to compact the conversation and say why.
+            message = f"prompt is too long: {self.tokens} tokens > {self.context} maximum"
+            return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+        return super().body_for(path)
 
 
 class AuthenticationError(APIError):

@@ -32,7 +32,7 @@ from llmserver.api.deps import scope_header
 from llmserver.api.events import RAW_SEND
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService
-from llmserver.errors import APIError, RequestTooLarge, for_path
+from llmserver.errors import APIError, RequestTooLarge
 from llmserver.logs import new_request_id, request_id
 
 access_log = logging.getLogger("llmserver.access")
@@ -159,7 +159,7 @@ def _too_large(limit: int) -> RequestTooLarge:
 
 
 async def _send_error(send: Send, error: RequestTooLarge, path: str) -> None:
-    body = json.dumps(for_path(path, error.body())).encode()
+    body = json.dumps(error.body_for(path)).encode()
     await send(
         {
             "type": "http.response.start",

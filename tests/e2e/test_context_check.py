@@ -52,7 +52,6 @@ def test_a_too_long_prompt_is_refused_while_the_slot_is_busy(busy: tuple[Server,
                              400, "context_length_exceeded", "messages")  # fmt: skip
         assert busy_slots(server) == 1  # refused before the queue: the slot is still the other request's
         assert "more than the model's context of 512 tokens" in str(error["message"])
-        assert error["context_tokens"] == 512 and int(str(error["prompt_tokens"])) > 512
         anthropic = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": LONG}]}
         answer = httpx.post(server.url + "/v1/messages", json=anthropic, headers={"x-api-key": key}, timeout=120)
         assert answer.status_code == 400

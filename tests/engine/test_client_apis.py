@@ -319,10 +319,10 @@ def test_a_failure_mid_stream_is_each_apis_error_event() -> None:
 
 
 def test_a_counted_prompt_too_long_is_anthropics_own_words() -> None:
-    from llmserver.errors import ContextLengthExceeded, for_path
+    from llmserver.errors import ContextLengthExceeded
 
     error = ContextLengthExceeded("The prompt is 900 tokens, ...", param="messages", tokens=900, context=512)
-    assert for_path("/v1/messages", error.body())["error"] == {
+    assert error.body_for("/v1/messages")["error"] == {
         "type": "invalid_request_error", "message": "prompt is too long: 900 tokens > 512 maximum"
     }  # fmt: skip
-    assert for_path("/v1/chat/completions", error.body())["error"]["prompt_tokens"] == 900
+    assert error.body_for("/v1/chat/completions") == error.body()  # the seed's envelope, as every error
