@@ -7,7 +7,8 @@
 # missing: PostgreSQL and Redis (it starts private copies), Chromium (it drives the web console),
 # curl and sqlite3 (the docs' examples use them), Prometheus (its promtool checks the alert rules;
 # a real one scrapes the test hosts), systemd (systemd-analyze verifies the unit files), and buildah and
-# debootstrap (the container image is built from a Debian base made here, and run).
+# debootstrap (the container image is built from a Debian base made here, and run), and Node.js with npm
+# (the tests install Claude Code and Codex from npm's registry, pinned, and run them against the server).
 # The web console's libsodium.js comes from npm's registry (scripts/fetch_assets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,7 @@ if [ "${1:-}" = "--test" ]; then
     command -v systemd-analyze >/dev/null || need+=(systemd)
     command -v buildah >/dev/null || need+=(buildah)
     command -v debootstrap >/dev/null || need+=(debootstrap)
+    command -v npm >/dev/null || need+=(nodejs npm)  # the coding agents' tests install them from npm's registry
     if [ ${#need[@]} -gt 0 ]; then
         if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
             echo "setup: the tests need ${need[*]}: install them (Debian: apt-get install ${need[*]})" >&2

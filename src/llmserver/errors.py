@@ -75,6 +75,9 @@ class InvalidRequest(APIError):
     type = "invalid_request_error"
 
 
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
 class ContextLengthExceeded(APIError):
     status = 400
     type = "context_length_exceeded"
@@ -88,7 +91,11 @@ class ContextLengthExceeded(APIError):
             # Anthropic's own words, which Claude Code reads to compact the conversation and say why.
             message = f"prompt is too long: {self.tokens} tokens > {self.context} maximum"
             return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
-        return super().body_for(path)
+        body = super().body_for(path)
+        if path in OPENAI_PATHS:
+            # OpenAI's clients branch on this `code` (Codex then says its context window is full).
+            body["error"]["code"] = self.type
+        return body
 
 
 class AuthenticationError(APIError):

@@ -25,7 +25,7 @@ import pytest
 from llmserver.catalog import embedded_model_path
 from tests.e2e.test_compat import Person
 from tests.e2e.test_errors import assert_error
-from tests.support import MODEL, Server, make_key_record, started, store_rows, wait_for
+from tests.support import COUNTING, MODEL, Server, make_key_record, started, store_rows, wait_for
 
 THINK = "smol-think"
 TEMPLATE = Path(__file__).parent.parent / "templates" / "chatml_think.jinja"
@@ -187,7 +187,7 @@ def test_a_file_part_is_read(sdk: openai.OpenAI) -> None:
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"background": True}, "background"),
-        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type"),
         ({"input": [{"role": "user", "content": "x", "mood": "happy"}]}, "input.0.mood"),
         ({"temperatur": 1}, "temperatur"),
         ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
@@ -321,6 +321,25 @@ def test_a_streamed_message_assembles_in_the_sdk(claude: anthropic.Anthropic) ->
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 6
     assert final.content[0].type == "text" and final.content[0].text
+
+
+def test_a_stop_sequence_is_named_and_message_start_counts_the_prompt(claude: anthropic.Anthropic) -> None:
+    """Issue 55: `stop_reason` was `end_turn` where a stop sequence ended the answer, and `message_start`
+    said `input_tokens: 0`."""
+    asked: Any = {
+        "model": MODEL, "max_tokens": 40, "stop_sequences": ["7", "never"], "extra_body": {"temperature": 0},
+        "messages": [{"role": "user", "content": "Continue the list: " + COUNTING[:14]}],
+    }  # fmt: skip
+    message = claude.messages.create(**asked)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "7"), message
+    with claude.messages.stream(**asked) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    start = next(event for event in events if event.type == "message_start")
+    assert start.message.usage.input_tokens + (start.message.usage.cache_read_input_tokens or 0) > 10
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "7")
+    unstopped = claude.messages.create(**{**asked, "stop_sequences": ["never"], "max_tokens": 3})
+    assert (unstopped.stop_reason, unstopped.stop_sequence) == ("max_tokens", None)
 
 
 def test_tool_use_and_its_result(claude: anthropic.Anthropic) -> None:

@@ -51,7 +51,7 @@ def test_a_too_long_prompt_is_refused_while_the_slot_is_busy(busy: tuple[Server,
         error = assert_error(httpx.post(server.url + "/v1/chat/completions", json=chat, headers=headers, timeout=120),
                              400, "context_length_exceeded", "messages")  # fmt: skip
         assert busy_slots(server) == 1  # refused before the queue: the slot is still the other request's
-        assert "more than the model's context of 512 tokens" in str(error["message"])
+        assert "maximum context length is 512 tokens" in str(error["message"])
         anthropic = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": LONG}]}
         answer = httpx.post(server.url + "/v1/messages", json=anthropic, headers={"x-api-key": key}, timeout=120)
         assert answer.status_code == 400

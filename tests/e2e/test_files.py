@@ -108,7 +108,7 @@ def test_a_file_larger_than_the_context(client: httpx.Client) -> None:
         400,
         "context_length_exceeded",
     )
-    assert "more than the model's context of 1024 tokens" in str(error["message"])
+    assert "maximum context length is 1024 tokens" in str(error["message"])
 
 
 HOSTILE = [

@@ -43,11 +43,12 @@ DOCUMENTED_REDIS = "redis://cache.internal:6379/0"
 # Commands the README shows that CI runs in its own way (install, serve, nodes, test, benchmark, promtool:
 # tests/test_deploy_prometheus.py), the GPU build, which this machine (no GPU, no CUDA) cannot run, a
 # service's installation as root (tests/test_systemd.py checks its units and their notify protocol), and
-# container and Kubernetes commands (no runtime here: tests/test_deploy.py validates their files).
+# container and Kubernetes commands (no runtime here: tests/test_deploy.py validates their files), and the
+# coding agents (tests/agents/ runs them, with the settings their pages give).
 NOT_HERE = re.compile(
     r"scripts/setup\.sh|llmserver serve|llmserver node|-m pytest|-m bench|-m fuzz|ruff check|mypy|promtool|CMAKE_ARGS="
     r"|useradd|systemctl|/etc/llmserver|/etc/systemd|runuser|/opt/llmserver/\.venv"
-    r"|buildah |docker |kubectl |cd deploy/compose|container_wheels"
+    r"|buildah |docker |kubectl |cd deploy/compose|container_wheels|^(claude|codex|aider) "
 )
 
 
@@ -94,7 +95,7 @@ def runnable(block: Block) -> list[str]:
 # Blocks made only of install, serve, test and benchmark commands are not run here: CI runs them.
 SHELL = [b for b in blocks() if b.lang in ("sh", "bash") and runnable(b)]
 PYTHON = [b for b in blocks() if b.lang == "python"]
-TOML = [b for b in blocks() if b.lang == "toml"]
+TOML = [b for b in blocks() if b.lang == "toml" and not b.page.startswith("docs/agents/")]  # (Codex's own file)
 
 
 @pytest.fixture(scope="module")

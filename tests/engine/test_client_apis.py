@@ -95,7 +95,12 @@ def test_a_responses_input_becomes_the_chat_conversation() -> None:
         ({"input": [{"type": "web_search_call"}]}, "input.0.type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input.0.content.0"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input.0.arguments"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": "x", "tools": [{"type": "file_search"}]}, "tools.0.type"),
+        (
+            {"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "mcp"}]}]},
+            "tools.0.tools.0.type",
+        ),
+        ({"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"input": []}, "input"),
     ],
@@ -227,6 +232,36 @@ def test_anthropic_fields_that_change_no_answer_are_accepted() -> None:
         reasoning.fields("high", 2, 5, reasoning.Template(), "m", optional=demanded.optional_thinking)
 
 
+def test_codex_default_tools_a_namespace_served_flat_and_web_search_ignored() -> None:
+    """Codex sends `type: "namespace"` (its sub-agent tools) and `web_search` with every request."""
+    close = {"type": "function", "name": "close_agent", "parameters": {"type": "object"}, "defer_loading": True}
+    request = ResponsesRequest.model_validate({
+        "input": [{"type": "function_call", "call_id": "c0", "name": "close_agent", "namespace": "agents",
+                   "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "c0", "output": "closed"}],
+        "tools": [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+                  {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [close]},
+                  {"type": "web_search", "external_web_access": False}],
+    })  # fmt: skip
+    chat = request.chat().body
+    assert [tool["function"]["name"] for tool in chat["tools"]] == ["exec_command", "agents__close_agent"]
+    assert chat["messages"][0]["tool_calls"][0]["function"]["name"] == "agents__close_agent"
+    answer = {**ANSWER, "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": None,
+        "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": "agents__close_agent", "arguments": "{}"}}],
+    }}]}  # fmt: skip
+    call = responses.response(answer, request)["output"][0]
+    assert (call["type"], call["namespace"], call["name"]) == ("function_call", "agents", "close_agent")
+    streamed = events(responses.stream(chat_stream(
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "c1", "function": {"name": "agents__close_agent", "arguments": "{}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    ), request, "m"))  # fmt: skip
+    added = next(event["item"] for event in streamed if event["type"] == "response.output_item.added")
+    assert (added["namespace"], added["name"]) == ("agents", "close_agent")
+
+
 def test_codex_client_metadata_is_accepted() -> None:
     request = ResponsesRequest.model_validate({"input": "x", "client_metadata": {"originator": "codex_exec"}})
     assert "client_metadata" not in request.chat().body
@@ -325,4 +360,7 @@ def test_a_counted_prompt_too_long_is_anthropics_own_words() -> None:
     assert error.body_for("/v1/messages")["error"] == {
         "type": "invalid_request_error", "message": "prompt is too long: 900 tokens > 512 maximum"
     }  # fmt: skip
-    assert error.body_for("/v1/chat/completions") == error.body()  # the seed's envelope, as every error
+    assert error.body_for("/api/generate") == error.body()  # the seed's envelope on the native API
+    # OpenAI's clients (Codex) read the overflow in `code`, as OpenAI answers it.
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        assert error.body_for(path)["error"] == {**error.body()["error"], "code": "context_length_exceeded"}

@@ -130,9 +130,10 @@ def test_a_cut_call_answer_says_length_with_the_complete_calls() -> None:
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     assert len(choice["message"]["tool_calls"]) == 1
     stream = shapes.ChatStream(ToolPlan.of(request(tools=[WEATHER], stream=True), native=False))
-    assert stream.pieces({"delta": {"content": cut}}) == []
-    *calls, last = stream.pieces({"delta": {}, "finish_reason": "length"})
-    assert last["finish_reason"] == "length" and len(calls) == 1
+    (call,) = stream.pieces({"delta": {"content": cut}})  # sent once whole, before the answer ends
+    assert call["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    (last,) = stream.pieces({"delta": {}, "finish_reason": "length"})
+    assert last["finish_reason"] == "length"
 
 
 def test_reasoning_is_passed_through_as_reasoning_content() -> None:
@@ -161,12 +162,56 @@ def test_a_prompted_stream_holds_the_json_back_and_sends_tool_call_deltas() -> N
     answer = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'
     pieces = stream.pieces({"delta": {"role": "assistant", "content": None}})
     assert pieces == [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]
-    for index in range(0, len(answer), 7):
-        assert stream.pieces({"delta": {"content": answer[index : index + 7]}}) == []
-    *calls, last = stream.pieces({"delta": {}, "finish_reason": "stop"})
+    sent = [
+        piece for at in range(0, len(answer), 7) for piece in stream.pieces({"delta": {"content": answer[at : at + 7]}})
+    ]
+    (calls,) = sent  # the call, once whole, and nothing of our JSON
+    (last,) = stream.pieces({"delta": {}, "finish_reason": "stop"})
     assert last["finish_reason"] == "tool_calls"
-    (call,) = calls[0]["delta"]["tool_calls"]
+    (call,) = calls["delta"]["tool_calls"]
     assert call["index"] == 0 and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_a_prompted_direct_answer_streams_its_text_as_it_is_decoded() -> None:
+    """Issue 55: with tools offered, the text came in one piece at the end (Codex's idle timeout fired)."""
+    stream = shapes.ChatStream(ToolPlan.of(request(tools=[WEATHER], stream=True), native=False))
+    answer = json.dumps({"response": 'Oslo: 21 °C, "sunny" \\ 😀 and\nmore text to come'}, ensure_ascii=True)
+    sent = [
+        piece for at in range(0, len(answer), 3) for piece in stream.pieces({"delta": {"content": answer[at : at + 3]}})
+    ]
+    *rest, last = stream.pieces({"delta": {}, "finish_reason": "stop"})
+    text = "".join(piece["delta"].get("content", "") for piece in [*sent, *rest])
+    assert text == json.loads(answer)["response"] and last["finish_reason"] == "stop"
+    assert len(sent) > 10  # piece by piece, not at the end
+    assert ToolPlan.of(request(tools=[WEATHER]), native=False).read(answer, "stop")[0] == text  # as unstreamed
+
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+OTHER = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+
+
+def test_a_prompted_answer_ends_at_its_first_repeated_call() -> None:
+    """Issue 55: the embedded model repeats one call until max_tokens (the Agents SDK's handoff failed)."""
+    plan = ToolPlan.of(request(tools=[WEATHER], tool_choice="required"), native=False)
+    assert plan._answer_schema()["properties"]["tool_calls"]["maxItems"] == 8  # bounded in the grammar too
+    content, calls = plan.read(f'{{"tool_calls": [{CALL}, {OTHER}, {CALL}, {OTHER}]}}', "stop")
+    assert content is None and [json.loads(call["function"]["arguments"])["city"] for call in calls] == ["Oslo", "Rome"]
+    _, cut_calls = plan.read(f'{{"tool_calls": [{CALL}, {CALL}, {{"name": "get_w', "length")
+    assert len(cut_calls) == 1
+
+
+def test_a_prompted_stream_stops_at_a_repeated_call_without_waiting_for_the_rest() -> None:
+    stream = shapes.ChatStream(ToolPlan.of(request(tools=[WEATHER], stream=True), native=False))
+    sent = [
+        piece
+        for text in ('{"tool_calls": [', CALL, ", ", OTHER, ", ")
+        for piece in stream.pieces({"delta": {"content": text}})
+    ]
+    assert [piece["delta"]["tool_calls"][0]["index"] for piece in sent] == [0, 1] and not stream.stopped
+    (last,) = stream.pieces({"delta": {"content": CALL}})
+    assert stream.stopped and last["finish_reason"] == "tool_calls"
+    assert stream.pieces({"delta": {"content": ", " + OTHER}}) == []  # what llama-server sends after is dropped
 
 
 def test_structured_answers_lose_a_markdown_fence() -> None:

@@ -420,6 +420,23 @@ def test_a_slot_is_reused_only_by_the_key_whose_prompt_it_holds() -> None:
     run(scenario)
 
 
+def test_a_key_queued_behind_its_own_request_reuses_the_slots_prompt() -> None:
+    """An agent's retry, queued while its first try still runs, reads its prompt from the cache."""
+
+    async def scenario() -> None:
+        instance = await ready_instance(ModelConfig(name="m", parallel=1), 1)
+        assert instance.take_slot("agent", 7) == (0, False, False)
+        assert instance.take_slot("agent", 7) == (0, True, True)  # busy, but only with this key's requests
+        assert instance.take_slot("other", 9) == (0, False, False)  # another key's: never
+        assert instance.take_slot("agent", 7) == (0, False, False)  # the slot's last prompt is no longer known
+        for _ in range(3):
+            instance.give_slot(0)
+        assert instance.take_slot("agent", 7) == (0, False, False)
+        await close(instance)
+
+    run(scenario)
+
+
 def test_a_slot_whose_request_ended_early_is_taken_last() -> None:
     """A timed-out or abandoned request may still hold its slot in llama-server for a moment: a request
     pinned there would wait behind it (a stream then timed out before its first event)."""

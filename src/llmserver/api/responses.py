@@ -24,7 +24,7 @@ async def create_response(request: Request) -> FastJSONResponse | EventStream:
     return await translated.answer(
         request, principal, chat, "/v1/responses",
         shape=lambda answer: responses.response(answer, body),
-        events=lambda stream, model: responses.stream(stream, body, model),
+        events=lambda stream, model, _: responses.stream(stream, body, model),
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from llmserver.api.events import EventStream
 from llmserver.auth.keys import Principal
 from llmserver.engine.generation import GenerationService, closed_on_failure
 from llmserver.errors import APIError
+from llmserver.metrics.recorder import Tally
 from llmserver.pool.admission import Ticket
 from llmserver.schemas.common import AsChat, AsChatRequest
 from llmserver.schemas.openai import ChatRequest
@@ -70,6 +71,7 @@ async def _admitted(
     body = validate(ChatRequest, {**chat.body, **fields})
     body._thinking_budget = chat.budget
     body._thinking_optional = chat.optional_thinking
+    body._names_stop = chat.names_stop
     ticket = await service.admit(principal, body, endpoint, header(request, b"x-session-id"))
     request.state.tally = ticket.tally  # for the access log
     return service, body, ticket
@@ -90,16 +92,16 @@ async def answer(
     chat: AsChat,
     endpoint: str,
     shape: Callable[[JSON], JSON],
-    events: Callable[[AsyncGenerator[bytes, Any], str], AsyncGenerator[bytes, Any]],
+    events: Callable[[AsyncGenerator[bytes, Any], str, Tally], AsyncGenerator[bytes, Any]],
 ) -> FastJSONResponse | EventStream:
     """`chat` admitted and answered as any chat request; its answer shaped by `shape`, or its stream's
-    chunks turned into `events`."""
+    chunks turned into `events` (given the request's tally: its prompt's counts are known by then)."""
     with renamed(chat.origins, chat.names):
         service, body, ticket = await _admitted(request, principal, chat, endpoint)
         with closed_on_failure(ticket):
             if body.stream:
                 stream = await service.chat_stream(ticket, body)
-                return EventStream(events(stream, ticket.model), {**SSE_HEADERS, **_served(ticket)})
+                return EventStream(events(stream, ticket.model, ticket.tally), {**SSE_HEADERS, **_served(ticket)})
             answered = await cancel_on_disconnect(request, service.chat(ticket, body))
         return FastJSONResponse(shape(answered), headers=_served(ticket))
 

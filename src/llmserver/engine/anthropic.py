@@ -17,6 +17,7 @@ from typing import Any
 from llmserver.engine.responses import chat_chunks, new_id
 from llmserver.engine.shapes import named_sse
 from llmserver.errors import anthropic_error
+from llmserver.metrics.recorder import Tally
 
 JSON = dict[str, Any]
 
@@ -32,6 +33,10 @@ def usage(counts: JSON | None) -> JSON:
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
+
+
+def _stop_reason(finish: str | None, sequence: str | None) -> str:
+    return "stop_sequence" if sequence else STOP_REASONS.get(finish or "", "end_turn")
 
 
 def _input(arguments: str) -> Any:
@@ -61,31 +66,38 @@ def message(answer: JSON) -> JSON:
         "role": "assistant",
         "model": answer["model"],
         "content": content,
-        "stop_reason": STOP_REASONS.get(choice.get("finish_reason"), "end_turn"),
-        "stop_sequence": None,
+        "stop_reason": _stop_reason(choice.get("finish_reason"), choice.get("stop_sequence")),
+        "stop_sequence": choice.get("stop_sequence"),
         "usage": usage(answer.get("usage")),
     }
 
 
-async def stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerator[bytes, Any]:
-    """Anthropic's events for a chat stream (already open: its first step has run)."""
+async def stream(
+    chat: AsyncGenerator[bytes, Any], model: str, tally: Tally | None = None
+) -> AsyncGenerator[bytes, Any]:
+    """Anthropic's events for a chat stream (already open: its first step has run, so that `tally` holds
+    the prompt's counts for `message_start`)."""
     try:
-        async with aclosing(_stream(chat, model)) as events:
+        async with aclosing(_stream(chat, model, tally)) as events:
             async for event in events:
                 yield event
     finally:  # also when the client leaves, before or while it is read: the chat stream closes its ticket
         await chat.aclose()
 
 
-async def _stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerator[bytes, None]:
+async def _stream(chat: AsyncGenerator[bytes, Any], model: str, tally: Tally | None) -> AsyncGenerator[bytes, None]:
+    counted = None
+    if tally is not None and tally.prompt_tokens:
+        cached = {"cached_tokens": tally.cached_tokens}
+        counted = {"prompt_tokens": tally.prompt_tokens, "completion_tokens": 0, "prompt_tokens_details": cached}
     start: JSON = {
         "id": new_id("msg"), "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": usage(None),
+        "stop_reason": None, "stop_sequence": None, "usage": usage(counted),
     }  # fmt: skip
     yield named_sse({"type": "message_start", "message": start}) + named_sse({"type": "ping"})
     index = -1
     block: str | None = None  # the kind of the block being streamed
-    finish, counts = "stop", None
+    finish, counts, sequence = "stop", None, None
 
     def open_block(kind: str, content_block: JSON) -> bytes:
         nonlocal index, block
@@ -129,11 +141,11 @@ async def _stream(chat: AsyncGenerator[bytes, Any], model: str) -> AsyncGenerato
                     partial = {"type": "input_json_delta", "partial_json": function["arguments"]}
                     out.append(named_sse({"type": "content_block_delta", "index": index, "delta": partial}))
             if choice.get("finish_reason"):
-                finish = choice["finish_reason"]
+                finish, sequence = choice["finish_reason"], choice.get("stop_sequence")
         if out:
             yield b"".join(out)
     final = usage(counts)
-    ending = {"stop_reason": STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None}
+    ending = {"stop_reason": _stop_reason(finish, sequence), "stop_sequence": sequence}
     yield (
         close_block()
         + named_sse({"type": "message_delta", "delta": ending, "usage": final})

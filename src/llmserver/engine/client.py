@@ -263,7 +263,8 @@ def upstream_error(body: Any, status: int) -> APIError:
         n_prompt, n_ctx = error.get("n_prompt_tokens"), error.get("n_ctx")
         if isinstance(n_prompt, int) and isinstance(n_ctx, int):
             message = (
-                f"The prompt is {n_prompt} tokens, {n_prompt - n_ctx} more than the model's context of {n_ctx} tokens."
+                f"This model's maximum context length is {n_ctx} tokens; the prompt is {n_prompt} tokens, "
+                f"{n_prompt - n_ctx} more."
             )
         if isinstance(n_prompt, int) and isinstance(n_ctx, int):
             return ContextLengthExceeded(message, param="messages", tokens=n_prompt, context=n_ctx)

@@ -34,7 +34,7 @@ from llmserver.engine.tools import ToolPlan, added_prompt, check_request, json_s
 from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, ServerError
 from llmserver.inputs.documents import native_file_parts
 from llmserver.inputs.prepare import CHAT, InputService, NativeWhere, Where, text_bound
-from llmserver.metrics.recorder import UsageRecorder
+from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.admission import Admission, Ticket, outcome_of
 from llmserver.pool.affinity import affinity_key
 from llmserver.pool.instance import slot_context
@@ -153,8 +153,8 @@ class GenerationService:
         context = self._context.get(model)
         if context is not None and prompt_bound // MAX_TOKEN_BYTES > context:
             raise ContextLengthExceeded(
-                f"The prompt is at least {prompt_bound // MAX_TOKEN_BYTES} tokens, more than the model's context "
-                f"of {context} tokens.",
+                f"This model's maximum context length is {context} tokens; the prompt is at least "
+                f"{prompt_bound // MAX_TOKEN_BYTES} tokens.",
                 param=param,
             )
 
@@ -244,14 +244,19 @@ class GenerationService:
             return  # the slot's own call says what is wrong
         if tokens >= context:
             raise ContextLengthExceeded(
-                f"The prompt is {tokens} tokens, {tokens - context} more than the model's context of {context} tokens.",
+                # OpenAI's words, which clients read as a full context (litellm: aider, LiteLLM's proxy).
+                f"This model's maximum context length is {context} tokens; the prompt is {tokens} tokens, "
+                f"{tokens - context} more.",
                 param="messages",
                 tokens=tokens,
                 context=context,
             )
 
-    async def _chat_payload(self, ticket: Ticket, request: ChatRequest) -> tuple[JSON, ToolPlan]:
-        await self._counted_before_the_queue(ticket, request)
+    async def _chat_payload(
+        self, ticket: Ticket, request: ChatRequest, counting: bool = False
+    ) -> tuple[JSON, ToolPlan]:
+        if not counting:  # a count of a prompt too long is what its client wants to know: how much to cut
+            await self._counted_before_the_queue(ticket, request)
         messages = await self._prepared(ticket, request.messages)
         # The slot is taken: its instance's chat template decides how tools and reasoning are served.
         instance = ticket.lease.instance
@@ -262,6 +267,10 @@ class GenerationService:
         effort, budget = request.reasoning_effort, request._thinking_budget
         optional = request._thinking_optional
         payload.update(reasoning.fields(effort, budget, max_tokens, template, ticket.model, optional))
+        if request._names_stop:
+            # llama.cpp names the stop sequence that ended an answer only in its `__verbose` (which also
+            # holds the prompt): asked for only when the client wants the sequence named.
+            payload["verbose"] = True
         await self._resize(ticket, self.inputs.bound(messages), payload)
         return payload, plan
 
@@ -282,7 +291,7 @@ class GenerationService:
     async def count_tokens(self, ticket: Ticket, request: ChatRequest) -> int:
         """The prompt tokens of a chat request, as its instance's template and tokenizer make them (its
         images count as their place in the template only); nothing is generated or charged."""
-        payload, _ = await self._call_first(ticket, lambda: self._chat_payload(ticket, request))
+        payload, _ = await self._call_first(ticket, lambda: self._chat_payload(ticket, request, counting=True))
         with closed_on_failure(ticket):
             client = ticket.lease.instance.client if ticket.lease.instance is not None else None
             if client is None:
@@ -385,15 +394,17 @@ class GenerationService:
         except BaseException as exc:
             ticket.close(outcome_of(exc))
             raise
+        _counted(tally, first)
         yield b""  # ready: the HTTP response may start
         sent_any = False
         usage: JSON | None = None
         chunk = shapes.Chunks(head)
         token, tokens = self.recorder.token, shape.tokens
+        named_stop: str | None = None  # "" or the stop sequence, once llama.cpp's `__verbose` has come
 
         def shaped(batch: list[bytes]) -> bytes:
             """Our chunks for a batch of llama-server's events: what arrived together goes out together."""
-            nonlocal sent_any, usage
+            nonlocal sent_any, usage, named_stop
             out: list[bytes] = []
             for data in batch:
                 if tokens is not None and (text := tokens.text(data)) is not None:
@@ -414,11 +425,18 @@ class GenerationService:
                         usage["completion_tokens"],
                     )
                     tally.cached_tokens = translate.cached_tokens(usage)
+                if "__verbose" in event:
+                    named_stop = shapes.stopping_word(event) or ""
                 if choices and not (progress is not None and sent_any):
                     if _generated(choices[0]):
                         token(tally)
                     sent_any = True
-                    out.extend(map(chunk, shape.pieces(choices[0])))
+                    pieces = shape.pieces(choices[0])
+                    if named_stop is not None:
+                        for piece in pieces:
+                            if piece.get("finish_reason"):
+                                piece["stop_sequence"] = named_stop or None
+                    out.extend(map(chunk, pieces))
             return out[0] if len(out) == 1 else b"".join(out)
 
         writer: Writer | None = None
@@ -426,7 +444,7 @@ class GenerationService:
         def pumped(batch: list[bytes]) -> bool:
             assert writer is not None
             out = shaped(batch)
-            return writer(out) if out else True
+            return (writer(out) if out else True) and not shape.stopped
 
         try:
             batch: list[bytes] | None = first
@@ -434,6 +452,11 @@ class GenerationService:
                 out = shaped(batch)
                 if out:
                     writer = (yield out) or writer
+                if shape.stopped:
+                    # The answer is whole before llama-server's end (a prompted call repeated): leaving
+                    # closes the connection, which stops the generation and frees the slot.
+                    usage = usage or _tallied(tally)
+                    break
                 try:
                     batch = await events.asend(pumped if writer is not None else None)
                 except StopAsyncIteration:
@@ -455,6 +478,25 @@ class GenerationService:
             ticket.close(outcome)
         await ticket.shared()  # before the client hears the end
         yield shapes.DONE
+
+
+def _tallied(tally: Tally) -> JSON:
+    """The usage of a stream left before llama-server's own count: the prompt's, and one token an event."""
+    prompt, completion = tally.prompt_tokens, tally.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": tally.cached_tokens}}  # fmt: skip
+
+
+def _counted(tally: Tally, first: list[bytes]) -> None:
+    """The prompt's tokens, and those read from the cache, from the stream's first progress event: known
+    before the answer's first event goes out (Anthropic's `message_start` carries them)."""
+    for data in first:
+        if b'"prompt_progress"' in data:
+            progress = parse_event(data).get("prompt_progress")
+            if isinstance(progress, dict):
+                tally.prompt_tokens = int(progress.get("total") or 0)
+                tally.cached_tokens = int(progress.get("cache") or 0)
+            return
 
 
 def check_keep_alive(keep_alive: float | None, most: float) -> float | None:

@@ -10,7 +10,7 @@ max_output_tokens cut it). A failure mid-stream is an `error` event followed by 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -18,9 +18,10 @@ import orjson
 
 from llmserver.engine import translate
 from llmserver.engine.shapes import named_sse
-from llmserver.schemas.responses import ResponsesRequest
+from llmserver.schemas.responses import ResponsesRequest, namespaced
 
 JSON = dict[str, Any]
+Namespaces = Mapping[str, tuple[str, str]]  # a served function name: its namespace and own name
 
 
 async def chat_chunks(stream: AsyncGenerator[bytes, Any]) -> AsyncIterator[JSON]:
@@ -62,6 +63,7 @@ class Response:
         self.id = new_id("resp")
         self.created = int(time.time())
         self.request = request
+        self.namespaces = namespaced(request.tools)
         self.model = model
         self.output: list[JSON] = []
 
@@ -114,15 +116,14 @@ def message_item(text: str, status: str = "completed") -> JSON:
     }
 
 
-def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> JSON:
-    return {
-        "id": new_id("fc"),
-        "type": "function_call",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
+def call_item(
+    call_id: str, name: str, arguments: str, status: str = "completed", namespaces: Namespaces | None = None
+) -> JSON:
+    """A function call output item; a function of a namespace tool is named as the client named it."""
+    item = {"id": new_id("fc"), "type": "function_call", "call_id": call_id, "name": name}
+    if namespaces and name in namespaces:
+        item["namespace"], item["name"] = namespaces[name]
+    return {**item, "arguments": arguments, "status": status}
 
 
 def response(answer: JSON, request: ResponsesRequest) -> JSON:
@@ -137,7 +138,9 @@ def response(answer: JSON, request: ResponsesRequest) -> JSON:
     if message.get("content") or not calls:
         shaped.output.append(message_item(message.get("content") or "", status))
     for call in calls:
-        shaped.output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+        shaped.output.append(
+            call_item(call["id"], call["function"]["name"], call["function"]["arguments"], namespaces=shaped.namespaces)
+        )
     return shaped.body(status, answer.get("usage"))
 
 
@@ -250,7 +253,11 @@ async def _stream(
             for call in delta.get("tool_calls") or []:
                 function = call.get("function") or {}
                 if call.get("id"):
-                    out.extend(events.open(call_item(call["id"], function.get("name", ""), "", "in_progress")))
+                    out.extend(
+                        events.open(
+                            call_item(call["id"], function.get("name", ""), "", "in_progress", shaped.namespaces)
+                        )
+                    )
                 if function.get("arguments"):
                     out.append(events.delta("function_call", function["arguments"]))
             if choice.get("finish_reason"):

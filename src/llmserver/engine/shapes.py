@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import orjson
 
 from llmserver.engine import translate
-from llmserver.engine.tools import ToolPlan
+from llmserver.engine.tools import PromptedReader, ToolPlan
 
 JSON = dict[str, Any]
 DONE = b"data: [DONE]\n\n"
@@ -133,18 +133,23 @@ def chat(body: JSON, model: str, plan: ToolPlan, top_logprobs: int = 0) -> JSON:
         answer["tool_calls"] = [tool_call(call) for call in calls]
         if reason != "length":  # calls cut by max_tokens: the complete ones, and still "length"
             reason = "tool_calls"
-    return {
-        **translate.head("chatcmpl", "chat.completion", model),
-        "choices": [
-            {
-                "index": 0,
-                "message": answer,
-                "logprobs": translate.chat_logprobs(first.get("logprobs"), top_logprobs),
-                "finish_reason": reason,
-            }
-        ],
-        "usage": translate.usage(body),
+    shaped: JSON = {
+        "index": 0,
+        "message": answer,
+        "logprobs": translate.chat_logprobs(first.get("logprobs"), top_logprobs),
+        "finish_reason": reason,
     }
+    if "__verbose" in body:  # asked for by a client that wants the stop sequence named (Anthropic's)
+        shaped["stop_sequence"] = stopping_word(body)
+    return {**translate.head("chatcmpl", "chat.completion", model), "choices": [shaped], "usage": translate.usage(body)}
+
+
+def stopping_word(event: JSON) -> str | None:
+    """The stop sequence that ended an answer, from llama.cpp's `__verbose`; None: something else did."""
+    verbose = event.get("__verbose")
+    word = verbose.get("stopping_word") if isinstance(verbose, dict) else None
+    stop_type = verbose.get("stop_type") if isinstance(verbose, dict) else None
+    return word if isinstance(word, str) and word and stop_type == "word" else None
 
 
 def completion(body: JSON, model: str, logprobs: translate.LegacyLogprobs | None) -> JSON:
@@ -166,6 +171,7 @@ def completion(body: JSON, model: str, logprobs: translate.LegacyLogprobs | None
 class StreamShape(Protocol):
     schema_param: str | None  # what to name when llama.cpp refuses the request's grammar
     tokens: TokenEvents | None  # its token events, when they may be relayed unparsed
+    stopped: bool  # the answer is whole before llama-server ends it: the relay stops reading
 
     def pieces(self, event_choice: JSON) -> list[JSON]:
         """The choice objects (in our shape) for one of llama-server's stream events: none, one or more."""
@@ -173,16 +179,18 @@ class StreamShape(Protocol):
 
 
 class ChatStream:
-    """A chat stream's choices. Prompted tool calls (`engine/tools.py`) are JSON the client must not
-    see: their text is held back and turned into `delta.tool_calls` (or content) when it ends."""
+    """A chat stream's choices. A prompted answer (`engine/tools.py`) is JSON the client must not see:
+    it is read as it comes (`PromptedReader`), a direct answer's text sent as it is decoded, each call
+    as a `delta.tool_calls` once whole."""
 
     def __init__(self, plan: ToolPlan, top_logprobs: int = 0) -> None:
         self.plan = plan
         self.top_logprobs = top_logprobs
         self.schema_param = plan.schema_param
-        self.held: list[str] = []
+        self.reader = PromptedReader(plan)
         self.held_logprobs: list[JSON] = []
         self.role_sent = False
+        self.stopped = False
         # Text held back (prompted tool calls) is never relayed unparsed.
         self.tokens = None if plan.prompted else CHAT_TOKEN
 
@@ -196,12 +204,19 @@ class ChatStream:
             self.role_sent = True
         if delta.get("reasoning_content"):
             out["reasoning_content"] = delta["reasoning_content"]
+        if self.stopped:
+            return []
         if self.plan.prompted:
+            pieces = [_piece(out)] if out else []
             if delta.get("content"):
-                self.held.append(delta["content"])
+                text, completed = self.reader.feed(delta["content"])
+                if text:
+                    pieces.append(_piece({"content": text}))
+                pieces += [_piece({"tool_calls": [tool_call(call, index)]}) for index, call in completed]
+                if self.reader.repeated and not reason:
+                    self.stopped, reason = True, "tool_calls"  # a call repeated: the answer ends before it
             if logprobs:
                 self.held_logprobs.extend(logprobs["content"])
-            pieces = [_piece(out)] if out else []
             return pieces + self._release(translate.finish_reason(reason)) if reason else pieces
         if delta.get("content") is not None:
             out["content"] = delta["content"]
@@ -214,13 +229,15 @@ class ChatStream:
         return [_piece(out, finish, logprobs)]
 
     def _release(self, reason: str) -> list[JSON]:
-        content, calls = self.plan.read("".join(self.held), reason)
+        """The end of a prompted answer: what is left of it, and the finish reason (its logprobs, of our
+        JSON's tokens, come whole with it)."""
+        text, calls, called = self.reader.end(reason)
         logprobs = {"content": self.held_logprobs, "refusal": None} if self.held_logprobs else None
-        if calls:
-            deltas = [{"tool_calls": [tool_call(call, index)]} for index, call in enumerate(calls)]
+        if called:
             finish = "length" if reason == "length" else "tool_calls"
-            return [*(_piece(delta) for delta in deltas), _piece({}, finish, logprobs)]
-        return [_piece({"content": content or ""}, None, logprobs), _piece({}, reason)]
+            deltas = [_piece({"tool_calls": [tool_call(call, index)]}) for index, call in calls]
+            return [*deltas, _piece({}, finish, logprobs)]
+        return [_piece({"content": text}, None, logprobs), _piece({}, reason)]
 
 
 def _piece(delta: JSON, finish: str | None = None, logprobs: JSON | None = None) -> JSON:
@@ -233,6 +250,7 @@ def _piece(delta: JSON, finish: str | None = None, logprobs: JSON | None = None)
 class CompletionStream:
     def __init__(self, logprobs: translate.LegacyLogprobs | None) -> None:
         self.logprobs = logprobs
+        self.stopped = False
         self.schema_param: str | None = None
         self.tokens = COMPLETION_TOKEN if logprobs is None else None
 

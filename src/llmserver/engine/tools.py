@@ -40,6 +40,7 @@ PROMPTED_INSTRUCTIONS = (
 )
 CALL_FORM = '{"tool_calls": [{"name": "<tool name>", "arguments": {...}}]} to call tools'
 ANSWER_FORM = '{"response": <your answer>} to answer the user directly'
+PARALLEL_CALLS = 8  # the most calls one prompted answer holds
 
 
 def new_call_id() -> str:
@@ -156,9 +157,15 @@ class ToolPlan:
                 for tool in self.tools
             ]
         }
-        calls: JSON = {"type": "array", "items": call, "minItems": 1}
-        if not self.parallel:
-            calls["maxItems"] = 1
+        # A small model asked for calls may repeat one until max_tokens (measured on the embedded model
+        # with tool_choice "required": the same call 30 times, the answer cut): the list is bounded, and
+        # read up to its first repeated call.
+        calls: JSON = {
+            "type": "array",
+            "items": call,
+            "minItems": 1,
+            "maxItems": PARALLEL_CALLS if self.parallel else 1,
+        }
         with_calls = {
             "type": "object",
             "properties": {"tool_calls": calls},
@@ -186,11 +193,125 @@ class ToolPlan:
         except json.JSONDecodeError:
             return _cut(content)
         if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
-            return None, _calls(answer["tool_calls"])
+            return None, _calls(until_repeated(answer["tool_calls"]))
         if isinstance(answer, dict) and "response" in answer:
             response = answer["response"]
             return (response if isinstance(response, str) else json.dumps(response, ensure_ascii=False)), []
         return content, []
+
+
+RESPONSE_TEXT = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+RESPONSE_OTHER = re.compile(r'\s*\{\s*"response"\s*:\s*[^\s"]')
+
+
+class PromptedReader:
+    """A prompted answer read as it comes (a stream): a direct answer's text as soon as it is decoded
+    out of its JSON string, each call as soon as it is whole; a structured answer (the client's own
+    JSON) at the end. The same answers as `ToolPlan.read` gives for the whole text."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""  # the answer so far
+        self.form: str | None = None  # "text", "calls" or "held", once its start says
+        self.text_at = 0  # where the direct answer's text not yet decoded starts
+        self.closed = False  # the direct answer's string has ended
+        self.sent_calls = 0
+        self.repeated = False  # a call repeated an earlier one: the answer is whole
+
+    def feed(self, piece: str) -> tuple[str, list[tuple[int, JSON]]]:
+        """The text and the calls (with their index) that `piece` completes."""
+        self.text += piece
+        if self.form is None:
+            if RESPONSE_TEXT.match(self.text):
+                self.form, self.text_at = "text", RESPONSE_TEXT.match(self.text).end()  # type: ignore[union-attr]
+            elif CALLS_OPENING.match(self.text.lstrip()):
+                self.form = "calls"
+            elif RESPONSE_OTHER.match(self.text) or self.text.lstrip()[:1] not in ("", "{"):
+                self.form = "held"
+        if self.form == "text":
+            return self._decoded(), []
+        if self.form == "calls":
+            return "", self._new_calls()
+        return "", []
+
+    def end(self, reason: str) -> tuple[str, list[tuple[int, JSON]], bool]:
+        """What is left to send once the answer has ended: its text, its calls, and whether it called."""
+        if self.form == "text":
+            return self._decoded(), [], False
+        if self.form == "calls":
+            return "", self._new_calls(), self.sent_calls > 0
+        content, read = self.plan.read(self.text, reason)
+        return content or "", list(enumerate(read)), bool(read)
+
+    def _decoded(self) -> str:
+        if self.closed:
+            return ""
+        raw = self.text[self.text_at :]
+        end, closed = _string_prefix(raw)
+        try:
+            text = json.loads('"' + raw[:end] + '"') if end else ""
+        except json.JSONDecodeError:
+            return ""
+        self.text_at += end + closed
+        self.closed = closed
+        return str(text)
+
+    def _new_calls(self) -> list[tuple[int, JSON]]:
+        complete = complete_calls(self.text) or []
+        kept = until_repeated(complete)
+        self.repeated = len(kept) < len(complete)
+        new = [(index, call) for index, call in enumerate(_calls(kept[self.sent_calls :]), self.sent_calls)]
+        self.sent_calls = len(kept)
+        return new
+
+
+def _string_prefix(raw: str) -> tuple[int, bool]:
+    """How much of a JSON string's inside (from after its opening quote) can be decoded as it stands:
+    up to an escape still arriving; and whether its closing quote has come (just after that much)."""
+    at = 0
+    while at < len(raw):
+        char = raw[at]
+        if char == '"':
+            return at, True
+        if char != "\\":
+            at += 1
+            continue
+        if at + 1 >= len(raw):
+            break
+        if raw[at + 1] != "u":
+            at += 2
+            continue
+        if at + 6 > len(raw):
+            break
+        try:
+            code = int(raw[at + 2 : at + 6], 16)
+        except ValueError:
+            break
+        if 0xD800 <= code < 0xDC00:  # a high surrogate: decoded with the low one after it
+            if at + 12 > len(raw):
+                break
+            at += 12
+        else:
+            at += 6
+    return at, False
+
+
+def until_repeated(calls: list[Any]) -> list[Any]:
+    """The calls before the first that repeats an earlier one (same name and arguments): a model that
+    repeats a call is looping, and no client wants the same call twice in one answer."""
+    seen: set[str] = set()
+    for at, call in enumerate(calls):
+        same = json.dumps(call, sort_keys=True, ensure_ascii=False)
+        if same in seen:
+            return calls[:at]
+        seen.add(same)
+    return calls
+
+
+def repeats(text: str) -> bool:
+    """Whether a prompted answer, as far as it has come, holds a complete call that repeats an earlier one."""
+    calls = complete_calls(text)
+    return calls is not None and len(until_repeated(calls)) < len(calls)
 
 
 def _calls(calls: list[Any]) -> list[JSON]:
@@ -210,24 +331,10 @@ def _calls(calls: list[Any]) -> list[JSON]:
 
 def _cut(content: str) -> tuple[str | None, list[JSON]]:
     """A prompted answer cut short: the calls it completed, or the start of its direct answer."""
-    decoder = json.JSONDecoder()
+    calls = complete_calls(content)
+    if calls is not None:
+        return None, _calls(until_repeated(calls))
     head = content.lstrip()
-    opening = CALLS_OPENING.match(head)
-    if opening is not None:
-        at = opening.end()
-        calls: list[Any] = []
-        while 0 < at < len(head):
-            at = _skip_space(head, at)
-            try:
-                call, at = decoder.raw_decode(head, at)
-            except json.JSONDecodeError:
-                break
-            calls.append(call)
-            at = _skip_space(head, at)
-            if head[at : at + 1] != ",":
-                break
-            at += 1
-        return None, _calls(calls)
     key = head.find('"response"')
     if key < 0:
         return None, []
@@ -244,6 +351,30 @@ def _cut(content: str) -> tuple[str | None, list[JSON]]:
 
 
 CALLS_OPENING = re.compile(r'\{\s*"tool_calls"\s*:\s*\[')
+
+
+def complete_calls(content: str) -> list[Any] | None:
+    """The complete call objects at the start of a prompted answer of calls (perhaps cut short); None
+    for an answer that is not calls."""
+    decoder = json.JSONDecoder()
+    head = content.lstrip()
+    opening = CALLS_OPENING.match(head)
+    if opening is None:
+        return None
+    at = opening.end()
+    calls: list[Any] = []
+    while 0 < at < len(head):
+        at = _skip_space(head, at)
+        try:
+            call, at = decoder.raw_decode(head, at)
+        except json.JSONDecodeError:
+            break
+        calls.append(call)
+        at = _skip_space(head, at)
+        if head[at : at + 1] != ",":
+            break
+        at += 1
+    return calls
 
 
 def _skip_space(text: str, at: int) -> int:

@@ -271,8 +271,8 @@ class Instance:
         """A slot for `key_id`'s request whose prompt begins as `start` (a hash), whether it may reuse
         the slot's cached prompt, and whether that cache is this very conversation's: an idle slot holding
         this key's prompt of the same start (reuse), else the idle slot taken longest ago (reuse if its
-        prompt is this key's), else the least held one; a slot with requests of its own keeps none for
-        reuse (whose prompt it ends with is not known)."""
+        prompt is this key's), else the least held one (reuse if every request pinned to it since it was
+        idle is this key's: whichever runs last, the prompt is the key's own)."""
         if not self._slot_owner:
             size = self.model.parallel
             self._slot_owner, self._slot_holds, self._slot_taken = [None] * size, [0] * size, [0] * size
@@ -288,9 +288,11 @@ class Instance:
             slot = min(idle, key=self._slot_taken.__getitem__)
         else:
             slot = min(range(len(self._slot_holds)), key=self._slot_holds.__getitem__)
-        reuse = self._slot_holds[slot] == 0 and self._slot_owner[slot] == key_id
+        # A slot held only by this key's requests since it was last idle holds this key's prompt when this
+        # one runs: reused (an agent's retry queued behind its first try read 12,000 tokens again).
+        reuse = self._slot_owner[slot] == key_id
         warm = reuse and self._slot_start[slot] == start
-        self._slot_owner[slot] = key_id if not self._slot_holds[slot] else None
+        self._slot_owner[slot] = key_id if not self._slot_holds[slot] or reuse else None
         self._slot_start[slot] = start
         self._slot_holds[slot] += 1
         self._slot_clock += 1

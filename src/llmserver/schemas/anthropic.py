@@ -132,7 +132,8 @@ class MessagesRequest(AsChatRequest):
             schema = self.output_config.format.schema_
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
         chat_body = {name: value for name, value in body.items() if value is not None}
-        return AsChat(chat_body, origins, names, budget, optional_thinking=optional)
+        named = bool(self.stop_sequences)
+        return AsChat(chat_body, origins, names, budget, optional_thinking=optional, names_stop=named)
 
 
 def messages(system: str | list[JSON] | None, given: list[JSON]) -> tuple[list[JSON], list[str]]:

@@ -78,6 +78,7 @@ class AsChat:
     names: dict[str, str]
     budget: int | None = None
     optional_thinking: bool = False  # the effort asked for is a wish: a model that cannot think answers without
+    names_stop: bool = False  # the answer says which stop sequence ended it (Anthropic's `stop_sequence`)
 
 
 class AsChatRequest(Strict):

@@ -201,6 +201,7 @@ class ChatRequest(_OpenAIRequest):
     # Set by the Anthropic Messages translation (`thinking.budget_tokens`), which has no effort levels.
     _thinking_budget: int | None = PrivateAttr(default=None)
     _thinking_optional: bool = PrivateAttr(default=False)
+    _names_stop: bool = PrivateAttr(default=False)  # ask llama-server which stop sequence ended the answer
 
     audio: Any = _refuse("audio output")
     prediction: Any = _refuse("predicted outputs")

@@ -59,7 +59,9 @@ class ResponsesRequest(AsChatRequest):
     top_k: int | None = Field(default=None, ge=0, description="llama.cpp: sample from the k likeliest tokens.")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-1, le=2**63 - 1)
-    tools: list[JSON] | None = Field(default=None, max_length=128, description="Function tools only.")
+    tools: list[JSON] | None = Field(
+        default=None, max_length=128, description="Function tools, namespaces of them; web search is ignored."
+    )
     tool_choice: str | JSON | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -109,8 +111,9 @@ class ResponsesRequest(AsChatRequest):
         }
         if self.stream:
             body["stream_options"] = {"include_usage": True}
-        if self.tools:
-            body["tools"] = [_tool(tool, index) for index, tool in enumerate(self.tools)]
+        tools = [served for index, tool in enumerate(self.tools or []) for served in _tools(tool, index)]
+        if tools:
+            body["tools"] = tools
         if self.tool_choice is not None:
             body["tool_choice"] = _tool_choice(self.tool_choice)
         if self.parallel_tool_calls is not None:
@@ -138,11 +141,13 @@ def messages(instructions: str | None, given: str | list[JSON]) -> tuple[list[JS
         if kind == "message":
             out.append(_message(item, where))
         elif kind == "function_call":
+            name = string_field(item, "name", where)
+            namespace = item.get("namespace")
             call = {
                 "id": string_field(item, "call_id", where),
                 "type": "function",
                 "function": {
-                    "name": string_field(item, "name", where),
+                    "name": flat_name(namespace, name) if isinstance(namespace, str) and namespace else name,
                     "arguments": string_field(item, "arguments", where),
                 },
             }
@@ -221,15 +226,59 @@ def _parts(content: Any, where: str, role: str) -> list[JSON]:
     return parts
 
 
-def _tool(tool: JSON, index: int) -> JSON:
-    if tool.get("type") != "function":
+# Hosted tools the model may be offered but that nothing here runs: ignored (the model answers
+# without them), as an offer is no demand; a `tool_choice` that demands one is refused.
+IGNORED_TOOLS = {"web_search", "web_search_preview"}
+NAMESPACE_JOIN = "__"  # a namespace's function `name` in `ns` is served as `ns__name`
+
+
+def flat_name(namespace: str, name: str) -> str:
+    return f"{namespace}{NAMESPACE_JOIN}{name}"
+
+
+def namespaced(tools: list[JSON] | None) -> dict[str, tuple[str, str]]:
+    """The served names of the functions inside namespace tools: their namespace and own name."""
+    return {
+        flat_name(tool["name"], inner["name"]): (tool["name"], inner["name"])
+        for tool in tools or []
+        if tool.get("type") == "namespace" and isinstance(tool.get("name"), str)
+        for inner in tool.get("tools") or []
+        if isinstance(inner, dict) and isinstance(inner.get("name"), str)
+    }
+
+
+def _tools(tool: JSON, index: int) -> list[JSON]:
+    """The chat tools one Responses tool is: a function, a namespace's functions, or none."""
+    kind = tool.get("type")
+    if kind in IGNORED_TOOLS:
+        return []
+    if kind == "namespace":
+        name = tool.get("name")
+        inner = tool.get("tools")
+        if not isinstance(name, str) or not name or not isinstance(inner, list):
+            raise InvalidRequest(f"tools.{index}: a namespace has a name and tools", param=f"tools.{index}")
+        served = []
+        for at, function in enumerate(inner):
+            where = f"tools.{index}.tools.{at}"
+            if not isinstance(function, dict) or function.get("type") != "function":
+                raise InvalidRequest(f"{where}.type: a namespace holds function tools here", param=f"{where}.type")
+            flat = _tool(function, where)
+            flat["function"]["name"] = flat_name(name, str(flat["function"].get("name")))
+            served.append(flat)
+        return served
+    if kind != "function":
         raise InvalidRequest(
-            f"tools.{index}.type: {tool.get('type')!r} tools are not supported; only function tools are",
+            f"tools.{index}.type: {kind!r} tools are not run here (function tools and namespaces of them are; "
+            "web search is ignored): leave it out of the client's tools",
             param=f"tools.{index}.type",
         )
-    unknown = set(tool) - {"type", "name", "description", "parameters", "strict"}
+    return [_tool(tool, f"tools.{index}")]
+
+
+def _tool(tool: JSON, where: str) -> JSON:
+    unknown = set(tool) - {"type", "name", "description", "parameters", "strict", "defer_loading"}
     if unknown:
-        raise InvalidRequest(f"Unrecognized request argument supplied: tools.{index}.{min(unknown)}", param="tools")
+        raise InvalidRequest(f"Unrecognized request argument supplied: {where}.{min(unknown)}", param=where)
     function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
     return {"type": "function", "function": function}
 
@@ -241,6 +290,8 @@ def _tool_choice(choice: str | JSON) -> str | JSON:
         return {"type": "function", "function": {"name": choice["name"]}}
     if choice.get("type") == "allowed_tools":
         raise InvalidRequest("tool_choice: allowed_tools is not supported", param="tool_choice")
+    if choice.get("type") in IGNORED_TOOLS:
+        raise InvalidRequest(f"tool_choice: {choice['type']} is not run here", param="tool_choice")
     raise InvalidRequest('tool_choice: "none", "auto", "required" or {"type": "function", "name"}', param="tool_choice")
 
 
