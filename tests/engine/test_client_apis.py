@@ -262,6 +262,17 @@ def test_codex_default_tools_a_namespace_served_flat_and_web_search_ignored() ->
     assert (added["namespace"], added["name"]) == ("agents", "close_agent")
 
 
+def test_an_output_no_call_asked_for_is_a_note_naming_its_function() -> None:
+    """Codex sends its goal's objective as a function_call_output with a name and no call_id."""
+    request = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "Hi"},
+        {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "Count to 2."},
+    ]})  # fmt: skip
+    note = request.chat().body["messages"][-1]
+    assert note["role"] == "user" and note["content"][0]["text"] == "Result of agent__goal_objective:"
+    assert note["content"][1]["text"] == "Count to 2."
+
+
 def test_codex_client_metadata_is_accepted() -> None:
     request = ResponsesRequest.model_validate({"input": "x", "client_metadata": {"originator": "codex_exec"}})
     assert "client_metadata" not in request.chat().body

@@ -159,7 +159,16 @@ def messages(instructions: str | None, given: str | list[JSON]) -> tuple[list[JS
         elif kind == "function_call_output":
             output = item.get("output")
             content = output if isinstance(output, str) else _parts(output, f"{where}.output", "user")
-            out.append({"role": "tool", "tool_call_id": string_field(item, "call_id", where), "content": content})
+            if item.get("call_id") is None and isinstance(item.get("name"), str):
+                # An output no call asked for (Codex's goal tool sends its objective so): a note in the
+                # user's turn, naming the function it is from.
+                namespace = item.get("namespace")
+                name = flat_name(namespace, item["name"]) if isinstance(namespace, str) and namespace else item["name"]
+                note = [{"type": "text", "text": f"Result of {name}:"}]
+                out.append({"role": "user", "content": note + (_text_parts(content))})
+            else:
+                call_id = string_field(item, "call_id", where)
+                out.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
             texts = [part.get("text") for part in item.get("content") or [] if isinstance(part, dict)]
             reasoning = "".join(text for text in texts if isinstance(text, str)) or None
@@ -175,6 +184,10 @@ def messages(instructions: str | None, given: str | list[JSON]) -> tuple[list[JS
             out[-1]["reasoning_content"] = reasoning
         reasoning = None
     return out, origins
+
+
+def _text_parts(content: str | list[JSON]) -> list[JSON]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
 # A message item's fields: what a client writes, and what it copies back of one of our output items.
