@@ -81,14 +81,28 @@ class Gate:
         self.port = server.sockets[0].getsockname()[1]
         self._started.set()
         self._loop.run_forever()
-        server.close()
+        server.close()  # and every exchange still open ends, its sockets closed, before the loop closes
+        tasks = asyncio.all_tasks(self._loop)
+        for task in tasks:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self._loop.run_until_complete(server.wait_closed())
+        self._loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        opened = [writer]  # every connection of the exchange, closed however it ends
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            writer.close()
-            return
+            await self._exchange(reader, writer, opened)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError):
+            pass
+        finally:
+            for connection in opened:
+                connection.close()
+
+    async def _exchange(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, opened: list[asyncio.StreamWriter]
+    ) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         method, target, _ = [*lines[0].split(" "), "", ""][:3]
         local = target.startswith("/") or target.startswith(("http://127.0.0.1:", "http://localhost:"))
@@ -96,7 +110,6 @@ class Gate:
             self.refused.append(f"{method} {target}")
             writer.write(b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             await writer.drain()
-            writer.close()
             return
         path = target if target.startswith("/") else "/" + target.split("/", 3)[3]
         exchange = Exchange(method, path)
@@ -104,22 +117,20 @@ class Gate:
         # One exchange a connection: upstream closes after its answer, and so does the gate.
         kept = [line for line in lines[1:] if line and not line.lower().startswith(("connection:", "keep-alive:"))]
         upstream_head = "\r\n".join([f"{method} {path} HTTP/1.1", *kept, "connection: close", "", ""])
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            writer.close()
-            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        opened.append(up_writer)
         up_writer.write(upstream_head.encode("latin-1"))
         # Whichever side ends first ends the exchange: a client that gives up closes llmserver's side too.
         to_upstream = asyncio.ensure_future(_pipe(reader, up_writer, exchange.request))
         to_client = asyncio.ensure_future(_pipe(up_reader, writer, exchange.response))
-        await asyncio.wait([to_upstream, to_client], return_when=asyncio.FIRST_COMPLETED)
-        to_upstream.cancel()
-        to_client.cancel()
+        try:
+            await asyncio.wait([to_upstream, to_client], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            to_upstream.cancel()
+            to_client.cancel()
+            await asyncio.gather(to_upstream, to_client, return_exceptions=True)
         status = bytes(exchange.response[:12]).split(b" ")
         exchange.status = int(status[1]) if len(status) > 1 and status[1].isdigit() else 0
-        writer.close()
-        up_writer.close()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, kept: bytearray) -> None:

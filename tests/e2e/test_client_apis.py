@@ -384,6 +384,22 @@ def test_a_document_block_is_read_and_tokens_are_counted(claude: anthropic.Anthr
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == counted
 
 
+def test_an_image_in_a_tool_result_is_refused_clearly_by_a_model_that_cannot_see(server: Server, key: str) -> None:
+    from tests.images import png
+
+    data = base64.b64encode(png(8, 8)).decode()
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    body = {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Look at a.png."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image]}]},
+    ]}  # fmt: skip
+    answered = httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": key}, timeout=60)
+    assert answered.status_code == 400, answered.text
+    error = answered.json()["error"]
+    assert error["type"] == "invalid_request_error" and "messages.2" in error["message"], error
+
+
 def test_anthropic_errors_and_its_key_header(server: Server, key: str) -> None:
     wrong = anthropic.Anthropic(base_url=server.url, api_key="not-a-key", max_retries=0)
     with wrong, pytest.raises(anthropic.AuthenticationError) as refused:

@@ -191,6 +191,21 @@ def test_anthropic_blocks_it_cannot_read_are_refused_by_name(messages: list[Any]
     assert refused.value.param == param
 
 
+def test_an_image_in_a_tool_result_follows_it_in_the_users_turn() -> None:
+    """Claude Code's Read of a PNG answers with an image block inside the tool_result."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Look at a.png."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "a.png:"}, image]}]},
+    ]})  # fmt: skip
+    *_, result, shown = request.chat().body["messages"]
+    assert result == {"role": "tool", "tool_call_id": "t1", "content": "a.png:"}
+    assert shown["role"] == "user" and [part["type"] for part in shown["content"]] == ["text", "image_url"]
+    assert shown["content"][1]["image_url"]["url"] == "data:image/png;base64,iVBORw0KGgo="
+
+
 def test_anthropic_system_messages_among_the_turns() -> None:
     """Claude Code sends `role: system` inside messages (its agent and skill lists, background notices):
     before any turn they join the system prompt; later they are a note in the user's turn, so that the

@@ -54,7 +54,8 @@ def test_checks_count_and_vision_and_name_the_native_parameters() -> None:
     image = {"type": "image_url", "image_url": {"url": IMAGE}}
     with pytest.raises(InvalidRequest) as caught:
         inputs.check(user(image), "text-only")
-    assert caught.value.param == "messages" and "not vision-capable" in caught.value.message
+    # The first image's place, as each API names it (Anthropic's: the block of the turn it came from).
+    assert caught.value.param == "messages.0.content.0.image_url.url" and "not vision-capable" in caught.value.message
     inputs.check(user(image, image, image, image), "seeing")
     with pytest.raises(InvalidRequest) as caught:
         inputs.check(user(image, image, image, image, image), "seeing", NativeWhere(files=0))

@@ -108,9 +108,16 @@ class InputService:
         images = parts_of(messages, ImagePart)
         if images:
             if model not in self.vision_models:
+                index, position = next(
+                    (index, position)
+                    for index, message in enumerate(messages)
+                    if isinstance(message.content, list)
+                    for position, part in enumerate(message.content)
+                    if isinstance(part, ImagePart)
+                )
+                at = where.part("image", index, position)  # the first: its place, renamed in another API's terms
                 raise InvalidRequest(
-                    f"The model {model!r} is not vision-capable: it does not accept image parts.",
-                    param=where.count("image"),
+                    f"{at}: the model {model!r} is not vision-capable: it does not accept image parts.", param=at
                 )
             image_count_check(len(images), where.count("image"), self.images.limits)
         files.count_check(len(parts_of(messages, FilePart)), where.count("file"), self.documents.limits)

@@ -198,7 +198,7 @@ def _user(blocks: list[Any], where: str) -> list[JSON]:
     for at, kind, block in _blocks(blocks, where):
         if kind == "tool_result":
             content = block.get("content")
-            text = content if isinstance(content, str) else _texts(content or [], f"{at}.content")
+            text = content if isinstance(content, str) else _result_texts(content or [], f"{at}.content", parts)
             if block.get("is_error"):
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": string_field(block, "tool_use_id", at), "content": text})
@@ -268,6 +268,29 @@ def _texts(blocks: Any, at: str) -> str:
         if _kind(block, f"{at}.{index}") != "text":
             raise InvalidRequest(f"{at}.{index}.type: only text blocks are supported here", param=f"{at}.{index}.type")
         texts.append(string_field(block, "text", f"{at}.{index}"))
+    return "\n".join(texts)
+
+
+def _result_texts(blocks: Any, at: str, parts: list[JSON]) -> str:
+    """A tool result's text; its images and documents (Claude Code's Read of a PNG or a PDF) go to the
+    user turn's parts after it, introduced by a text part (a tool message holds text only): a model that
+    cannot see images refuses them there."""
+    if not isinstance(blocks, list):
+        raise InvalidRequest(f"{at}: a string or a list of blocks", param=at)
+    texts, shown = [], []
+    for index, block in enumerate(blocks):
+        kind, where = _kind(block, f"{at}.{index}"), f"{at}.{index}"
+        if kind == "text":
+            texts.append(string_field(block, "text", where))
+        elif kind == "image":
+            shown.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), where)}})
+        elif kind == "document":
+            shown.append(_document(block, where))
+        else:
+            raise InvalidRequest(f"{where}.type: a tool result holds text, image and document blocks",
+                                 param=f"{where}.type")  # fmt: skip
+    if shown:
+        parts.extend([{"type": "text", "text": "(What the tool result above shows:)"}, *shown])
     return "\n".join(texts)
 
 
