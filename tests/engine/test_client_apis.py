@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from llmserver.api.translated import _rename
-from llmserver.engine import anthropic, reasoning, responses
+from llmserver.engine import anthropic, reasoning, responses, shapes
 from llmserver.errors import InvalidRequest
 from llmserver.schemas.anthropic import MessagesRequest
 from llmserver.schemas.openai import ChatRequest
@@ -367,6 +367,29 @@ def test_a_chat_stream_as_anthropic_events() -> None:
         "message_delta", "message_stop",
     ]  # fmt: skip
     assert got[-2]["delta"]["stop_reason"] == "max_tokens" and got[-2]["usage"]["output_tokens"] == 4
+
+
+def test_a_prompt_still_being_read_keeps_each_apis_stream_alive() -> None:
+    """Issue 55: Codex gives up on a stream idle for 300 s, and an agent's prompt can take longer to read
+    on a CPU: the relay's keepalive comment becomes an event each client counts."""
+
+    def reading() -> AsyncGenerator[bytes, Any]:
+        async def body() -> AsyncGenerator[bytes, Any]:
+            yield b"data: " + orjson.dumps(STREAMED[0]) + b"\n\n"
+            yield shapes.READING + shapes.READING
+            for chunk in STREAMED[2:]:
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return body()
+
+    kinds = [
+        event["type"]
+        for event in events(responses.stream(reading(), ResponsesRequest.model_validate({"input": "x"}), "m"))
+    ]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.in_progress", "response.in_progress"]
+    kinds = [event["type"] for event in events(anthropic.stream(reading(), "m"))]
+    assert kinds[:4] == ["message_start", "ping", "ping", "ping"]
 
 
 def test_a_failure_mid_stream_is_each_apis_error_event() -> None:

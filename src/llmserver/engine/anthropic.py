@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
-from llmserver.engine.responses import chat_chunks, new_id
+from llmserver.engine.responses import READING, chat_chunks, new_id
 from llmserver.engine.shapes import named_sse
 from llmserver.errors import anthropic_error
 from llmserver.metrics.recorder import Tally
@@ -115,6 +115,9 @@ async def _stream(chat: AsyncGenerator[bytes, Any], model: str, tally: Tally | N
 
     async for chunk in chat_chunks(chat):
         out: list[bytes] = []
+        if chunk is READING:  # the prompt is still being read: Anthropic's keepalive
+            yield named_sse({"type": "ping"})
+            continue
         if "error" in chunk:
             yield close_block() + named_sse(anthropic_error(chunk["error"]))
             return

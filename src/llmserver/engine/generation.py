@@ -427,7 +427,11 @@ class GenerationService:
                     tally.cached_tokens = translate.cached_tokens(usage)
                 if "__verbose" in event:
                     named_stop = shapes.stopping_word(event) or ""
-                if choices and not (progress is not None and sent_any):
+                if progress is not None and sent_any:
+                    # The prompt is still being read (minutes, on a CPU, for an agent's prompt): a comment
+                    # that keeps the stream alive, which the other APIs turn into their own keepalive.
+                    out.append(shapes.READING)
+                elif choices:
                     if _generated(choices[0]):
                         token(tally)
                     sent_any = True

@@ -31,11 +31,17 @@ async def chat_chunks(stream: AsyncGenerator[bytes, Any]) -> AsyncIterator[JSON]
         pending += data
         while b"\n\n" in pending:
             event, pending = pending.split(b"\n\n", 1)
+            if event.startswith(b":"):
+                yield READING  # the prompt is still being read
+                continue
             payload = event.removeprefix(b"data: ")
             if payload == b"[DONE]":
                 return
             if payload:
                 yield orjson.loads(payload)
+
+
+READING: JSON = {"reading": True}  # chat_chunks' sign of a keepalive comment
 
 
 def new_id(prefix: str) -> str:
@@ -230,6 +236,9 @@ async def _stream(
     finish, counts = "stop", None
     async for chunk in chat_chunks(chat):
         out: list[bytes] = []
+        if chunk is READING:  # an event, not a comment: Codex's idle timeout counts events (300 s)
+            yield events.event("response.in_progress", response=shaped.body("in_progress"))
+            continue
         if "error" in chunk:
             error = chunk["error"]
             out.extend(events.close("incomplete"))

@@ -12,6 +12,7 @@ from llmserver.engine.tools import PromptedReader, ToolPlan
 
 JSON = dict[str, Any]
 DONE = b"data: [DONE]\n\n"
+READING = b": reading the prompt\n\n"  # an SSE comment: clients skip it, and idle timers see bytes
 
 
 def sse(event: JSON) -> bytes:
