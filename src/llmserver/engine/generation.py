@@ -55,6 +55,7 @@ MAX_TOKEN_BYTES = 256
 # What of a chat payload llama-server's /apply-template renders.
 TEMPLATE_FIELDS = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 COUNT_TIMEOUT = 10.0  # seconds for an instance to render and count a prompt before the queue
+KEEPALIVE_SECONDS = 10.0  # a stream quiet this long while its prompt is read gets a keepalive
 
 
 def closed_on_failure(ticket: Ticket) -> AbstractContextManager[None]:
@@ -401,10 +402,11 @@ class GenerationService:
         chunk = shapes.Chunks(head)
         token, tokens = self.recorder.token, shape.tokens
         named_stop: str | None = None  # "" or the stop sequence, once llama.cpp's `__verbose` has come
+        quiet_since = time.monotonic()  # when the client last got bytes
 
         def shaped(batch: list[bytes]) -> bytes:
             """Our chunks for a batch of llama-server's events: what arrived together goes out together."""
-            nonlocal sent_any, usage, named_stop
+            nonlocal sent_any, usage, named_stop, quiet_since
             out: list[bytes] = []
             for data in batch:
                 if tokens is not None and (text := tokens.text(data)) is not None:
@@ -428,9 +430,11 @@ class GenerationService:
                 if "__verbose" in event:
                     named_stop = shapes.stopping_word(event) or ""
                 if progress is not None and sent_any:
-                    # The prompt is still being read (minutes, on a CPU, for an agent's prompt): a comment
-                    # that keeps the stream alive, which the other APIs turn into their own keepalive.
-                    out.append(shapes.READING)
+                    # The prompt is still being read (minutes, on a CPU, for an agent's prompt): after a
+                    # quiet while, a comment that keeps the stream alive, which the other APIs turn into
+                    # their own keepalive.
+                    if time.monotonic() - quiet_since >= KEEPALIVE_SECONDS:
+                        out.append(shapes.READING)
                 elif choices:
                     if _generated(choices[0]):
                         token(tally)
@@ -441,6 +445,8 @@ class GenerationService:
                             if piece.get("finish_reason"):
                                 piece["stop_sequence"] = named_stop or None
                     out.extend(map(chunk, pieces))
+            if out:
+                quiet_since = time.monotonic()
             return out[0] if len(out) == 1 else b"".join(out)
 
         writer: Writer | None = None
