@@ -222,8 +222,9 @@ class PromptedReader:
         """The text and the calls (with their index) that `piece` completes."""
         self.text += piece
         if self.form is None:
-            if RESPONSE_TEXT.match(self.text):
-                self.form, self.text_at = "text", RESPONSE_TEXT.match(self.text).end()  # type: ignore[union-attr]
+            text = RESPONSE_TEXT.match(self.text)
+            if text is not None:
+                self.form, self.text_at = "text", text.end()
             elif CALLS_OPENING.match(self.text.lstrip()):
                 self.form = "calls"
             elif RESPONSE_OTHER.match(self.text) or self.text.lstrip()[:1] not in ("", "{"):
@@ -306,12 +307,6 @@ def until_repeated(calls: list[Any]) -> list[Any]:
             return calls[:at]
         seen.add(same)
     return calls
-
-
-def repeats(text: str) -> bool:
-    """Whether a prompted answer, as far as it has come, holds a complete call that repeats an earlier one."""
-    calls = complete_calls(text)
-    return calls is not None and len(until_repeated(calls)) < len(calls)
 
 
 def _calls(calls: list[Any]) -> list[JSON]:
