@@ -25,8 +25,8 @@ from typing import Any
 
 import redis.asyncio
 
-from llmserver.pool.registry import KEY, NODE_KEY, READ_EVERY, Registry
-from llmserver.pool.scheduler import InstanceView, Model, NodeView, Scheduler, plan
+from llmserver.cluster.registry import KEY, NODE_KEY, READ_EVERY, Registry
+from llmserver.cluster.scheduler import InstanceView, Model, NodeView, Scheduler, plan
 from llmserver.store import CatalogEntry
 from tests.services import Redis
 

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--tiny", type=int, default=300, help="tiny requests per variant and repeat")
     parser.add_argument("--tiny-only", action="store_true", help="measure only the tiny requests")
     parser.add_argument(
-        "--wire-floor", action="store_true", help="also the pass-through on llmserver's own client (engine/wire.py)"
+        "--wire-floor", action="store_true", help="also the pass-through on llmserver's own client (llama/wire.py)"
     )
     parser.add_argument(
         "--traced", action="store_true",

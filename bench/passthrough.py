@@ -6,7 +6,7 @@ is its own work.
     python -m bench.passthrough --upstream http://127.0.0.1:8081 --port 8090 [--client wire]
 
 `aiohttp` (the default) is the floor the performance targets were set against; `wire` is the same
-proxy on `llmserver.engine.wire`, the client llmserver itself uses: the floor lowered.
+proxy on `llmserver.llama.wire`, the client llmserver itself uses: the floor lowered.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import uvicorn
 
-from llmserver.engine import wire
+from llmserver.llama import wire
 
 
 class PassThrough:
@@ -76,7 +76,7 @@ class PassThrough:
 
 
 class WirePassThrough(PassThrough):
-    """The same proxy on llmserver's own HTTP/1.1 client towards llama-server (`engine/wire.py`)."""
+    """The same proxy on llmserver's own HTTP/1.1 client towards llama-server (`llama/wire.py`)."""
 
     pool: wire.Pool | None = None
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import platformdirs
 
 from bench.targets import Target, free_port, wait_ready
-from llmserver.catalog import embedded_model_path
+from llmserver.models.files import embedded_model_path
 from llmserver.settings import ModelConfig
 
 PEERS = Path(platformdirs.user_data_dir("llmserver")) / "bench-peers"

@@ -17,7 +17,7 @@ import psutil
 from bench import load
 from bench.load import LevelResult, percentile
 from llmserver import __version__
-from llmserver.catalog import embedded_model_path, llama_server_binary
+from llmserver.models.files import embedded_model_path, llama_server_binary
 
 if TYPE_CHECKING:
     from bench.run import Results

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from bench.targets import Target, free_port, free_port_range, wait_ready
-from llmserver.catalog import embedded_model_path
+from llmserver.models.files import embedded_model_path
 
 ADMIN = "bench-admin-key-saved-prompts-0123"
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}

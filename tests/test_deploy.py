@@ -32,7 +32,7 @@ COMPOSE_SCHEMA_FROM = "docker-compose==1.29.2"  # its wheel carries the compose 
 NOT_SETTINGS = {"LLMSERVER_DEBUG"}  # read by the CLI itself (`llmserver --debug`)
 SETTINGS = {f"LLMSERVER_{name.upper()}" for name in Settings.model_fields} | NOT_SETTINGS
 GATEWAY_PATHS = {"/health", "/ready", "/metrics"}
-NODE_PATHS = {"/health", "/ready", "/metrics"}  # node_http.py
+NODE_PATHS = {"/health", "/ready", "/metrics"}  # cluster/node_http.py
 
 
 def manifests() -> list[tuple[str, dict[str, Any]]]:

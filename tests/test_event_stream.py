@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from llmserver.api.events import EventStream
 from llmserver.asgi_ext import Writer
-from llmserver.http_protocol import DirectWriter, GatewayProtocol
+from llmserver.server.http_protocol import DirectWriter, GatewayProtocol
 
 
 def app_and_seen() -> tuple[object, list[Writer | None]]:

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from llmserver.app import _api_error, _unexpected
 from llmserver.errors import InvalidRequest
-from llmserver.middleware import Front
+from llmserver.server.front import Front
 
 
 async def fine(request: Request) -> Response:

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from llmserver.gateway import GatewayIdInUse, GatewayLease
+from llmserver.cluster.gateways import GatewayIdInUse, GatewayLease
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.store import Store, UsageBatch, open_store
 

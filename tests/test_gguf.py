@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from llmserver.catalog import ModelFileError, embedded_model_path, gguf_metadata, gguf_pooling
+from llmserver.models.files import ModelFileError, embedded_model_path, gguf_metadata, gguf_pooling
 from llmserver.pool.instance import llama_server_args
 from llmserver.settings import ModelConfig
 

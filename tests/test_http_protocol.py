@@ -22,8 +22,8 @@ from starlette.requests import Request
 
 from llmserver.api.deps import cancel_on_disconnect
 from llmserver.errors import ClientClosedRequest
-from llmserver.http_protocol import GatewayProtocol, Limits, QuietServer, protocol_with
-from llmserver.middleware import Front
+from llmserver.server.front import Front
+from llmserver.server.http_protocol import GatewayProtocol, Limits, QuietServer, protocol_with
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 

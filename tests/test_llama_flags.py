@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from llmserver import llama_flags
-from llmserver.catalog import llama_server_binary
+from llmserver.llama import flags as llama_flags
+from llmserver.models.files import llama_server_binary
 
 
 @pytest.fixture(scope="module")

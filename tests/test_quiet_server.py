@@ -14,7 +14,7 @@ import aiohttp
 import uvicorn
 from starlette.responses import PlainTextResponse
 
-from llmserver.http_protocol import QuietServer
+from llmserver.server.http_protocol import QuietServer
 
 
 def test_a_stop_signal_ends_it_at_once_and_answers_carry_a_date() -> None:

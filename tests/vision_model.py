@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from llmserver.catalog import embedded_model_path
+from llmserver.models.files import embedded_model_path
 
 IMAGE_SIZE = 32
 PATCH_SIZE = 8

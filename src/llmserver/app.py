@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
-from llmserver import __version__, console, model_catalog, tracing
+from llmserver import __version__, console, tracing
 from llmserver.api import anthropic, embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api import responses as responses_api
 from llmserver.api.access import check_routes
@@ -24,11 +24,13 @@ from llmserver.api.deps import direct_routes, validation_error
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
+from llmserver.cluster.gateways import GatewayLease
+from llmserver.cluster.registry import Registry
+from llmserver.cluster.scheduler import Scheduler
 from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import ANTHROPIC_PATHS, APIError, error_body, for_path
-from llmserver.gateway import GatewayLease
 from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
 from llmserver.inputs.documents import DocumentService
 from llmserver.inputs.images import ImageService
@@ -37,12 +39,11 @@ from llmserver.jobs.runner import JobService
 from llmserver.metrics.prometheus import GatewayCollector, Metrics
 from llmserver.metrics.recorder import UsageRecorder
 from llmserver.metrics.speed import RollingSpeed
-from llmserver.middleware import Front
+from llmserver.models import catalog as model_catalog
 from llmserver.pool.admission import Admission
-from llmserver.pool.registry import Registry
 from llmserver.pool.router import Router
-from llmserver.pool.scheduler import Scheduler
 from llmserver.pool.supervisor import Supervisor
+from llmserver.server.front import Front
 from llmserver.settings import Settings
 from llmserver.store import CatalogEntry, open_store
 
@@ -81,7 +82,7 @@ def create_app(settings: Settings) -> FastAPI:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         tracing.configure(settings.otlp_endpoint, "llmserver")
         store = await open_store(settings.store_url)
-        try:  # the models: the catalog's, with the config file's brought in (model_catalog.py)
+        try:  # the models: the catalog's, with the config file's brought in (models/catalog.py)
             entries = await model_catalog.seed(store, settings)
         except BaseException:
             await store.close()

@@ -9,8 +9,8 @@ import tomllib
 import click
 
 from llmserver import __version__
-from llmserver.catalog import ModelFileError
 from llmserver.commands import ask, config, db, extract, instances, keys, models, node, serve
+from llmserver.models.files import ModelFileError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

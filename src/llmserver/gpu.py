@@ -1,5 +1,5 @@
 """The GPUs of this host, as `nvidia-smi` reports them (none where it is absent or fails): a node counts
-their memory in what the scheduler may place on it (pool/scheduler.py)."""
+their memory in what the scheduler may place on it (cluster/scheduler.py)."""
 
 from __future__ import annotations
 

@@ -25,9 +25,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from llmserver import llama_flags
 from llmserver.inputs.archives import ArchiveLimits
 from llmserver.inputs.limits import FileLimits, ImageLimits
+from llmserver.llama import flags as llama_flags
 from llmserver.store import is_postgres
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"
@@ -167,7 +167,7 @@ class ModelConfig(BaseModel):
     llama_server_args: list[str] = Field(
         default_factory=list,
         description="More llama-server arguments, as on its command line, from an allowlist of flags that tune "
-        "how a model computes (sampling defaults, batching, KV cache, RoPE, placement, …; llama_flags.py); "
+        "how a model computes (sampling defaults, batching, KV cache, RoPE, placement, …; llama/flags.py); "
         "never one that reads or writes files, sets a key or an address, or that llmserver or a setting above sets.",
     )
     chat_template_file: Path | None = Field(
@@ -623,7 +623,7 @@ class Settings(BaseSettings):
     )
 
     # Whether models were configured (a file's [[models]], --model, LLMSERVER_MODELS) rather than the
-    # embedded default stood in for none: the model catalog (model_catalog.py) seeds only given ones.
+    # embedded default stood in for none: the model catalog (models/catalog.py) seeds only given ones.
     _models_given: bool = PrivateAttr(default=False)
 
     # The directories of the given models' own files, as the configuration named them (model_file_roots).

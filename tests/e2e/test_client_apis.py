@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from llmserver.catalog import embedded_model_path
+from llmserver.models.files import embedded_model_path
 from tests.e2e.test_compat import Person
 from tests.e2e.test_errors import assert_error
 from tests.support import COUNTING, MODEL, Server, make_key_record, started, store_rows, wait_for

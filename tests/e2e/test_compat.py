@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from llmserver.catalog import embedded_model_path as model_file
+from llmserver.models.files import embedded_model_path as model_file
 from tests.e2e.test_async import new_key, poll_until_done
 from tests.e2e.test_errors import assert_error
 from tests.jobs.test_crypto import independent_decrypt

@@ -1,7 +1,7 @@
 """The model catalog on one host (role `all`), against a real server: models added, changed and removed
 through the admin API and `llmserver models`, a changed setting rolled out under a steady load of
 streamed requests without one failing, a removed model answered 404, and the rules between the
-config file and the catalog (model_catalog.py)."""
+config file and the catalog (models/catalog.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ ctx_size = 512
 threads = 1
 """
 # The file's models are rows of the catalog on one host's SQLite; a gateway of role `all` on PostgreSQL
-# (this suite's second pass) keeps them out of the catalog other gateways share (model_catalog.py).
+# (this suite's second pass) keeps them out of the catalog other gateways share (models/catalog.py).
 FILE_ROWS = TEST_DATABASE != "postgresql"
 B = {"name": "b", "min_instances": 1, "parallel": 2, "ctx_size": 512, "threads": 1}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmserver.catalog import embedded_model_path
+from llmserver.models.files import embedded_model_path
 from tests.hub import StandInHub
 from tests.support import Server, cli, make_key
 

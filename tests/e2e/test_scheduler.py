@@ -25,7 +25,7 @@ import httpx
 import pytest
 import redis
 
-from llmserver.catalog import embedded_model_path
+from llmserver.models.files import embedded_model_path
 from tests.e2e.test_worker_hosts import Node, add_host, ip
 from tests.services import Postgres, Redis
 from tests.support import (

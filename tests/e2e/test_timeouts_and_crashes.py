@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmserver.catalog import embedded_model_path
+from llmserver.models.files import embedded_model_path
 from tests.support import COUNTING, MODEL, Server, create_key, pids_of_children_named, wait_for
 
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.

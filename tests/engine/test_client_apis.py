@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from llmserver.api.translated import _rename
-from llmserver.engine import anthropic, reasoning, responses, shapes
+from llmserver.dialects import anthropic, responses
+from llmserver.engine import reasoning, shapes
 from llmserver.errors import InvalidRequest
 from llmserver.schemas.anthropic import MessagesRequest
 from llmserver.schemas.openai import ChatRequest

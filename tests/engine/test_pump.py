@@ -1,4 +1,4 @@
-"""The stream client's pump (`engine/client.py`): the events after the first go to a sink from the
+"""The stream client's pump (`llama/client.py`): the events after the first go to a sink from the
 connection's own callback. Against a real HTTP server on 127.0.0.1 that writes server-sent events in
 HTTP/1.1 chunks, as llama-server does: an event split across writes, several in one write, a sink
 that asks to stop (the rest is yielded as usual), and a connection that drops."""
@@ -12,8 +12,8 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 
-from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import UpstreamError
+from llmserver.llama.client import LlamaServerClient
 from tests.support import aiohttp_server, write_events
 
 Writes = list[bytes]

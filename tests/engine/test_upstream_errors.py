@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmserver.engine.client import upstream_error
 from llmserver.errors import ContextLengthExceeded, InvalidRequest, UpstreamError
+from llmserver.llama.client import upstream_error
 
 
 def test_context_overflow_names_the_excess() -> None:

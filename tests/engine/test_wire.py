@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 client (`engine/wire.py`) against real servers on 127.0.0.1: a raw asyncio server
+"""The lean HTTP/1.1 client (`llama/wire.py`) against real servers on 127.0.0.1: a raw asyncio server
 that answers each request as a test scripts it (lengths, chunks, `Connection: close`, drops, noise),
 and the real llama-server for the calls the gateway makes."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from llmserver.engine import wire
-from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import GatewayTimeout, InstanceUnavailable, UpstreamError
+from llmserver.llama import wire
+from llmserver.llama.client import LlamaServerClient
 from tests.support import free_port, tls_certificates
 
 Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # the request's head → keep the connection?

@@ -15,8 +15,8 @@ import pytest
 from nacl.bindings import crypto_aead_xchacha20poly1305_ietf_decrypt
 
 from llmserver.auth.keys import Principal
+from llmserver.cluster.gateways import GatewayLease
 from llmserver.errors import InvalidRequest
-from llmserver.gateway import GatewayLease
 from llmserver.jobs import crypto
 from llmserver.jobs.runner import JobGone, JobService
 from llmserver.settings import Settings

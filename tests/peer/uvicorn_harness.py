@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from llmserver.http_protocol import GatewayProtocol, Limits, protocol_with
+from llmserver.server.http_protocol import GatewayProtocol, Limits, protocol_with
 from tests.protocols import test_http as suite
 
 

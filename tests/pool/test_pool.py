@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import GatewayTimeout, Overloaded
+from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.affinity import Candidate, ranked
 from llmserver.pool.instance import Instance, Status, llama_server_args, slot_context
 from llmserver.pool.pool import ModelPool
@@ -275,7 +275,7 @@ def test_other_gateways_requests_count_toward_load_queue_bound_and_fair_share() 
 
 
 def test_the_registry_keeps_each_gateways_latest_load_and_drops_gateways_that_stopped() -> None:
-    from llmserver.pool.registry import Registry
+    from llmserver.cluster.registry import Registry
 
     async def scenario() -> None:
         pool, _ = make_pool(max_queue=8, parallel=2)
@@ -305,8 +305,8 @@ def test_a_freed_slot_reaches_redis_before_the_request_ends(redis_server: Redis)
 
     import redis.asyncio
 
-    from llmserver.pool import registry as registry_module
-    from llmserver.pool.registry import LOAD_KEY, Registry
+    from llmserver.cluster import registry as registry_module
+    from llmserver.cluster.registry import LOAD_KEY, Registry
 
     async def published(client: redis.asyncio.Redis, gateway: str) -> dict[str, int]:
         raw = await client.get(LOAD_KEY + gateway)

@@ -1,4 +1,4 @@
-"""The scheduler's rules (pool/scheduler.py `plan`), on states written out: placement by room and
+"""The scheduler's rules (cluster/scheduler.py `plan`), on states written out: placement by room and
 spread, labels, a node that cannot run a model, on demand, eviction of idle instances only, idling
 down, a node that is gone."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmserver.pool.scheduler import InstanceView, Model, NodeView, plan
+from llmserver.cluster.scheduler import InstanceView, Model, NodeView, plan
 
 
 def model(name: str, revision: int = 1, **config: Any) -> Model:

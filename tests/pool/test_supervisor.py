@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llmserver.engine.client import LlamaServerClient
+from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.instance import Instance, Status
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import ModelConfig, Settings

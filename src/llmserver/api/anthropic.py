@@ -10,7 +10,7 @@ from llmserver.api import translated
 from llmserver.api.access import Access, router
 from llmserver.api.deps import FastJSONResponse, body_schema, direct
 from llmserver.api.events import EventStream
-from llmserver.engine import anthropic
+from llmserver.dialects import anthropic
 from llmserver.schemas.anthropic import PARAMS, MessagesRequest
 
 # Each endpoint authenticates first thing (deps.parse): the key may travel in the body, and a large

@@ -8,11 +8,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from llmserver import model_catalog
 from llmserver.api.access import Access, body_of, caller, router
 from llmserver.api.deps import settings, speed, store, supervisor
 from llmserver.auth.keys import may_use
 from llmserver.errors import NotFound
+from llmserver.models import catalog as model_catalog
 
 keyed = router(Access.KEY)
 admin = router(Access.ADMIN)
@@ -38,7 +38,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-# The model catalog (admin keys only): model_catalog.py
+# The model catalog (admin keys only): models/catalog.py
 
 
 def _catalog(request: Request) -> model_catalog.CatalogFollower:

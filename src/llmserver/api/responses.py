@@ -8,7 +8,7 @@ from llmserver.api import translated
 from llmserver.api.access import Access, router
 from llmserver.api.deps import FastJSONResponse, body_schema, direct
 from llmserver.api.events import EventStream
-from llmserver.engine import responses
+from llmserver.dialects import responses
 from llmserver.schemas.responses import PARAMS, ResponsesRequest
 
 # Each endpoint authenticates first thing (deps.parse): the key may travel in the body, and a large

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from pydantic import ValidationError
 
-from llmserver.catalog import BUILTIN, known_model
+from llmserver.models.files import BUILTIN, known_model
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings
 
 if TYPE_CHECKING:
@@ -143,10 +143,10 @@ def open_checked_store(settings: Settings, *, migrate: bool = False) -> int:
 
 def check_catalog(settings: Settings) -> None:
     """The config file's models brought into the model catalog before a server starts: a file and a
-    catalog that disagree (model_catalog.py) are one clean line, exit status 1."""
+    catalog that disagree (models/catalog.py) are one clean line, exit status 1."""
     import asyncio
 
-    from llmserver.model_catalog import CatalogConflict, seed
+    from llmserver.models.catalog import CatalogConflict, seed
 
     async def check() -> None:
         store = await open_cli_store(settings)
@@ -164,7 +164,7 @@ def check_catalog(settings: Settings) -> None:
 def check_model_files(settings: Settings) -> None:
     """Every model file found (or downloaded) before a server or node starts: a missing one is one
     clean line (ModelFileError, exit status 2), not a start-up traceback."""
-    from llmserver.catalog import mmproj_path, model_path
+    from llmserver.models.files import mmproj_path, model_path
 
     for model in settings.models:
         model_path(model, settings.model_cache_dir, settings.hf_endpoint)

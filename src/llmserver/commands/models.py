@@ -10,10 +10,10 @@ from typing import Any, TypeVar
 
 import click
 
-from llmserver import model_catalog
-from llmserver.catalog import BUILTIN, ModelFileError, mmproj_path, model_path
 from llmserver.commands import load, models_from_args, settings_options, with_store
 from llmserver.errors import APIError
+from llmserver.models import catalog as model_catalog
+from llmserver.models.files import BUILTIN, ModelFileError, mmproj_path, model_path
 from llmserver.settings import FileRoots
 from llmserver.store import CatalogEntry, Store
 
@@ -60,7 +60,7 @@ def pull(config_file: Path | None, data_dir: Path | None, names: tuple[str, ...]
             click.echo(f"{model.name} (vision): {mmproj} ({mmproj.stat().st_size / 2**20:.1f} MiB)")
 
 
-# The model catalog (model_catalog.py): what every gateway serves, in the shared database.
+# The model catalog (models/catalog.py): what every gateway serves, in the shared database.
 
 
 def _settings_from(pairs: tuple[str, ...]) -> dict[str, Any]:

@@ -78,11 +78,11 @@ async def _run(settings: Settings, listening: socket.socket | None) -> None:
     import uvicorn
 
     from llmserver.auth.limiters import connect_redis
+    from llmserver.cluster.assignments import Assignments
+    from llmserver.cluster.node_http import NodeServer, node_app
+    from llmserver.cluster.registry import NodeIdInUse, Publisher
     from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
     from llmserver.metrics.prometheus import Metrics
-    from llmserver.node_http import NodeServer, node_app
-    from llmserver.pool.assignments import Assignments
-    from llmserver.pool.registry import NodeIdInUse, Publisher
     from llmserver.pool.supervisor import Supervisor
     from llmserver.systemd import Notifier
 

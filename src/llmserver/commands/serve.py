@@ -27,7 +27,7 @@ from llmserver.settings import Settings
 from llmserver.systemd import Notifier
 
 if TYPE_CHECKING:
-    from llmserver.http_protocol import Limits
+    from llmserver.server.http_protocol import Limits
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def serve(
     from llmserver.app import create_app
     from llmserver.cli import debugging
     from llmserver.commands.workers import listening_socket, supervise, worker_number
-    from llmserver.http_protocol import QuietServer, protocol_with
+    from llmserver.server.http_protocol import QuietServer, protocol_with
 
     debug = debugging()  # `llmserver --debug serve`, or LLMSERVER_DEBUG=1
     given = {
@@ -146,7 +146,7 @@ def check_gateway_id(settings: Settings, debug: bool = False) -> None:
     let go, as the gateway itself would): found before the instances start."""
     import asyncio
 
-    from llmserver.gateway import GatewayIdInUse, GatewayLease
+    from llmserver.cluster.gateways import GatewayIdInUse, GatewayLease
     from llmserver.store import open_store
 
     async def check() -> None:
@@ -170,7 +170,7 @@ def check_gateway_id(settings: Settings, debug: bool = False) -> None:
 
 def connection_limits(settings: Settings) -> Limits:
     """The client connections' limits, from the settings."""
-    from llmserver.http_protocol import Limits
+    from llmserver.server.http_protocol import Limits
 
     return Limits(
         read_timeout=settings.request_read_timeout,

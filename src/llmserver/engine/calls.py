@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 
 from llmserver import tracing
-from llmserver.engine.client import LlamaServerClient, Sink
 from llmserver.errors import ContextLengthExceeded, GatewayTimeout, InstanceUnavailable, UpstreamError
+from llmserver.llama.client import LlamaServerClient, Sink
 from llmserver.pool.admission import Admission, Ticket
 
 log = logging.getLogger(__name__)

@@ -28,12 +28,12 @@ from llmserver.asgi_ext import Writer  # bytes straight to a stream's client; Fa
 from llmserver.auth.keys import Principal
 from llmserver.engine import reasoning, shapes, translate
 from llmserver.engine.calls import InstanceCalls, stalled_error
-from llmserver.engine.client import Sink, parse_event
 from llmserver.engine.schemas import check_schema
 from llmserver.engine.tools import ToolPlan, added_prompt, check_request, json_schema_format
 from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, ServerError
 from llmserver.inputs.documents import native_file_parts
 from llmserver.inputs.prepare import CHAT, InputService, NativeWhere, Where, text_bound
+from llmserver.llama.client import Sink, parse_event
 from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.admission import Admission, Ticket, outcome_of
 from llmserver.pool.affinity import affinity_key

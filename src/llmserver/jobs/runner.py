@@ -4,7 +4,7 @@ The client's key lives only in the running job's coroutine, until its result is 
 never stored, logged or put in an error. The plaintext is never stored either. Job state (owner,
 status, nonce, ciphertext, times, the gateway that runs it) is in the store, so ready results survive a
 restart and any gateway sharing the store answers a poll; a job whose gateway stopped or died while
-it ran is failed by the sweep of that gateway's lease (gateway.py). Webhooks go through the outbox.
+it ran is failed by the sweep of that gateway's lease (cluster/gateways.py). Webhooks go through the outbox.
 """
 
 from __future__ import annotations

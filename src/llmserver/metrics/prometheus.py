@@ -20,9 +20,9 @@ from llmserver import __version__
 from llmserver.pool.supervisor import Supervisor
 
 if TYPE_CHECKING:
-    from llmserver.gateway import GatewayLease
+    from llmserver.cluster.gateways import GatewayLease
+    from llmserver.cluster.registry import Registry
     from llmserver.jobs.runner import JobService
-    from llmserver.pool.registry import Registry
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)

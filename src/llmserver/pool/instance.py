@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 import aiohttp
 import psutil
 
-from llmserver.catalog import gguf_pooling
-from llmserver.engine.client import LlamaServerClient
 from llmserver.engine.reasoning import Template
 from llmserver.errors import APIError
+from llmserver.llama.client import LlamaServerClient
+from llmserver.models.files import gguf_pooling
 from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.settings import ModelConfig
 
@@ -187,7 +187,7 @@ class Instance:
     last_activity: float = field(default_factory=time.time)
     in_flight: int = 0
     # Requests other gateways have in flight on it (a node's instance: as they publish their load,
-    # pool/registry.py); this gateway's own are `in_flight`.
+    # cluster/registry.py); this gateway's own are `in_flight`.
     elsewhere: int = 0
     failures: int = 0  # requests in a row that could not reach it (a remote instance's circuit breaker)
     last_key: str = ""  # the key of the request begun last (the watchdog names it when the instance stalls)

@@ -11,7 +11,7 @@ queue of at most `max_queue`; a full queue is 503 at once, and a wait longer tha
 the fewest of the model's places, then to the key served longest ago (round robin), first come first
 served among a key's own requests: one key sending many long requests waits behind its own work, not
 in front of everyone else's (inputs/fair.py shares extraction slots the same way). Where several
-gateways route to the same instances (nodes' instances, pool/registry.py), an instance's load counts
+gateways route to the same instances (nodes' instances, cluster/registry.py), an instance's load counts
 every gateway's requests, the queue's bound counts every gateway's waiters, and a gateway whose
 requests hold more than its share of the places while others' wait lets the next free one go to them.
 

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import psutil
 
-from llmserver.catalog import ModelFileError, estimate_mb, llama_server_binary, mmproj_path, model_path
+from llmserver.cluster.registry import Registry, RemoteInstance
 from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamError
+from llmserver.models.files import ModelFileError, estimate_mb, llama_server_binary, mmproj_path, model_path
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
 from llmserver.pool.pool import ModelPool
-from llmserver.pool.registry import Registry, RemoteInstance
 from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.settings import ModelConfig, Settings, is_loopback
 

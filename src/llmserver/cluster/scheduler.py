@@ -40,15 +40,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from llmserver.cluster.registry import ASSIGN_KEY, KEY, LOAD_KEY, NODE_KEY, STATUS_KEY, scan_json
 from llmserver.outage import redis_unreachable
-from llmserver.pool.registry import ASSIGN_KEY, KEY, LOAD_KEY, NODE_KEY, STATUS_KEY, scan_json
 
 if TYPE_CHECKING:
     import redis.asyncio
 
     from llmserver.store import CatalogEntry, CatalogStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("llmserver.pool.scheduler")  # its name before the move: log_levels name it
 
 LEASE = "scheduler"
 TICK = 1.0

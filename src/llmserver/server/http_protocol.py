@@ -50,7 +50,7 @@ from uvicorn.server import ServerState
 
 from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED, DIRECT_WRITE
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("llmserver.http_protocol")  # its name before the move: log_levels name it
 app_log = logging.getLogger("uvicorn.error")  # where uvicorn's own protocol logs a failing app
 
 HIGH_WATER = 64 * 1024  # unread body bytes beyond which reading pauses (as uvicorn)

@@ -6,7 +6,7 @@ defaults), where they came from, and a revision that counts its changes. The adm
 start and every `CATALOG_READ_EVERY` seconds after (and at once after its own API's changes), and
 hands the models to its supervisor (`Supervisor.apply`: a new model gets a pool, a changed one rolls
 its instances over one by one, a removed one is drained and its requests answered 404). A node reads
-none of this: the scheduler (pool/scheduler.py) hands it the models it is to run.
+none of this: the scheduler (cluster/scheduler.py) hands it the models it is to run.
 
 Config files and the catalog, exactly:
 - one host (role `all`): the file's models (its [[models]], `--model`, or the embedded default when
@@ -39,7 +39,7 @@ from llmserver.errors import Conflict, InvalidRequest, NotFound
 from llmserver.settings import FileRoots, ModelConfig, Settings, share_threads
 from llmserver.store import CatalogEntry, CatalogStore, is_postgres
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("llmserver.model_catalog")  # its name before the move: log_levels name it
 
 FILE, API = "file", "api"
 CATALOG_READ_EVERY = 2.0  # seconds between a gateway's reads of the catalog

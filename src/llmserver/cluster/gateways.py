@@ -29,7 +29,7 @@ from llmserver.errors import APIError, error_body
 from llmserver.outage import Outage
 from llmserver.store import GatewayHolder, GatewayStore, QuotaStore, Sweep
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("llmserver.gateway")  # its name before the move: log_levels name it
 
 INTERRUPTED = error_body(
     500, "server_error", "The gateway running this job stopped before it finished; submit it again."

@@ -15,7 +15,6 @@ from typing import Any
 
 import orjson
 
-from llmserver.engine import wire
 from llmserver.errors import (
     APIError,
     ContextLengthExceeded,
@@ -24,8 +23,9 @@ from llmserver.errors import (
     InvalidRequest,
     UpstreamError,
 )
+from llmserver.llama import wire
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("llmserver.engine.client")  # its name before the move: log_levels name it
 
 JSON = dict[str, Any]
 

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from llmserver.engine.client import LlamaServerClient
 from llmserver.errors import APIError, GatewayTimeout, InvalidRequest, NotFound
+from llmserver.llama.client import LlamaServerClient
 from llmserver.logs import background
 from llmserver.outage import Outage, redis_unreachable
 from llmserver.pool.instance import Instance, Status
@@ -58,13 +58,13 @@ if TYPE_CHECKING:
 
     from llmserver.pool.supervisor import Supervisor
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("llmserver.pool.registry")  # its name before the move: log_levels name it
 
 KEY = "llmserver:instance:"
 NODE_KEY = "llmserver:node:"
 LOAD_KEY = "llmserver:load:"
 LOAD_CHANNEL = "llmserver:load"
-ASSIGN_KEY = "llmserver:assign:"  # + node id: what the scheduler (pool/scheduler.py) has it run
+ASSIGN_KEY = "llmserver:assign:"  # + node id: what the scheduler (cluster/scheduler.py) has it run
 STATUS_KEY = "llmserver:schedule"  # the scheduler's last round: the catalog, and what it could not place
 LEASE_MS = 3000
 STOPPED_MS = 5000  # how long a cleanly stopped node's instances stay in the registry, marked stopped

@@ -1,4 +1,4 @@
-"""A node's side of the scheduler (pool/scheduler.py): it runs what it is assigned, and says what it can run.
+"""A node's side of the scheduler (cluster/scheduler.py): it runs what it is assigned, and says what it can run.
 
 A node started with no [[models]] in its config takes assignments. Every second it reads its
 assignment (`llmserver:assign:NODE`) and hands the models in it to its supervisor, each kept at its
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from llmserver import gpu
-from llmserver.catalog import ModelFileError, estimate_gpu_mb, estimate_mb, mmproj_path, model_path
+from llmserver.cluster.registry import ASSIGN_KEY, STATUS_KEY
+from llmserver.models.files import ModelFileError, estimate_gpu_mb, estimate_mb, mmproj_path, model_path
 from llmserver.outage import redis_unreachable
-from llmserver.pool.registry import ASSIGN_KEY, STATUS_KEY
 from llmserver.settings import ModelConfig, Settings, share_threads
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from llmserver.pool.supervisor import Supervisor
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("llmserver.pool.assignments")  # its name before the move: log_levels name it
 
 READ_EVERY = 1.0
 

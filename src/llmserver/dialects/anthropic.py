@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
-from llmserver.engine.responses import READING, chat_chunks, new_id
+from llmserver.dialects.responses import READING, chat_chunks, new_id
 from llmserver.engine.shapes import named_sse
 from llmserver.errors import anthropic_error
 from llmserver.metrics.recorder import Tally

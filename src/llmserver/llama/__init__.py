@@ -1,0 +1,1 @@
+"""Talking to llama-server: the one client, its wire, its event streams and its flags."""

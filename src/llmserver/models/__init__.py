@@ -1,0 +1,1 @@
+"""Models: which GGUF file a model means, and the catalog of models an operator keeps."""
