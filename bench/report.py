@@ -20,7 +20,7 @@ from llmserver import __version__
 from llmserver.models.files import embedded_model_path, llama_server_binary
 
 if TYPE_CHECKING:
-    from bench.run import Results
+    from bench.plan import Results
 
 GATEWAY, DIRECT, FLOOR = "llmserver", "llama-server", "passthrough"
 MIB = 1024 * 1024

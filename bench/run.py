@@ -20,13 +20,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import affinity as affinity_workload
 from bench import load, report, saved_prompts
 from bench import peers as peers_module
 from bench.peers import PEERS
+from bench.plan import FULL, QUICK, Plan, Results
 from bench.targets import (
     Target,
     model_config,
@@ -36,29 +36,6 @@ from bench.targets import (
 )
 from llmserver.settings import ModelConfig
 
-
-@dataclass
-class Plan:
-    mode: str
-    levels: list[int]
-    per_client: int  # streamed requests per client in one block
-    min_requests: int  # per target and level, in all its blocks: few clients run more blocks
-    repeats: int  # blocks per target and level at least; rounds of the tiny-request capacity
-    max_tokens: int
-    overhead_requests: int
-    capacity_levels: list[int]
-    capacity_seconds: float
-    conversations: int  # prompt-cache affinity: conversations of `turns` turns, on two instances
-    turns: int
-    saved_conversations: int  # saved prompt caches (bench/saved_prompts.py): conversations of `saved_history` tokens
-    saved_history: int
-    parallel: int = 4
-    ctx_size: int = 2048
-    threads: int = 2
-
-
-QUICK = Plan("quick", [1, 4, 16], 1, 1, 1, 32, 60, [1, 4], 3.0, 2, 2, 2, 300)
-FULL = Plan("full", [1, 4, 8, 16], 3, 24, 2, 128, 400, [1, 2, 4, 8, 16], 8.0, 4, 6, 8, 1500)
 ADMIN_KEY = "bench-admin-key-0123456789"
 WARM_TOKENS = 32  # a warm-up request's tokens: enough to run every slot the level uses
 
@@ -70,23 +47,6 @@ def blocks(plan: Plan, concurrency: int) -> int:
     blocks of 12 requests (13 s each) per target read 0.960 and 1.017 x direct for the same gateway,
     where runs taking turns request by request read 0.988 to 0.997 (and the pass-through the same)."""
     return max(plan.repeats, -(-plan.min_requests // (concurrency * plan.per_client)))
-
-
-@dataclass
-class Results:
-    plan: Plan
-    targets: list[str]
-    levels: dict[str, dict[int, load.LevelResult]] = field(default_factory=dict)
-    overhead: dict[str, list[float]] = field(default_factory=dict)
-    overhead_cpu: dict[str, float] = field(default_factory=dict)  # gateway CPU seconds per tiny request
-    # (clients, requests/s, median latency, gateway CPU seconds per request) by target
-    capacity: dict[str, list[tuple[int, float, float, float]]] = field(default_factory=dict)
-    rss_idle: int = 0
-    rss_peak: int = 0
-    affinity: dict[str, affinity_workload.Later] = field(default_factory=dict)
-    saved_prompts: str = ""  # its report section (bench/saved_prompts.py)
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 def progress(message: str) -> None:

@@ -20,27 +20,29 @@ from llmserver import __version__, console, tracing
 from llmserver.api import anthropic, embeddings, health, instances, jobs, keys, metrics, models, native, openai
 from llmserver.api import responses as responses_api
 from llmserver.api.access import check_routes
-from llmserver.api.deps import direct_routes, validation_error
+from llmserver.api.deps import direct_routes
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
+from llmserver.cluster.collector import GatewayCollector
 from llmserver.cluster.gateways import GatewayLease
 from llmserver.cluster.registry import Registry
 from llmserver.cluster.scheduler import Scheduler
 from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
-from llmserver.errors import ANTHROPIC_PATHS, APIError, error_body, for_path
+from llmserver.errors import ANTHROPIC_PATHS, APIError, error_body, for_path, validation_error
 from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
 from llmserver.inputs.documents import DocumentService
 from llmserver.inputs.images import ImageService
 from llmserver.inputs.prepare import InputService
 from llmserver.jobs.runner import JobService
-from llmserver.metrics.prometheus import GatewayCollector, Metrics
+from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.models import catalog as model_catalog
 from llmserver.pool.admission import Admission
+from llmserver.pool.collector import PoolCollector
 from llmserver.pool.router import Router
 from llmserver.pool.supervisor import Supervisor
 from llmserver.server.front import Front
@@ -92,7 +94,8 @@ def create_app(settings: Settings) -> FastAPI:
         gateway = settings.gateway_name
         admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
         supervisor = Supervisor(settings)
-        metrics = Metrics(supervisor, node=settings.node_id or gateway)
+        metrics = Metrics(supervisor.pools)
+        metrics.registry.register(PoolCollector(supervisor, node=settings.node_id or gateway))
         quota = QuotaService(store, gateway)
         speed = RollingSpeed(store)
         supervisor.speed_of = speed.average

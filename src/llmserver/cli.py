@@ -57,11 +57,6 @@ def main() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def debugging() -> bool:
-    """--debug (or LLMSERVER_DEBUG=1): tracebacks instead of one-line errors, and debug logs."""
-    return os.environ.get("LLMSERVER_DEBUG", "") not in ("", "0")
-
-
 def _fail(message: str, status: int, command: str | None = None) -> None:
     first = message.strip().splitlines()[0] if message.strip() else "failed"
     hint = f" (see `{command} --help`)" if command else ""

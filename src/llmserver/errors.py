@@ -186,3 +186,22 @@ class ServerError(APIError):
 
 class StateUnavailable(Overloaded):
     """The shared state (the database, or Redis for a key's limits) cannot be reached: retry shortly."""
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def validation_error(errors: Any) -> InvalidRequest:
+    """Our 400 for the first of pydantic's (or FastAPI's) validation errors, naming the parameter."""
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    # Drop the tags pydantic adds for union members (`str`, `list[...]`, `constrained-str`, …).
+    location = [part for part in location if not ("[" in part or "-" in part or part in _TYPE_TAGS)]
+    param = ".".join(location) or None
+    message = str(first.get("msg", "Invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        message = "Field required"
+    if first.get("type") == "extra_forbidden":
+        # OpenAI's words for a field it does not know.
+        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param)
+    return InvalidRequest(f"{param}: {message}" if param else message, param=param)

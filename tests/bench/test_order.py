@@ -36,6 +36,7 @@ def test_with_one_round_the_ratio_is_the_pooled_one() -> None:
 
 def test_every_target_serves_an_uncounted_request_per_client_before_each_level(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from bench import load, run
+    from bench import plan as plan_module
 
     calls: list[tuple[str, int, int, int]] = []
 
@@ -45,9 +46,9 @@ def test_every_target_serves_an_uncounted_request_per_client_before_each_level(m
 
     monkeypatch.setattr(load, "run_level", fake_level)
     monkeypatch.setattr(load, "settle", lambda: 0.0)
-    plan = run.FULL
+    plan = plan_module.FULL
     targets = [run.Target(name, "http://127.0.0.1:1", None) for name in ("a", "b", "c")]  # type: ignore[arg-type]
-    results = run.Results(plan, [t.name for t in targets])
+    results = plan_module.Results(plan, [t.name for t in targets])
     run._throughput(plan, targets, results)
 
     measured = [call for call in calls if call[3] in (run.WARM_TOKENS, plan.max_tokens)]

@@ -15,11 +15,12 @@ from llmserver.api.translated import _rename
 from llmserver.dialects import anthropic, responses
 from llmserver.engine import reasoning, shapes
 from llmserver.errors import InvalidRequest
+from llmserver.llama.template import Template
 from llmserver.schemas.anthropic import MessagesRequest
 from llmserver.schemas.openai import ChatRequest
 from llmserver.schemas.responses import PARAMS, ResponsesRequest
 
-THINKS = reasoning.Template(thinks=True)
+THINKS = Template(thinks=True)
 
 
 @pytest.mark.parametrize(
@@ -42,12 +43,12 @@ def test_an_effort_is_thinking_on_or_off_and_a_share_of_max_tokens(
 
 
 def test_a_template_that_does_not_think_refuses_an_effort_but_none() -> None:
-    plain = reasoning.Template()
+    plain = Template()
     assert reasoning.fields("none", None, 400, plain, "m") == {}
     with pytest.raises(InvalidRequest) as refused:
         reasoning.fields("low", None, 400, plain, "m")
     assert refused.value.param == "reasoning_effort"
-    with_levels = reasoning.Template(thinks=True, effort=True)
+    with_levels = Template(thinks=True, effort=True)
     assert reasoning.fields("low", None, 400, with_levels, "m")["reasoning_effort"] == "low"
 
 
@@ -240,12 +241,12 @@ def test_anthropic_fields_that_change_no_answer_are_accepted() -> None:
     })  # fmt: skip
     chat = request.chat()
     assert chat.optional_thinking and chat.body["reasoning_effort"] == "medium"
-    assert reasoning.fields("medium", None, 100, reasoning.Template(), "m", optional=True) == {}
+    assert reasoning.fields("medium", None, 100, Template(), "m", optional=True) == {}
     demanded = MessagesRequest.model_validate({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
                                                "thinking": {"type": "enabled", "budget_tokens": 2}}).chat()  # fmt: skip
     assert not demanded.optional_thinking
     with pytest.raises(InvalidRequest):
-        reasoning.fields("high", 2, 5, reasoning.Template(), "m", optional=demanded.optional_thinking)
+        reasoning.fields("high", 2, 5, Template(), "m", optional=demanded.optional_thinking)
 
 
 def test_codex_default_tools_a_namespace_served_flat_and_web_search_ignored() -> None:

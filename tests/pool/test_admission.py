@@ -57,7 +57,7 @@ async def world(tmp_path: Path, max_queue: int = 1) -> AsyncIterator[World]:
     pool.instances.append(await ready_instance(pool.config, 1))
     store = SQLiteStore(tmp_path / "a.db")
     quota = QuotaService(store, "gw1")
-    metrics = Metrics(supervisor)
+    metrics = Metrics(supervisor.pools)
     recorder = UsageRecorder(store, quota, RollingSpeed(store), metrics)
     rate, places = MemoryRateLimiter(), MemoryConcurrencyLimiter()
     admission = Admission(Router(supervisor.pools), rate, places, quota, recorder, metrics, default_concurrency=2)

@@ -24,7 +24,7 @@ from llmserver.auth.keys import KeyService, Principal
 from llmserver.auth.quota import QuotaService
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
-from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied
+from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied, validation_error
 from llmserver.jobs.runner import JobService
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
@@ -271,25 +271,6 @@ def validate(model: type[Model], body: dict[str, Any]) -> Model:
         return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def validation_error(errors: Any) -> InvalidRequest:
-    """Our 400 for the first of pydantic's (or FastAPI's) validation errors, naming the parameter."""
-    first = errors[0] if errors else {}
-    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
-    # Drop the tags pydantic adds for union members (`str`, `list[...]`, `constrained-str`, …).
-    location = [part for part in location if not ("[" in part or "-" in part or part in _TYPE_TAGS)]
-    param = ".".join(location) or None
-    message = str(first.get("msg", "Invalid request")).removeprefix("Value error, ")
-    if first.get("type") == "missing":
-        message = "Field required"
-    if first.get("type") == "extra_forbidden":
-        # OpenAI's words for a field it does not know.
-        return InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param)
-    return InvalidRequest(f"{param}: {message}" if param else message, param=param)
 
 
 # Bodies larger than this are not read before a key in the header or query string has been

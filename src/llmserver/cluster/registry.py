@@ -258,6 +258,7 @@ class RemoteInstance(Instance):
     node: str = ""
     incarnation: str = ""
     remote: dict[str, Any] = field(default_factory=dict)
+    registry: Registry | None = None  # the gateway's registry that joined it: its circuit breaker and commands
 
     @property
     def pid(self) -> int | None:
@@ -273,6 +274,20 @@ class RemoteInstance(Instance):
 
     async def start(self, binary: Path, model_file: Path, timeout: float, mmproj: Path | None = None) -> None:
         raise RuntimeError("a remote instance is started by its node")
+
+    def unreachable(self) -> str | None:
+        if self.registry is not None:
+            self.registry.unreachable(self)
+        return None  # out of this gateway's routing only once its circuit opens
+
+    async def drained_elsewhere(self, timeout: float) -> bool:
+        if self.registry is None:
+            return False
+        await self.registry.drain(self, timeout + 10)
+        return True
+
+    async def answers_slots(self, timeout: float) -> bool:
+        return True  # a node's: its gateways' request_timeout applies (the node sees no requests)
 
     async def stop(self, grace: float = 10.0) -> None:
         if self.client is not None:
@@ -644,6 +659,7 @@ class Registry:
             node=published["node"],
             incarnation=published["incarnation"],
             remote=published,
+            registry=self,
             tls=(self._tls or ssl.create_default_context()) if published.get("scheme") == "https" else None,
         )
         instance.client = LlamaServerClient(

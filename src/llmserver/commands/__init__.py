@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,6 +19,11 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
+
+
+def debugging() -> bool:
+    """--debug (or LLMSERVER_DEBUG=1): tracebacks instead of one-line errors, and debug logs."""
+    return os.environ.get("LLMSERVER_DEBUG", "") not in ("", "0")
 
 
 def remember(ctx: click.Context, param: click.Parameter, value: str | None) -> None:

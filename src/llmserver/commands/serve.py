@@ -16,6 +16,7 @@ from llmserver import __version__, logs
 from llmserver.commands import (
     check_catalog,
     check_model_files,
+    debugging,
     load,
     log_level_option,
     models_from_args,
@@ -70,7 +71,6 @@ def serve(
     import uvicorn
 
     from llmserver.app import create_app
-    from llmserver.cli import debugging
     from llmserver.commands.workers import listening_socket, supervise, worker_number
     from llmserver.server.http_protocol import QuietServer, protocol_with
 

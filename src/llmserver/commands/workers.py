@@ -27,6 +27,7 @@ import time
 
 import click
 
+from llmserver.commands import debugging
 from llmserver.pool.instance import on_parent_death
 from llmserver.settings import Settings
 from llmserver.systemd import Notifier, worker_environ
@@ -58,8 +59,6 @@ def listening_socket(host: str, port: int, *, reuse_port: bool = False, purpose:
     """`bound_socket`, bound before any instance starts: a taken port is one line and exit 1 (with
     --debug, the traceback)."""
     import click
-
-    from llmserver.cli import debugging
 
     try:
         return bound_socket(host, port, reuse_port=reuse_port)

@@ -34,6 +34,7 @@ from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, Se
 from llmserver.inputs.documents import native_file_parts
 from llmserver.inputs.prepare import CHAT, InputService, NativeWhere, Where, text_bound
 from llmserver.llama.client import Sink, parse_event
+from llmserver.llama.template import Template
 from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.admission import Admission, Ticket, outcome_of
 from llmserver.pool.affinity import affinity_key
@@ -261,7 +262,7 @@ class GenerationService:
         messages = await self._prepared(ticket, request.messages)
         # The slot is taken: its instance's chat template decides how tools and reasoning are served.
         instance = ticket.lease.instance
-        template = instance.template if instance is not None else reasoning.Template()
+        template = instance.template if instance is not None else Template()
         plan = ToolPlan.of(request, native=template.tools)
         max_tokens = self._max_tokens(request)
         payload = translate.chat_payload(request, max_tokens, plan.payload(messages))

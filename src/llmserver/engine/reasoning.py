@@ -23,23 +23,14 @@ without.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from llmserver.errors import InvalidRequest
+from llmserver.llama.template import Template
 
 JSON = dict[str, Any]
 
 BUDGET_SHARE = {"minimal": 8, "low": 4, "medium": 2}
-
-
-@dataclass(frozen=True)
-class Template:
-    """What an instance's chat template can do."""
-
-    tools: bool = False  # renders tools and tool calls itself
-    thinks: bool = False  # thinks, and takes enable_thinking
-    effort: bool = False  # takes an effort level itself (llama-server's supports_reasoning_effort)
 
 
 def fields(

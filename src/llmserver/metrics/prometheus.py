@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import platform
-import time
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping
 from itertools import accumulate
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Info, generate_latest
 from prometheus_client import Histogram as PromHistogram
@@ -17,100 +14,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from llmserver import __version__
-from llmserver.pool.supervisor import Supervisor
-
-if TYPE_CHECKING:
-    from llmserver.cluster.gateways import GatewayLease
-    from llmserver.cluster.registry import Registry
-    from llmserver.jobs.runner import JobService
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 C = TypeVar("C", bound=Collector)
 
 
-STATUSES = ("starting", "ready", "busy", "draining", "stopped", "failed")
 UNKNOWN_MODEL = "(unknown)"  # the label of requests for a model no configuration names
-
-
-class _PoolCollector(Collector):
-    def __init__(self, supervisor: Supervisor, node: str) -> None:
-        self._supervisor = supervisor
-        self._node = node  # the label of this process's own instances
-
-    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        cold = CounterMetricFamily(
-            "llmserver_cold_starts", "Instances started for requests that found none running", labels=["model"]
-        )
-        cold_seconds = CounterMetricFamily(
-            "llmserver_cold_start_seconds", "Seconds those requests waited for the instance to start", labels=["model"]
-        )
-        evictions = CounterMetricFamily(
-            "llmserver_evictions", "Idle instances stopped to make room for another model", labels=["model"]
-        )
-        crashes = CounterMetricFamily(
-            "llmserver_instance_crashes",
-            "Instances that died, stopped answering health probes, or stalled (each restarted or given up)",
-            labels=["model"],
-        )
-        stalls = CounterMetricFamily(
-            "llmserver_instance_stalls",
-            "Instances restarted because their main loop made no progress (requests in flight or not)",
-            labels=["model"],
-        )
-        stalls_by_key = CounterMetricFamily(
-            "llmserver_instance_stalls_by_key",
-            "Watchdog restarts by the key whose request the instance was working on (key ids, made by admins)",
-            labels=["model", "key"],
-        )
-        depth = GaugeMetricFamily("llmserver_queue_depth", "Requests waiting for a slot", labels=["model"])
-        flight = GaugeMetricFamily("llmserver_in_flight", "Requests on instances", labels=["model"])
-        instances = GaugeMetricFamily(
-            "llmserver_instances", "Instances by node and status", labels=["model", "node", "status"]
-        )
-        open_ = GaugeMetricFamily(
-            "llmserver_instance_unreachable",
-            "1 while this process does not route to a node's instance it could not reach (its circuit breaker)",
-            labels=["model", "node", "instance"],
-        )
-        for name, pool in self._supervisor.pools.items():
-            depth.add_metric([name], pool.queue_depth)
-            cold.add_metric([name], pool.cold_starts)
-            cold_seconds.add_metric([name], pool.cold_start_seconds)
-            evictions.add_metric([name], pool.evictions)
-            stalls.add_metric([name], pool.stalls)
-            for key, count in pool.stalls_by_key.items():
-                stalls_by_key.add_metric([name, key], count)
-            crashes.add_metric([name], pool.crashes)
-            flight.add_metric([name], sum(i.in_flight for i in pool.instances))
-            nodes: dict[str, collections.Counter[str]] = {self._node: collections.Counter()}
-            for instance in pool.instances:
-                node = getattr(instance, "node", None) or self._node
-                nodes.setdefault(node, collections.Counter())[instance.status.value] += 1
-                if node != self._node:
-                    broken = instance.status.value == "failed"
-                    open_.add_metric([name, node, instance.id], 1.0 if broken else 0.0)
-            for node, counts in nodes.items():
-                for status in STATUSES:
-                    instances.add_metric([name, node, status], counts[status])
-        yield from (depth, flight, instances, open_, cold, cold_seconds, evictions, crashes, stalls, stalls_by_key)
-        saved = self._supervisor.saved_prompts
-        if saved is not None:
-            yield CounterMetricFamily(
-                "llmserver_prompt_caches_saved", "Conversations' prompt caches saved to disk as instances stopped",
-                value=saved.saved,
-            )  # fmt: skip
-            yield CounterMetricFamily(
-                "llmserver_prompt_caches_restored", "Saved prompt caches restored into a slot", value=saved.restored
-            )
-            yield CounterMetricFamily(
-                "llmserver_prompt_cache_restore_failures",
-                "Saved prompt caches that could not be restored (the turn read its prompt instead)",
-                value=saved.restore_failures,
-            )
-            yield GaugeMetricFamily(
-                "llmserver_prompt_cache_disk_bytes", "Bytes of saved prompt caches on disk", value=saved.disk_bytes
-            )
 
 
 class Histogram(Collector):
@@ -189,10 +99,19 @@ class RequestCounts(Collector):
         yield from tokens
 
 
+class Refreshed(Collector):
+    """A collector that reads something slow (the store) once per scrape, before collecting."""
+
+    async def refresh(self) -> None: ...
+
+
 class Metrics:
-    def __init__(self, supervisor: Supervisor, node: str = "local") -> None:
+    """The process's metrics: the hot-path counters and histograms it observes, and the collectors of
+    the layers above registered by whoever builds them (pool/collector.py, cluster/collector.py)."""
+
+    def __init__(self, models: Mapping[str, object]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = self._hot(RequestCounts(supervisor.pools))
+        self.requests = self._hot(RequestCounts(models))
         self.ttft = self._hot(
             Histogram("llmserver_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
         )
@@ -235,8 +154,7 @@ class Metrics:
         Info("llmserver_build", "The build of this process", registry=self.registry).info(
             {"version": __version__, "python": platform.python_version()}
         )
-        self.registry.register(_PoolCollector(supervisor, node))
-        self.gateway: GatewayCollector | None = None  # a gateway's; a node has none
+        self.gateway: Refreshed | None = None  # a gateway's view of the shared state; a node has none
 
     def extracted(self, outcome: str, seconds: float) -> None:
         """One uploaded file's extraction ended (called from the extraction threads)."""
@@ -251,76 +169,9 @@ class Metrics:
         return bytes(generate_latest(self.registry))
 
 
-class GatewayCollector(Collector):
-    """What a gateway sees of the shared state: its lease and sweeps, the instance registry and its
-    nodes, async jobs and webhooks. `outbox_depth` is read from the store by `refresh()` (once per
-    scrape, never per request)."""
-
-    def __init__(self, lease: GatewayLease, jobs: JobService, registry: Registry | None) -> None:
-        self._lease, self._jobs, self._registry = lease, jobs, registry
-        self.outbox_depth: int | None = None
-
-    async def refresh(self) -> None:
-        try:
-            async with asyncio.timeout(2):
-                self.outbox_depth = await self._jobs.store_outbox_depth()
-        except Exception:  # the store is away: the depth is left out of this scrape (the outage shows)
-            self.outbox_depth = None
-
-    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        now = time.monotonic()
-        yield _gauge(
-            "llmserver_gateway_lease_age_seconds",
-            "Seconds since this gateway last renewed its lease (a lease lapses after gateway_lease_seconds)",
-            now - self._lease.renewed_at,
-        )
-        yield _counter("llmserver_gateways_swept", "Leases of dead gateways this gateway swept", self._lease.swept)
-        yield _counter(
-            "llmserver_sweep_jobs_failed",
-            "Async jobs failed by those sweeps (their gateway died running them)",
-            self._lease.jobs_failed_by_sweep,
-        )
-        yield _gauge("llmserver_async_jobs_running", "Async jobs this gateway is running", self._jobs.running)
-        finished = CounterMetricFamily(
-            "llmserver_async_jobs_finished", "Async jobs this gateway finished, by outcome", labels=["outcome"]
-        )
-        for outcome in ("ready", "failed"):
-            finished.add_metric([outcome], self._jobs.finished[outcome])
-        yield finished
-        attempts = CounterMetricFamily(
-            "llmserver_webhook_attempts",
-            "Webhook deliveries this gateway attempted, by outcome (delivered, retried, failed: given up, "
-            "refused: by the receiver or the URL check)",
-            labels=["outcome"],
-        )
-        for outcome in ("delivered", "retried", "failed", "refused"):
-            attempts.add_metric([outcome], self._jobs.outbox.attempts[outcome])
-        yield attempts
-        if self.outbox_depth is not None:
-            yield _gauge(
-                "llmserver_webhook_outbox_depth", "Webhooks queued in the store (every gateway's)", self.outbox_depth
-            )
-        registry = self._registry
-        if registry is not None:
-            yield _gauge(
-                "llmserver_registry_age_seconds",
-                "Seconds since this gateway last read the instance registry",
-                now - registry.read_at,
-            )
-            yield _gauge(
-                "llmserver_registry_instances", "Instances published in the registry", sum(registry.published.values())
-            )
-            nodes = GaugeMetricFamily(
-                "llmserver_node_published_instances", "Instances each node publishes", labels=["node"]
-            )
-            for node, count in sorted(registry.published.items()):
-                nodes.add_metric([node], count)
-            yield nodes
-
-
-def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
 
 
-def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, documentation, value=value)

@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from llmserver.errors import Conflict, InvalidRequest, NotFound
+from llmserver.errors import Conflict, InvalidRequest, NotFound, validation_error
 from llmserver.settings import FileRoots, ModelConfig, Settings, share_threads
 from llmserver.store import CatalogEntry, CatalogStore, is_postgres
 
@@ -205,8 +205,6 @@ def entry_body(entry: CatalogEntry, status: dict[str, Any] | None = None) -> dic
 
 
 def _validated(fields: dict[str, Any], roots: FileRoots) -> ModelConfig:
-    from llmserver.api.deps import validation_error
-
     try:
         model = ModelConfig.model_validate(fields)
     except ValidationError as exc:

@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 import aiohttp
 import psutil
 
-from llmserver.engine.reasoning import Template
 from llmserver.errors import APIError
 from llmserver.llama.client import LlamaServerClient
+from llmserver.llama.template import Template
 from llmserver.models.files import gguf_pooling
 from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.settings import ModelConfig
@@ -251,6 +251,18 @@ class Instance:
 
     def last_activity_iso(self) -> str:
         return datetime.fromtimestamp(self.last_activity, UTC).isoformat(timespec="seconds")
+
+    def unreachable(self) -> str | None:
+        """A request could not reach it: why it is out of service now (its process is gone), or None
+        (a node's instance counts toward this gateway's circuit breaker instead)."""
+        if self.exited and self.process is not None:
+            return f"pid {self.pid} died with code {self.process.returncode}"
+        return None
+
+    async def drained_elsewhere(self, timeout: float) -> bool:
+        """Drain it where it runs, if not here: True once its node has (a node's instance); False for one
+        this supervisor drains itself."""
+        return False
 
     def refresh_status(self) -> None:
         if self.status in (Status.READY, Status.BUSY):

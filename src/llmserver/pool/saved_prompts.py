@@ -25,13 +25,34 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from llmserver.errors import APIError
+from llmserver.llama.client import LlamaServerClient
 
-if TYPE_CHECKING:
-    from llmserver.pool.instance import Instance
+
+class _Model(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class Instance(Protocol):
+    """What saving and restoring reads of an instance (pool/instance.py's, which holds this service)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def model(self) -> _Model: ...
+    @property
+    def client(self) -> LlamaServerClient | None: ...
+    @property
+    def exited(self) -> bool: ...
+    @property
+    def prompt_folder(self) -> Path | None: ...
+    def held_prompts(self) -> Iterable[tuple[int, str, int]]: ...
+
 
 log = logging.getLogger(__name__)
 

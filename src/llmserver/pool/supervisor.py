@@ -29,10 +29,10 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
-from llmserver.cluster.registry import Registry, RemoteInstance
 from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamError
 from llmserver.models.files import ModelFileError, estimate_mb, llama_server_binary, mmproj_path, model_path
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
@@ -43,6 +43,12 @@ from llmserver.settings import ModelConfig, Settings, is_loopback
 log = logging.getLogger(__name__)
 
 SAMPLE_EVERY = 2.0  # seconds between samples of each instance's RAM and CPU
+
+
+class Nodes(Protocol):
+    """Where a gateway of role `gateway` starts instances: on its nodes (cluster/registry.py `Registry`)."""
+
+    async def start_instance(self, model: str, node: str | None, timeout: float) -> Instance: ...
 
 
 class Supervisor:
@@ -72,7 +78,7 @@ class Supervisor:
         # otherwise call its /completion past quotas and the ledger, or read /slots. Without
         # instance_api_key (shared with other gateways for a node's instances), a random one.
         self.instance_key = settings.instance_key or secrets.token_urlsafe(32)
-        self.remote: Registry | None = None  # a gateway of role `gateway`: the nodes' instances
+        self.remote: Nodes | None = None  # a gateway of role `gateway`: the nodes' instances
         # A node's: waits for the gateways' requests on a draining instance (Publisher.settle).
         self.drain_wait: Callable[[Instance, float], Awaitable[None]] | None = None
         # Conversations' prompt caches saved when an instance stops on purpose, restored by the next one.
@@ -338,11 +344,10 @@ class Supervisor:
 
     async def drain(self, instance: Instance, timeout: float | None = None, pool: ModelPool | None = None) -> None:
         """No new requests; wait for those in flight up to `timeout`; stop; leave the pool."""
-        if self.remote is not None and isinstance(instance, RemoteInstance):
-            await self.remote.drain(instance, (self.settings.drain_timeout if timeout is None else timeout) + 10)
+        wait = self.settings.drain_timeout if timeout is None else timeout
+        if await instance.drained_elsewhere(wait):
             return
         instance.status = Status.DRAINING
-        wait = self.settings.drain_timeout if timeout is None else timeout
         if self.drain_wait is not None:
             await self.drain_wait(instance, wait)
         with contextlib.suppress(TimeoutError):
@@ -503,10 +508,8 @@ class Supervisor:
     def unreachable(self, instance: Instance) -> None:
         """A request could not reach an instance: if its process is gone, take it out of service now
         rather than at the next tick; a node's instance counts toward its circuit breaker."""
-        if self.remote is not None and isinstance(instance, RemoteInstance):
-            self.remote.unreachable(instance)
-        elif instance.exited and instance.process is not None:
-            self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
+        if (reason := instance.unreachable()) is not None:
+            self.crashed(instance, reason)
 
     def stall_bound(self, model: str) -> float:
         """Seconds an instance with requests in flight may leave /slots unanswered: instance_stall_timeout,
@@ -521,8 +524,6 @@ class Supervisor:
         while requests are on it makes no progress, and never will by itself (one request's grammar
         held one for over eleven minutes): its requests fail, and it is restarted."""
         try:
-            if self.remote is not None and isinstance(instance, RemoteInstance):
-                return  # a node's: its gateways' request_timeout applies (the node sees no requests)
             bound = self.stall_bound(instance.model.name)
             if await instance.answers_slots(bound) or not instance.accepting:
                 return

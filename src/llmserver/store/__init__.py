@@ -8,7 +8,6 @@ opened; `postgresql://…` is the engine many gateways share, migrated only by `
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from llmserver.store.interfaces import (
     NO_LIMITS,
@@ -34,6 +33,7 @@ from llmserver.store.interfaces import (
     UsageBatch,
     UsageStore,
 )
+from llmserver.store.rows import redact
 
 __all__ = [
     "NO_LIMITS",
@@ -89,12 +89,3 @@ async def open_store(database_url: str, *, migrate: bool = False) -> Store:
 
         return await PostgresStore.connect(database_url, migrate=migrate)
     raise ValueError(f"database_url scheme {scheme!r} is not supported; this build has: sqlite, postgresql")
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))

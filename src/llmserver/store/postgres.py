@@ -18,7 +18,6 @@ import asyncpg
 
 from llmserver.errors import StateUnavailable
 from llmserver.outage import Outage
-from llmserver.store import redact
 from llmserver.store.interfaces import (
     NO_LIMITS,
     CatalogEntry,
@@ -36,7 +35,7 @@ from llmserver.store.interfaces import (
     utc_now,
 )
 from llmserver.store.migrations import POSTGRES
-from llmserver.store.rows import job_record, key_record, limit_values
+from llmserver.store.rows import job_record, key_record, limit_values, redact
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from llmserver.store.interfaces import JobRecord, KeyLimits, KeyRecord
 
@@ -47,3 +48,12 @@ def job_record(row: Row) -> JobRecord:
         created_at=row["created_at"],
         expires_at=row["expires_at"],
     )
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
