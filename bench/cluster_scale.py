@@ -25,7 +25,8 @@ from typing import Any
 
 import redis.asyncio
 
-from llmserver.cluster.registry import KEY, NODE_KEY, READ_EVERY, Registry
+from llmserver.cluster.records import KEY, NODE_KEY, READ_EVERY
+from llmserver.cluster.registry import Registry
 from llmserver.cluster.scheduler import InstanceView, Model, NodeView, Scheduler, plan
 from llmserver.store import CatalogEntry
 from tests.services import Redis

@@ -285,12 +285,12 @@ def test_the_registry_keeps_each_gateways_latest_load_and_drops_gateways_that_st
         newer = {"gateway": "gw-b", "sequence": 5, "in_flight": {a.id: 2}, "queued": {"m": 3}}
         older = {"gateway": "gw-b", "sequence": 4, "in_flight": {}, "queued": {}}
         own = {"gateway": "gw-a", "sequence": 9, "in_flight": {b.id: 2}, "queued": {}}
-        registry._heard([newer, own])
+        registry.load.heard([newer, own])
         assert (a.elsewhere, b.elsewhere, a.status, pool.queued_elsewhere) == (2, 0, Status.BUSY, 3)
         assert pool.share == 2  # 4 slots, 2 gateways with requests: this one's share while gw-b waits
-        registry._heard([older], complete=True)  # a read that crossed a newer message keeps the newer
+        registry.load.heard([older], complete=True)  # a read that crossed a newer message keeps the newer
         assert a.elsewhere == 2
-        registry._heard([], complete=True)  # gw-b's key expired: it stopped
+        registry.load.heard([], complete=True)  # gw-b's key expired: it stopped
         assert (a.elsewhere, a.status, pool.queued_elsewhere, pool.share) == (0, Status.READY, 0, None)
         await close(a, b)
 
@@ -305,8 +305,9 @@ def test_a_freed_slot_reaches_redis_before_the_request_ends(redis_server: Redis)
 
     import redis.asyncio
 
-    from llmserver.cluster import registry as registry_module
-    from llmserver.cluster.registry import LOAD_KEY, Registry
+    from llmserver.cluster import sharing
+    from llmserver.cluster.records import LOAD_KEY
+    from llmserver.cluster.registry import Registry
 
     async def published(client: redis.asyncio.Redis, gateway: str) -> dict[str, int]:
         raw = await client.get(LOAD_KEY + gateway)
@@ -318,7 +319,7 @@ def test_a_freed_slot_reaches_redis_before_the_request_ends(redis_server: Redis)
             pool, _ = make_pool(parallel=2)
             pool.instances.append(await ready_instance(pool.config, 1))
             registry = Registry(redis.asyncio.Redis.from_url(redis_server.url), {"m": pool}, None, gateway)
-            registry._tasks = [asyncio.create_task(task) for task in (registry._write_load(), registry._listen_load())]
+            registry._tasks = [asyncio.create_task(task) for task in (registry.load.write(), registry.load.listen())]
             pools.append(pool)
             registries.append(registry)
         (mine, theirs), (writer, _) = pools, registries
@@ -327,7 +328,7 @@ def test_a_freed_slot_reaches_redis_before_the_request_ends(redis_server: Redis)
         await asyncio.sleep(0.2)  # subscribed
         reader = redis.asyncio.Redis.from_url(redis_server.url)
         await mine.acquire("k")
-        await writer.shared()
+        await writer.load.shared()
         assert await published(reader, "gw-a") == {instance.id: 1}
         for _ in range(100):
             if theirs.instances[0].elsewhere == 1:
@@ -336,20 +337,23 @@ def test_a_freed_slot_reaches_redis_before_the_request_ends(redis_server: Redis)
         assert theirs.instances[0].load == 1  # gw-b counts gw-a's request
         mine.release(instance, "k")
         assert await published(reader, "gw-a") == {instance.id: 1}  # not written yet
-        await writer.shared()
+        await writer.load.shared()
         assert await published(reader, "gw-a") == {}
-        await writer.shared()  # nothing changed since: at once
+        await writer.load.shared()  # nothing changed since: at once
         # While Redis cannot be written, a request's end does not wait for it.
-        working, writer._redis = writer._redis, redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+        working, writer.load._redis = (
+            writer.load._redis,
+            redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0"),
+        )
         await mine.acquire("k")
         await asyncio.sleep(0.05)  # the write failed
-        registry_module.SHARE_WAIT = 30.0
+        sharing.SHARE_WAIT = 30.0
         try:
             async with asyncio.timeout(5):
                 mine.release(instance, "k")
-                await writer.shared()
+                await writer.load.shared()
         finally:
-            registry_module.SHARE_WAIT = 0.1
+            sharing.SHARE_WAIT = 0.1
         await reader.aclose()
         await working.aclose()
         for registry in registries:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from llmserver import gpu
-from llmserver.cluster.registry import ASSIGN_KEY, STATUS_KEY
+from llmserver.cluster.records import ASSIGN_KEY, STATUS_KEY
 from llmserver.models.files import ModelFileError, estimate_gpu_mb, estimate_mb, mmproj_path, model_path
 from llmserver.outage import redis_unreachable
 from llmserver.settings import ModelConfig, Settings, share_threads

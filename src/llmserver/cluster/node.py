@@ -13,7 +13,7 @@ import uvicorn
 from llmserver.auth.limiters import connect_redis
 from llmserver.cluster.assignments import Assignments
 from llmserver.cluster.node_http import NodeServer, node_app
-from llmserver.cluster.registry import NodeIdInUse, Publisher
+from llmserver.cluster.publisher import NodeIdInUse, Publisher
 from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
 from llmserver.metrics.prometheus import Metrics
 from llmserver.pool.collector import PoolCollector

@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llmserver.cluster.registry import ASSIGN_KEY, KEY, LOAD_KEY, NODE_KEY, STATUS_KEY, scan_json
+from llmserver.cluster.records import ASSIGN_KEY, KEY, LOAD_KEY, NODE_KEY, STATUS_KEY, scan_json
 from llmserver.outage import redis_unreachable
 
 if TYPE_CHECKING:

@@ -6,6 +6,7 @@ llama-server's own errors are mapped to our envelope by their structured `type`,
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import ssl
 from collections.abc import AsyncGenerator, Callable
@@ -28,6 +29,7 @@ from llmserver.llama import wire
 log = logging.getLogger("llmserver.engine.client")  # its name before the move: log_levels name it
 
 JSON = dict[str, Any]
+PROBES = 2  # connections for probes at once: a /health and a /slots
 
 
 class LlamaServerClient:
@@ -37,17 +39,63 @@ class LlamaServerClient:
         self.base_url = base_url
         # An instance on a worker host answers only to the key that gateways and its node share.
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._headers = headers or {}
         # No timeout on a whole answer here: callers bound whole generations themselves.
         self._pool = wire.pool_for(base_url, limit=connections, headers=headers, tls=tls)
+        # Probes (/health, /slots) on connections of their own: never behind requests for a connection.
+        self._probes = wire.pool_for(base_url, limit=PROBES, headers=headers, tls=tls)
 
     async def close(self) -> None:
         await self._pool.close()
+        await self._probes.close()
 
-    async def healthy(self, timeout: float = 2.0) -> bool:
+    async def health(self, timeout: float = 2.0) -> bool:
+        """Whether llama-server answers /health with 200 within `timeout` seconds (its HTTP threads
+        answer it, whatever its slots do); raises wire.Untrusted when its certificate is refused."""
         try:
-            async with asyncio.timeout(timeout), self._request("GET", "/health") as response:
+            async with asyncio.timeout(timeout), _Sent(self._probes, "GET", "/health", None, False, None) as response:
                 await response.read()
                 return response.status == 200
+        except wire.Untrusted:
+            raise
+        except (wire.WireError, TimeoutError):
+            return False
+
+    async def healthy(self, timeout: float = 2.0) -> bool:
+        """`health`, a refused certificate counting as unhealthy."""
+        try:
+            return await self.health(timeout)
+        except wire.Untrusted:
+            return False
+
+    def health_in_thread(self, timeout: float) -> bool:
+        """`healthy`, blocking, for a thread of its own (`asyncio.to_thread`): on its own socket and
+        clock, so that an event loop stalled by other work (a request's huge headers) delays the
+        verdict but never makes a healthy instance miss its probe — an asyncio timeout would fire as
+        the loop comes back, before the answer that came meanwhile is read."""
+        pool = self._probes
+        connection = (
+            http.client.HTTPConnection(pool.host, pool.port, timeout=timeout)
+            if pool.tls is None
+            else http.client.HTTPSConnection(pool.host, pool.port, timeout=timeout, context=pool.tls)
+        )
+        try:
+            connection.request("GET", "/health", headers=self._headers)
+            response = connection.getresponse()
+            response.read()
+            return response.status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            connection.close()
+
+    async def answers_slots(self, timeout: float) -> bool:
+        """Whether llama-server's main loop answers /slots within `timeout` seconds: /health is answered
+        by its HTTP threads alone, /slots waits for the loop that runs every slot."""
+        try:
+            async with asyncio.timeout(timeout), _Sent(self._probes, "GET", "/slots", None, False, None) as response:
+                await response.read()
+                return True
         except (wire.WireError, TimeoutError):
             return False
 

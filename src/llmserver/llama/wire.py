@@ -41,6 +41,10 @@ class Unreachable(WireError):
     """The connection could not be made, or dropped before any answer: the request may be sent again."""
 
 
+class Untrusted(Unreachable):
+    """The server's TLS certificate was refused (waiting will not change it)."""
+
+
 class Broken(WireError):
     """The answer began and then broke: the connection dropped before its end, or it is not HTTP."""
 
@@ -395,7 +399,9 @@ class Pool:
                     _, connection = await loop.create_connection(
                         Connection, self.host, self.port, ssl=self.tls, server_hostname=self.host
                     )
-        except (OSError, TimeoutError) as exc:  # ssl.SSLError (a certificate refused) is an OSError
+        except ssl.SSLCertVerificationError as exc:
+            raise Untrusted(exc.verify_message or str(exc)) from None
+        except (OSError, TimeoutError) as exc:  # other ssl.SSLErrors are OSErrors too
             if deadline is not None and deadline < give_up and loop.time() >= deadline:
                 raise TimedOut("no connection by the deadline") from None
             raise Unreachable(f"could not connect to {self.host}:{self.port}: {exc or 'timed out'}") from None

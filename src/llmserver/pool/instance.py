@@ -6,7 +6,6 @@ import asyncio
 import collections
 import contextlib
 import ctypes
-import http.client
 import logging
 import os
 import secrets
@@ -22,12 +21,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
-import aiohttp
 import psutil
 
 from llmserver.errors import APIError
 from llmserver.llama.client import LlamaServerClient
 from llmserver.llama.template import Template
+from llmserver.llama.wire import Untrusted
 from llmserver.models.files import gguf_pooling
 from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.settings import ModelConfig
@@ -38,24 +37,6 @@ _PR_SET_PDEATHSIG = 1
 # A conversation rendered with thinking on and off: a template that thinks renders it otherwise.
 THINKING_PROBE = {"messages": [{"role": "user", "content": "1+1?"}]}
 PROBE_TIMEOUT = 2.0  # seconds for a health probe's connect, and again for its answer
-
-
-def probe_health(host: str, port: int, api_key: str | None, timeout: float, tls: ssl.SSLContext | None) -> bool:
-    """GET /health, blocking (in a thread): True when it answers 200 within `timeout` seconds."""
-    connection = (
-        http.client.HTTPConnection(host, port, timeout=timeout)
-        if tls is None
-        else http.client.HTTPSConnection(host, port, timeout=timeout, context=tls)
-    )
-    try:
-        connection.request("GET", "/health", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-        response = connection.getresponse()
-        response.read()
-        return response.status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        connection.close()
 
 
 class Status(StrEnum):
@@ -470,8 +451,8 @@ class Instance:
 
     async def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        probe_timeout = aiohttp.ClientTimeout(total=2.0)
-        async with aiohttp.ClientSession(timeout=probe_timeout) as session:
+        client = LlamaServerClient(self.base_url, connections=1, api_key=self.api_key, tls=self.tls)
+        try:
             while True:
                 if self.exited:
                     assert self.process is not None
@@ -480,22 +461,21 @@ class Instance:
                         f"while starting; see {self.log_path}"
                     )
                 try:
-                    async with session.get(self.base_url + "/health", ssl=self.tls or True) as response:
-                        if response.status == 200:
-                            return
-                except aiohttp.ClientConnectorCertificateError as exc:  # waiting will not change it
+                    if await client.health(2.0):
+                        return
+                except Untrusted as exc:  # waiting will not change it
                     raise InstanceStartError(
                         f"llama-server for {self.model.name!r} serves a certificate this node does not trust "
-                        f"({exc.certificate_error}): check instance_tls_cert and instance_tls_ca"
+                        f"({exc}): check instance_tls_cert and instance_tls_ca"
                     ) from None
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
                 if time.monotonic() > deadline:
                     raise InstanceStartError(
                         f"llama-server for {self.model.name!r} did not become healthy within {timeout:.0f} s; "
                         f"see {self.log_path}"
                     )
                 await asyncio.sleep(0.1)
+        finally:
+            await client.close()
 
     async def probe(self, timeout: float = PROBE_TIMEOUT) -> bool:
         """A real health probe: True when the process answers /health with 200 in time. It runs in a
@@ -503,7 +483,7 @@ class Instance:
         headers) delays the verdict but never makes a healthy instance miss its probe."""
         if self.client is None or self.exited:
             return False
-        return await asyncio.to_thread(probe_health, self.host, self.port, self.api_key, timeout, self.tls)
+        return await asyncio.to_thread(self.client.health_in_thread, timeout)
 
     async def answers_slots(self, timeout: float) -> bool:
         """Whether llama-server's main loop answers /slots within `timeout` seconds. /health is answered
@@ -511,16 +491,7 @@ class Instance:
         loop is stuck (one generation step that never ends) answers the first and not the second."""
         if self.client is None or self.exited:
             return False
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        try:
-            async with (
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-                session.get(self.base_url + "/slots", headers=headers, ssl=self.tls or True) as response,
-            ):
-                await response.read()
-                return True
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+        return await self.client.answers_slots(timeout)
 
     async def stop(self, grace: float = 10.0) -> None:
         """terminate → wait → kill, and close the HTTP client."""

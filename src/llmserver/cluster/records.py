@@ -1,0 +1,55 @@
+"""A node (`llmserver node`) writes one key per instance every second, `llmserver:instance:ID` → the
+instance's record as JSON (the seed's fields plus slots, in-flight, node and incarnation), expiring
+after `LEASE_MS`: an instance whose node died or lost its link leaves the registry within 3 s. A
+gateway of role `gateway` reads the registry every half second and keeps its pools in step: an
+instance that appears joins its model's pool (a `RemoteInstance`, reached with `instance_api_key`),
+one that vanishes or comes back under a new node incarnation leaves it. While Redis cannot be read,
+a gateway keeps routing to the instances it knows (logged once); a node publishes again as soon as
+Redis answers.
+
+These are the keys and leases every part of the cluster shares, and the record a node publishes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from llmserver.pool.instance import Instance, Status
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+
+KEY = "llmserver:instance:"
+NODE_KEY = "llmserver:node:"
+LOAD_KEY = "llmserver:load:"
+LOAD_CHANNEL = "llmserver:load"
+ASSIGN_KEY = "llmserver:assign:"  # + node id: what the scheduler (cluster/scheduler.py) has it run
+STATUS_KEY = "llmserver:schedule"  # the scheduler's last round: the catalog, and what it could not place
+LEASE_MS = 3000
+STOPPED_MS = 5000  # how long a cleanly stopped node's instances stay in the registry, marked stopped
+ACTIVE_WINDOW = 10.0  # seconds: a gateway's load names the instances it used this recently
+PUBLISH_EVERY = 1.0
+READ_EVERY = 0.5
+PUBLISHED = (Status.READY, Status.BUSY, Status.DRAINING)
+
+
+async def scan_json(client: redis.asyncio.Redis, prefix: str) -> list[dict[str, Any]]:
+    """Every JSON value stored under keys starting with `prefix` (keys of other types, such as a
+    node's command list, read as nothing)."""
+    keys = [key async for key in client.scan_iter(match=prefix + "*", count=500)]
+    return [json.loads(value) for value in await client.mget(keys) if value] if keys else []
+
+
+def record(instance: Instance, node_id: str, incarnation: str, in_flight: int = 0) -> dict[str, Any]:
+    return {
+        **instance.describe(),
+        "slots": instance.model.parallel,
+        "in_flight": in_flight,  # through every gateway, from their loads
+        "node": node_id,
+        "incarnation": incarnation,
+        "scheme": "http" if instance.tls is None else "https",
+        "idle_seconds": 0.0 if in_flight else round(max(0.0, time.time() - instance.last_activity), 1),
+    }

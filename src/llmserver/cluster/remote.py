@@ -1,0 +1,65 @@
+"""An instance a node runs on another host, as a gateway sees it: reached over HTTP(S) with the
+instance key, its state the node's published record, its circuit breaker and drains the gateway's
+registry's (cluster/registry.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from llmserver.pool.instance import Instance, Status
+
+
+class Home(Protocol):
+    """The registry that joined a remote instance."""
+
+    def unreachable(self, instance: RemoteInstance) -> None: ...
+    async def drain(self, instance: RemoteInstance, timeout: float) -> None: ...
+
+
+@dataclass(eq=False)
+class RemoteInstance(Instance):
+    """An instance a node runs on another host, as a gateway sees it."""
+
+    shared: ClassVar[bool] = True
+    last_activity: float = 0.0  # this gateway's last use (the node publishes every gateway's)
+    node: str = ""
+    incarnation: str = ""
+    remote: dict[str, Any] = field(default_factory=dict)
+    registry: Home | None = None  # the gateway's registry that joined it: its circuit breaker and commands
+
+    @property
+    def pid(self) -> int | None:
+        return int(self.remote.get("pid") or 0) or None
+
+    @property
+    def exited(self) -> bool:
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        described = {key: self.remote[key] for key in super().describe() if key in self.remote}
+        return {**described, "status": self.status.value, "active_users": len(self.users), "node": self.node}
+
+    async def start(self, binary: Path, model_file: Path, timeout: float, mmproj: Path | None = None) -> None:
+        raise RuntimeError("a remote instance is started by its node")
+
+    def unreachable(self) -> str | None:
+        if self.registry is not None:
+            self.registry.unreachable(self)
+        return None  # out of this gateway's routing only once its circuit opens
+
+    async def drained_elsewhere(self, timeout: float) -> bool:
+        if self.registry is None:
+            return False
+        await self.registry.drain(self, timeout + 10)
+        return True
+
+    async def answers_slots(self, timeout: float) -> bool:
+        return True  # a node's: its gateways' request_timeout applies (the node sees no requests)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        self.status = Status.STOPPED
