@@ -41,6 +41,7 @@ from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.models import catalog as model_catalog
+from llmserver.models.lineup import Lineup
 from llmserver.pool.admission import Admission
 from llmserver.pool.collector import PoolCollector
 from llmserver.pool.router import Router
@@ -90,10 +91,10 @@ def create_app(settings: Settings) -> FastAPI:
             await store.close()
             raise
         own = list(settings.models)  # the config file's (a gateway of role `all` on a shared database keeps them)
-        settings.models = model_catalog.served(entries, settings, own)
+        lineup = Lineup(model_catalog.served(entries, settings, own))
         gateway = settings.gateway_name
         admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
-        supervisor = Supervisor(settings)
+        supervisor = Supervisor(settings, lineup)
         metrics = Metrics(supervisor.pools)
         metrics.registry.register(PoolCollector(supervisor, node=settings.node_id or gateway))
         quota = QuotaService(store, gateway)
@@ -143,7 +144,7 @@ def create_app(settings: Settings) -> FastAPI:
             allow_hosts=settings.fetch_allow_hosts,
             on_prepared=lambda source, seconds: metrics.image_seconds.labels(source).observe(seconds),
         )
-        inputs = InputService(images, documents, [m.name for m in settings.models if m.vision_capable])
+        inputs = InputService(images, documents, [m.name for m in lineup if m.vision_capable])
         calls = InstanceCalls(
             admission,
             attempts=settings.instance_attempts,
@@ -160,8 +161,9 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.quota = quota
         app.state.speed = speed
         app.state.recorder = recorder
-        app.state.generation = GenerationService(settings, admission, inputs, calls, recorder)
-        app.state.embeddings = EmbeddingService(settings, admission, calls)
+        app.state.generation = GenerationService(settings, admission, inputs, calls, recorder, lineup.models)
+        app.state.embeddings = EmbeddingService(settings, admission, calls, lineup.models)
+        app.state.lineup = lineup
         app.state.jobs = job_service
         app.state.started_at = time.time()
         registry = supervisor.remote = _registry(settings, supervisor)
@@ -296,7 +298,7 @@ def _record_refusal(request: Request, outcome: str) -> None:
     principal = getattr(request.state, "principal", None)
     if principal is None or getattr(request.state, "tally", None) is not None or request.url.path not in GENERATING:
         return
-    model = getattr(request.state, "model", None) or request.app.state.settings.models[0].name
+    model = getattr(request.state, "model", None) or request.app.state.lineup.models[0].name
     request.app.state.recorder.refused(principal, request.url.path, str(model)[:128], outcome)
 
 

@@ -247,7 +247,8 @@ class ModelConfig(BaseModel):
 class Settings(BaseSettings):
     """Server settings. Environment variables are the field names upper-cased with `LLMSERVER_`."""
 
-    model_config = SettingsConfigDict(env_prefix="LLMSERVER_", extra="forbid")
+    # Read-only once loaded: what changes while serving lives elsewhere (the models served: models/lineup.py).
+    model_config = SettingsConfigDict(env_prefix="LLMSERVER_", extra="forbid", frozen=True)
 
     host: str = Field(default="127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(default=8000, ge=1, le=65535, description="Port the gateway listens on.")
@@ -635,8 +636,8 @@ class Settings(BaseSettings):
         self._file_model_dirs = tuple(
             path.expanduser().resolve().parent for model in self.models for path in model_files(model)
         )
-        if not self.models:
-            self.models = [ModelConfig(name=DEFAULT_MODEL_NAME)]
+        if not self.models:  # still being built: the one field set after validation
+            object.__setattr__(self, "models", [ModelConfig(name=DEFAULT_MODEL_NAME)])
         share_threads(self.models)
         names = [m.name for m in self.models]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -729,8 +730,11 @@ class Settings(BaseSettings):
     def prompt_cache_dir(self) -> Path:
         return self.data_dir / "prompt-cache"
 
-    def model(self, name: str) -> ModelConfig | None:
-        return next((m for m in self.models if m.name == name), None)
+    @property
+    def models_given(self) -> bool:
+        """Whether models were configured (a file's [[models]], --model, LLMSERVER_MODELS) rather than
+        the embedded default standing in for none."""
+        return self._models_given
 
 
 def share_threads(models: list[ModelConfig]) -> None:

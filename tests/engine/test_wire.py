@@ -408,7 +408,7 @@ def test_https_verifies_the_instance_certificate_and_refuses_an_unknown_one(tmp_
             assert await exchange(trusted) == (200, b'{"ok":true}')
             assert await exchange(trusted) == (200, b'{"ok":true}')
             assert server.connections == 1  # kept alive over TLS too
-            with pytest.raises(wire.Unreachable, match="CERTIFICATE_VERIFY_FAILED"):
+            with pytest.raises(wire.Untrusted, match="CERTIFICATE_VERIFY_FAILED"):  # an Unreachable
                 await exchange(stranger)
         finally:
             await trusted.close()

@@ -200,3 +200,27 @@ def test_a_changed_max_instances_drains_only_the_surplus() -> None:
             assert [i.status for i in pool.instances] == [Status.READY, Status.READY, Status.DRAINING]
 
     asyncio.run(run())
+
+
+def test_a_catalog_change_replaces_the_lineup_and_leaves_the_settings_as_loaded(tmp_path: Path) -> None:
+    """The models served are the lineup's (models/lineup.py): a change from the catalog adds, removes and
+    changes them there; the settings keep what was configured, and refuse to be changed at all."""
+    from pydantic import ValidationError
+
+    from llmserver.models.lineup import Lineup
+
+    async def scenario() -> None:
+        settings = Settings(models=[ModelConfig(name="a"), ModelConfig(name="b")], data_dir=tmp_path)
+        lineup = Lineup(settings.models)
+        supervisor = Supervisor(settings, lineup)
+        assert sorted(supervisor.pools) == ["a", "b"]
+        await supervisor.apply([ModelConfig(name="b", max_queue=7), ModelConfig(name="c")])
+        assert [m.name for m in lineup] == ["b", "c"]
+        assert lineup.get("b") is not None and lineup.get("b").max_queue == 7  # type: ignore[union-attr]
+        assert sorted(supervisor.pools) == ["b", "c"]
+        assert [m.name for m in settings.models] == ["a", "b"]
+        with pytest.raises(ValidationError, match="frozen"):
+            settings.models = []  # type: ignore[misc]
+        await supervisor.stop()
+
+    asyncio.run(scenario())

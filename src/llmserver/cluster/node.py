@@ -16,9 +16,10 @@ from llmserver.cluster.node_http import NodeServer, node_app
 from llmserver.cluster.publisher import NodeIdInUse, Publisher
 from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
 from llmserver.metrics.prometheus import Metrics
+from llmserver.models.lineup import Lineup
 from llmserver.pool.collector import PoolCollector
 from llmserver.pool.supervisor import Supervisor
-from llmserver.settings import Settings
+from llmserver.settings import ModelConfig, Settings
 from llmserver.systemd import Notifier
 
 __all__ = ["NodeIdInUse", "run_node"]
@@ -26,10 +27,11 @@ __all__ = ["NodeIdInUse", "run_node"]
 log = logging.getLogger("llmserver.node")
 
 
-async def run_node(settings: Settings, listening: socket.socket | None) -> None:
-    """Start this host's instances, publish them until SIGTERM or SIGINT, then withdraw them and stop."""
+async def run_node(settings: Settings, models: list[ModelConfig], listening: socket.socket | None) -> None:
+    """Start this host's instances of `models` (none: it runs what the scheduler assigns it), publish
+    them until SIGTERM or SIGINT, then withdraw them and stop."""
     node_id = settings.node_id or socket.gethostname()
-    supervisor = Supervisor(settings)
+    supervisor = Supervisor(settings, Lineup(models))
     client = connect_redis(settings.redis_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -37,7 +39,7 @@ async def run_node(settings: Settings, listening: socket.socket | None) -> None:
         loop.add_signal_handler(stop_signal, stop.set)
     publisher = Publisher(client, supervisor, node_id)
     supervisor.drain_wait = publisher.settle  # a drain waits for the gateways' requests on the instance
-    assignments = Assignments(client, supervisor, settings, node_id) if not settings.models else None
+    assignments = Assignments(client, supervisor, settings, node_id) if not models else None
     if assignments is not None:
         publisher.extra, publisher.scheduled = assignments.record, True
     live: dict[str, Probe] = {

@@ -167,12 +167,13 @@ def check_catalog(settings: Settings) -> None:
         raise click.ClickException(str(exc)) from None
 
 
-def check_model_files(settings: Settings) -> None:
-    """Every model file found (or downloaded) before a server or node starts: a missing one is one
-    clean line (ModelFileError, exit status 2), not a start-up traceback."""
+def check_model_files(settings: Settings, models: list[ModelConfig] | None = None) -> None:
+    """Every model file found (or downloaded) before a server or node starts (`models`, else the
+    configured ones): a missing one is one clean line (ModelFileError, exit status 2), not a start-up
+    traceback."""
     from llmserver.models.files import mmproj_path, model_path
 
-    for model in settings.models:
+    for model in settings.models if models is None else models:
         model_path(model, settings.model_cache_dir, settings.hf_endpoint)
         mmproj_path(model, settings.model_cache_dir, settings.hf_endpoint)
 

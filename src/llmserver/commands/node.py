@@ -57,9 +57,9 @@ def node(
             "instance_tls_ca), or instance_plain_http = true on a private network you trust"
         )
     logs.configure(settings.log_level, settings.log_format)
-    if not settings._models_given:  # no [[models]]: the scheduler assigns what this node runs
-        settings.models = []
-    check_model_files(settings)
+    # No [[models]]: the scheduler assigns what this node runs, and it starts with none.
+    models = settings.models if settings.models_given else []
+    check_model_files(settings, models)
     listening = None
     if settings.node_port:
         from llmserver.commands.workers import listening_socket
@@ -69,7 +69,7 @@ def node(
     from llmserver.cluster.node import NodeIdInUse, run_node  # the node's modules, only once it runs
 
     try:
-        asyncio.run(run_node(settings, listening))
+        asyncio.run(run_node(settings, models, listening))
     except NodeIdInUse as exc:
         if debug:
             raise

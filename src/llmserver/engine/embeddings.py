@@ -27,10 +27,12 @@ INPUT_TOKENS = 4
 
 
 class EmbeddingService:
-    def __init__(self, settings: Settings, admission: Admission, calls: InstanceCalls) -> None:
+    def __init__(
+        self, settings: Settings, admission: Admission, calls: InstanceCalls, models: list[ModelConfig] | None = None
+    ) -> None:
         self.admission = admission
         self.calls = calls
-        self.use_models(settings.models)
+        self.use_models(settings.models if models is None else models)  # the configured ones unless told
         self.max_keep_alive = settings.max_keep_alive
 
     def use_models(self, models: list[ModelConfig]) -> None:

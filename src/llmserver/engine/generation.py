@@ -85,12 +85,13 @@ class GenerationService:
         inputs: InputService,
         calls: InstanceCalls,
         recorder: UsageRecorder,
+        models: list[ModelConfig] | None = None,
     ) -> None:
         self.admission = admission
         self.inputs = inputs
         self.calls = calls
         self.recorder = recorder
-        self.use_models(settings.models)
+        self.use_models(settings.models if models is None else models)  # the configured ones unless told
         self.default_max_tokens = settings.default_max_tokens
         self.max_tokens_limit = settings.max_tokens_limit
         self.max_messages = settings.max_messages

@@ -400,7 +400,7 @@ class Pool:
                         Connection, self.host, self.port, ssl=self.tls, server_hostname=self.host
                     )
         except ssl.SSLCertVerificationError as exc:
-            raise Untrusted(exc.verify_message or str(exc)) from None
+            raise Untrusted(f"could not connect to {self.host}:{self.port}: {exc}") from None
         except (OSError, TimeoutError) as exc:  # other ssl.SSLErrors are OSErrors too
             if deadline is not None and deadline < give_up and loop.time() >= deadline:
                 raise TimedOut("no connection by the deadline") from None

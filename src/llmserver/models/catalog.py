@@ -71,7 +71,7 @@ def differences(a: str, b: str) -> list[str]:
 async def seed(store: CatalogStore, settings: Settings) -> list[CatalogEntry]:
     """Bring the config file's models into the catalog by the rules above; the catalog's rows after."""
     rows = {entry.name: entry for entry in await store.catalog()}
-    given = settings.models if (settings._models_given or settings.role != "gateway") else []
+    given = settings.models if (settings.models_given or settings.role != "gateway") else []
     if settings.role == "gateway":
         if not rows:
             for model in given:

@@ -35,6 +35,7 @@ import psutil
 
 from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamError
 from llmserver.models.files import ModelFileError, estimate_mb, llama_server_binary, mmproj_path, model_path
+from llmserver.models.lineup import Lineup
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
 from llmserver.pool.pool import ModelPool
 from llmserver.pool.saved_prompts import SavedPrompts
@@ -52,10 +53,12 @@ class Nodes(Protocol):
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, *, check_interval: float = 0.5) -> None:
+    def __init__(self, settings: Settings, lineup: Lineup | None = None, *, check_interval: float = 0.5) -> None:
         self.settings = settings
+        # The models served: the configuration's unless the caller's lineup says otherwise (the catalog's).
+        self.lineup = Lineup(settings.models) if lineup is None else lineup
         self.check_interval = check_interval
-        self.pools: dict[str, ModelPool] = {m.name: self._new_pool(m) for m in settings.models}
+        self.pools: dict[str, ModelPool] = {m.name: self._new_pool(m) for m in self.lineup}
         # Called with each pool a catalog change adds (the registry hooks a gateway's pools to it).
         self.on_new_pool: Callable[[ModelPool], None] = lambda pool: None
         budget = settings.memory_budget_mb or int(psutil.virtual_memory().total / 2**20 * 0.8)
@@ -114,7 +117,7 @@ class Supervisor:
             await asyncio.to_thread(self.saved_prompts.trim)
         # Downloads (hf_repo models, first use) run in a thread: they may take minutes.
         cache, endpoint = self.settings.model_cache_dir, self.settings.hf_endpoint
-        for model in self.settings.models:
+        for model in self.lineup:
             self._files[model.name] = await asyncio.to_thread(model_path, model, cache, endpoint)
             self._mmproj[model.name] = await asyncio.to_thread(mmproj_path, model, cache, endpoint)
         starts = [self._add_instance(pool) for pool in self.pools.values() for _ in range(pool.config.min_instances)]
@@ -404,7 +407,7 @@ class Supervisor:
             pool.config = model
             if self.local and self._binary is not None:
                 self._spawn(self._roll(pool))
-        self.settings.models = list(wanted.values())
+        self.lineup.replace(wanted.values())
 
     async def _find_files(self, pool: ModelPool) -> bool:
         """A model's GGUF files (downloaded if need be); False, with the reason in `pool.blocked`, if they
