@@ -4,6 +4,7 @@ llmserver source trees, beside the bare pass-through proxy, against one shared l
     .venv/bin/python -m bench.hotpath                         # the working tree
     .venv/bin/python -m bench.hotpath --src /tmp/before/src   # ... and another tree (a git worktree)
     .venv/bin/python -m bench.hotpath --traced                # ... and the working tree with tracing on
+    .venv/bin/python -m bench.hotpath --apis                  # ... and its Messages and Responses streams
 
 Every variant runs each measurement in turn, each taking each place in the order in turn; the figures are
 medians over the repeats of process CPU time divided by the work (far steadier here than wall time).
@@ -29,10 +30,10 @@ def progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def measure(target: Target, clients: int, requests: int, max_tokens: int) -> tuple[float, float]:
+def measure(target: Target, clients: int, requests: int, max_tokens: int, api: str = "chat") -> tuple[float, float]:
     """(gateway CPU ms per streamed token, tokens/s) for `requests` streamed requests per client."""
     before = load.cpu_seconds(target)
-    samples, seconds = asyncio.run(load.run_level(target, clients, requests, max_tokens))
+    samples, seconds = asyncio.run(load.run_level(target, clients, requests, max_tokens, api))
     tokens = sum(s.tokens for s in samples)
     return (load.cpu_seconds(target) - before) * 1000 / tokens, tokens / seconds
 
@@ -49,6 +50,10 @@ def main() -> None:
     parser.add_argument(
         "--traced", action="store_true",
         help="also the working tree with tracing on (otlp_endpoint: a local receiver that takes every span)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--apis", action="store_true",
+        help="also the working tree's /v1/messages and /v1/responses streams (CPU per token beside its chat's)",
     )  # fmt: skip
     args = parser.parse_args()
     model = model_config(4, 2048, 2)
@@ -84,6 +89,11 @@ def main() -> None:
                     per_token.setdefault((target.name, clients), []).append(cpu)
                     rates.setdefault((target.name, clients), []).append(rate)
                     progress(f"repeat {repeat + 1}: {target.name}, {clients} clients: {cpu:.3f} ms CPU/token")
+                    if args.apis and target.name == "llmserver":
+                        for api in ("messages", "responses"):
+                            cpu, _ = measure(target, clients, requests, 128, api)
+                            per_token.setdefault((f"llmserver {api}", clients), []).append(cpu)
+                            progress(f"repeat {repeat + 1}: {api}, {clients} clients: {cpu:.3f} ms CPU/token")
             _, cpu = asyncio.run(load.overhead(order, args.tiny))
             for name, seconds in cpu.items():
                 per_tiny.setdefault(name, []).append(seconds * 1000)
@@ -106,6 +116,13 @@ def main() -> None:
             f"| {target.name} | {cells[0]:.3f} | {cells[1]:.3f} | {statistics.median(per_tiny[target.name]):.3f} | "
             f"{ratios[0]:.3f} / {ratios[1]:.3f} |"
         )
+    if args.apis:
+        print("\n| stream | CPU ms/token, 1 client | 8 clients | ratio to chat's, 1 / 8 |\n|---|---|---|---|")
+        chat = [statistics.median(per_token["llmserver", c]) for c, _ in levels]
+        for api in ("messages", "responses"):
+            cells = [statistics.median(per_token[f"llmserver {api}", c]) for c, _ in levels]
+            print(f"| /v1/{api} | {cells[0]:.3f} | {cells[1]:.3f} | "
+                  f"{cells[0] / chat[0]:.3f} / {cells[1] / chat[1]:.3f} |")  # fmt: skip
 
 
 def span_sink() -> int:

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import psutil
@@ -91,12 +92,44 @@ def chat_body(target: Target, prompt: str, max_tokens: int, *, stream: bool) -> 
     return body
 
 
-async def streamed(session: aiohttp.ClientSession, target: Target, prompt: str, max_tokens: int) -> Sample:
+# The streaming APIs a run can measure (llmserver's; llama-server and the pass-throughs speak chat only):
+# each one's path, its request body, whether an event is a piece of the answer's text, and its count.
+API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+
+
+def api_body(api: str, target: Target, prompt: str, max_tokens: int) -> dict[str, object]:
+    if api == "chat":
+        return chat_body(target, prompt, max_tokens, stream=True)
+    body: dict[str, object] = {"model": target.model, "temperature": 0, "stream": True}
+    if api == "messages":
+        return {**body, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    return {**body, "input": prompt, "max_output_tokens": max_tokens}
+
+
+def _text_and_count(api: str, event: dict[str, Any]) -> tuple[bool, int | None]:
+    """Whether an event carries answer text, and the completion's token count if it tells it."""
+    if api == "chat":
+        choices = event.get("choices") or []
+        usage = event.get("usage")
+        text = bool(choices and (choices[0].get("delta") or {}).get("content"))
+        return text, int(usage.get("completion_tokens") or 0) if usage else None
+    if api == "messages":
+        if event.get("type") == "message_delta":
+            return False, int(event["usage"].get("output_tokens") or 0)
+        return event.get("type") == "content_block_delta" and event["delta"].get("type") == "text_delta", None
+    if event.get("type") in ("response.completed", "response.incomplete"):
+        return False, int((event["response"].get("usage") or {}).get("output_tokens") or 0)
+    return event.get("type") == "response.output_text.delta", None
+
+
+async def streamed(
+    session: aiohttp.ClientSession, target: Target, prompt: str, max_tokens: int, api: str = "chat"
+) -> Sample:
     started = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
-    body = chat_body(target, prompt, max_tokens, stream=True)
-    async with post(session, target, body) as response:
+    body = api_body(api, target, prompt, max_tokens)
+    async with post(session, target, body, API_PATHS[api]) as response:
         if response.status != 200:
             raise RuntimeError(f"{target.name} answered {response.status}: {await response.text()}")
         async for line in response.content:
@@ -105,12 +138,11 @@ async def streamed(session: aiohttp.ClientSession, target: Target, prompt: str, 
             data = line[6:].strip()
             if data == b"[DONE]":
                 continue  # read on to the end, so the connection is reused only when the server allows it
-            event = json.loads(data)
-            choices = event.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
+            text, count = _text_and_count(api, json.loads(data))
+            if text:
                 arrivals.append(time.perf_counter())
-            if event.get("usage"):
-                tokens = int(event["usage"].get("completion_tokens") or 0)
+            if count:
+                tokens = count
     finished = time.perf_counter()
     if not arrivals:
         raise RuntimeError(f"{target.name} streamed no content")
@@ -141,14 +173,14 @@ RESEND_LIMIT = 50
 
 @asynccontextmanager
 async def post(
-    client: aiohttp.ClientSession, target: Target, body: dict[str, object]
+    client: aiohttp.ClientSession, target: Target, body: dict[str, object], path: str = API_PATHS["chat"]
 ) -> AsyncIterator[aiohttp.ClientResponse]:
     """POST a chat request, sent again while the connection is dropped before any answer: plain
     llama-server closes connections beyond its HTTP threads (parallel + 4). The time of every try
     counts in the request's latency, as it would for a client of that server."""
     for attempt in range(1, RESEND_LIMIT + 1):
         try:
-            response = await client.post(target.url + "/v1/chat/completions", json=body, headers=target.headers)
+            response = await client.post(target.url + path, json=body, headers=target.headers)
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
             if attempt == RESEND_LIMIT:
                 raise
@@ -162,13 +194,15 @@ async def post(
         return
 
 
-async def run_level(target: Target, concurrency: int, per_client: int, max_tokens: int) -> tuple[list[Sample], float]:
-    """`concurrency` clients, each sending `per_client` streamed requests back to back."""
+async def run_level(
+    target: Target, concurrency: int, per_client: int, max_tokens: int, api: str = "chat"
+) -> tuple[list[Sample], float]:
+    """`concurrency` clients, each sending `per_client` streamed requests back to back (to `api`)."""
     async with session() as client:
 
         async def worker(index: int) -> list[Sample]:
             return [
-                await streamed(client, target, PROMPTS[(index + i) % len(PROMPTS)], max_tokens)
+                await streamed(client, target, PROMPTS[(index + i) % len(PROMPTS)], max_tokens, api)
                 for i in range(per_client)
             ]
 

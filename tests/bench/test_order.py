@@ -59,3 +59,29 @@ def test_every_target_serves_an_uncounted_request_per_client_before_each_level(m
         for name in ("a", "b", "c"):  # the counted blocks alone are in the results
             samples = results.levels[name][concurrency].samples
             assert len(samples) == run.blocks(plan, concurrency) * concurrency * plan.per_client
+
+
+def test_the_benchmark_reads_each_apis_stream_as_llmserver_writes_it() -> None:
+    """bench/load.py counts text events and the completion's tokens in each API's stream: checked on the
+    events the dialects' voices write (dialects/), the very bytes a /v1/messages or /v1/responses stream
+    carries."""
+    import json
+
+    from bench import load
+    from llmserver.dialects import anthropic, responses
+    from llmserver.engine import shapes
+    from llmserver.schemas.responses import ResponsesRequest
+
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    voices = {
+        "messages": anthropic.Voice("m"),
+        "responses": responses.Voice(ResponsesRequest.model_validate({"input": "x"}), "m"),
+    }
+    for api, voice in voices.items():
+        raw = voice.opening() + voice.text(shapes.CHAT_TOKEN, b'"a"') + voice.pieces(
+            [{"index": 0, "delta": {"content": "b"}, "finish_reason": "stop"}]
+        ) + voice.closing(usage)  # fmt: skip
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+        read = [load._text_and_count(api, event) for event in events]
+        assert sum(text for text, _ in read) == 2, api
+        assert [count for _, count in read if count is not None] == [2], api

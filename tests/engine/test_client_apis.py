@@ -3,12 +3,9 @@ the reasoning fields. Against the real server and SDKs: tests/e2e/test_client_ap
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncGenerator
 from typing import Any
 
-import orjson
 import pytest
 
 from llmserver.api.translated import _rename
@@ -270,11 +267,11 @@ def test_codex_default_tools_a_namespace_served_flat_and_web_search_ignored() ->
     }}]}  # fmt: skip
     call = responses.response(answer, request)["output"][0]
     assert (call["type"], call["namespace"], call["name"]) == ("function_call", "agents", "close_agent")
-    streamed = events(responses.stream(chat_stream(
+    streamed = spoken(responses.Voice(request, "m"),
         {"choices": [{"index": 0, "delta": {"tool_calls": [
             {"index": 0, "id": "c1", "function": {"name": "agents__close_agent", "arguments": "{}"}}]}}]},
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
-    ), request, "m"))  # fmt: skip
+    )  # fmt: skip
     added = next(event["item"] for event in streamed if event["type"] == "response.output_item.added")
     assert (added["namespace"], added["name"]) == ("agents", "close_agent")
 
@@ -319,20 +316,23 @@ def test_a_chat_answer_as_a_response_and_as_a_message() -> None:
     assert message["usage"]["input_tokens"] + message["usage"]["cache_read_input_tokens"] == 10
 
 
-def chat_stream(*chunks: dict[str, Any]) -> AsyncGenerator[bytes, Any]:
-    async def body() -> AsyncGenerator[bytes, Any]:
-        for chunk in chunks:
-            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-        yield b"data: [DONE]\n\n"
-
-    return body()
-
-
-def events(stream: AsyncGenerator[bytes, Any]) -> list[dict[str, Any]]:
-    async def read() -> bytes:
-        return b"".join([chunk async for chunk in stream])
-
-    raw = asyncio.run(read())
+def spoken(
+    voice: shapes.Voice,
+    *chunks: dict[str, Any],
+    usage: dict[str, Any] | None = None,
+    reading: int = 0,
+    failure: dict[str, Any] | None = None,
+    texts: tuple[bytes, ...] = (),
+) -> list[dict[str, Any]]:
+    """What `voice` writes for a stream: its opening, `reading` keepalives, the chunks' choices as the
+    relay hands them over (then `texts`, tokens relayed unparsed), a failure or its end; parsed."""
+    out = [voice.opening(), *(voice.reading() for _ in range(reading))]
+    out += [voice.pieces(chunk["choices"]) for chunk in chunks]
+    out += [voice.text(shapes.CHAT_TOKEN, text) for text in texts]
+    if failure is not None:
+        out.append(voice.error(failure))
+    out.append(voice.closing(usage))
+    raw = b"".join(out)
     return [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
 
 
@@ -342,12 +342,12 @@ STREAMED = (
     {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
     {"choices": [{"index": 0, "delta": {"content": " there"}, "finish_reason": None}]},
     {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
-    {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}},
 )
+USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
 
 
 def test_a_chat_stream_as_responses_events() -> None:
-    got = events(responses.stream(chat_stream(*STREAMED), ResponsesRequest.model_validate({"input": "x"}), "m"))
+    got = spoken(responses.Voice(ResponsesRequest.model_validate({"input": "x"}), "m"), *STREAMED, usage=USAGE)
     assert [event["type"] for event in got] == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
@@ -362,7 +362,7 @@ def test_a_chat_stream_as_responses_events() -> None:
 
 
 def test_a_chat_stream_as_anthropic_events() -> None:
-    got = events(anthropic.stream(chat_stream(*STREAMED), "m"))
+    got = spoken(anthropic.Voice("m"), *STREAMED, usage=USAGE)
     assert [event["type"] for event in got] == [
         "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
@@ -375,32 +375,36 @@ def test_a_prompt_still_being_read_keeps_each_apis_stream_alive() -> None:
     """Issue 55: Codex gives up on a stream idle for 300 s, and an agent's prompt can take longer to read
     on a CPU: the relay's keepalive comment becomes an event each client counts."""
 
-    def reading() -> AsyncGenerator[bytes, Any]:
-        async def body() -> AsyncGenerator[bytes, Any]:
-            yield b"data: " + orjson.dumps(STREAMED[0]) + b"\n\n"
-            yield shapes.READING + shapes.READING
-            for chunk in STREAMED[2:]:
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-
-        return body()
-
-    kinds = [
-        event["type"]
-        for event in events(responses.stream(reading(), ResponsesRequest.model_validate({"input": "x"}), "m"))
-    ]
+    voice = responses.Voice(ResponsesRequest.model_validate({"input": "x"}), "m")
+    kinds = [event["type"] for event in spoken(voice, STREAMED[0], reading=2)]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.in_progress", "response.in_progress"]
-    kinds = [event["type"] for event in events(anthropic.stream(reading(), "m"))]
+    kinds = [event["type"] for event in spoken(anthropic.Voice("m"), STREAMED[0], reading=2)]
     assert kinds[:4] == ["message_start", "ping", "ping", "ping"]
+
+
+def test_a_token_relayed_unparsed_is_the_same_event_as_a_parsed_one() -> None:
+    """The relay hands most tokens over as llama-server's JSON string (`Voice.text`): each API's events are
+    the ones the same text as a parsed piece makes."""
+    texts = (b'"Hi"', b'" th\\u00e9re \\"q\\""')
+    parsed = [{"choices": [{"index": 0, "delta": {"content": json.loads(text)}}]} for text in texts]
+    request = ResponsesRequest.model_validate({"input": "x"})
+    for voice in (lambda: responses.Voice(request, "m"), lambda: anthropic.Voice("m")):
+        fast, slow = spoken(voice(), texts=texts, usage=USAGE), spoken(voice(), *parsed, usage=USAGE)
+        for event in (*fast, *slow):  # ids and times differ from one stream to the next
+            event.pop("sequence_number", None)
+            (event.get("response") or event.get("message") or {}).clear()
+            (event.get("item") or {}).pop("id", None)
+            event.pop("item_id", None)
+        assert fast == slow
+    deltas = spoken(anthropic.Voice("m"), texts=texts)
+    assert "".join(e["delta"]["text"] for e in deltas if e["type"] == "content_block_delta") == 'Hi th\u00e9re "q"'
 
 
 def test_a_failure_mid_stream_is_each_apis_error_event() -> None:
     failure = {"error": {"message": "The stream failed.", "type": "server_error", "code": 500}}
-    got = events(
-        responses.stream(chat_stream(STREAMED[2], failure), ResponsesRequest.model_validate({"input": "x"}), "m")
-    )
+    got = spoken(responses.Voice(ResponsesRequest.model_validate({"input": "x"}), "m"), STREAMED[2], failure=failure)
     assert [event["type"] for event in got][-2:] == ["error", "response.failed"]
-    got = events(anthropic.stream(chat_stream(STREAMED[2], failure), "m"))
+    got = spoken(anthropic.Voice("m"), STREAMED[2], failure=failure)
     assert got[-1] == {"type": "error", "error": {"type": "api_error", "message": "The stream failed."}}
 
 

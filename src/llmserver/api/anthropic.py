@@ -27,7 +27,7 @@ class CountRequest(MessagesRequest):
 @direct
 async def create_message(request: Request) -> FastJSONResponse | EventStream:
     principal, _, chat = await translated.read(request, MessagesRequest, PARAMS)
-    return await translated.answer(request, principal, chat, "/v1/messages", anthropic.message, anthropic.stream)
+    return await translated.answer(request, principal, chat, "/v1/messages", anthropic.message, anthropic.Voice)
 
 
 @generating.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountRequest), response_model=None)

@@ -24,7 +24,7 @@ async def create_response(request: Request) -> FastJSONResponse | EventStream:
     return await translated.answer(
         request, principal, chat, "/v1/responses",
         shape=lambda answer: responses.response(answer, body),
-        events=lambda stream, model, _: responses.stream(stream, body, model),
+        voice=lambda model, _: responses.Voice(body, model),
     )  # fmt: skip
 
 

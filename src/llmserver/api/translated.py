@@ -4,7 +4,7 @@ client's own API's terms."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -14,6 +14,7 @@ from llmserver.api.deps import FastJSONResponse, cancel_on_disconnect, generatio
 from llmserver.api.events import EventStream
 from llmserver.auth.keys import Principal
 from llmserver.engine.generation import GenerationService, closed_on_failure
+from llmserver.engine.shapes import Voice
 from llmserver.errors import APIError
 from llmserver.metrics.recorder import Tally
 from llmserver.pool.admission import Ticket
@@ -92,16 +93,17 @@ async def answer(
     chat: AsChat,
     endpoint: str,
     shape: Callable[[JSON], JSON],
-    events: Callable[[AsyncGenerator[bytes, Any], str, Tally], AsyncGenerator[bytes, Any]],
+    voice: Callable[[str, Tally], Voice],
 ) -> FastJSONResponse | EventStream:
-    """`chat` admitted and answered as any chat request; its answer shaped by `shape`, or its stream's
-    chunks turned into `events` (given the request's tally: its prompt's counts are known by then)."""
+    """`chat` admitted and answered as any chat request; its answer shaped by `shape`, or its stream
+    spoken by `voice` (given the model and the request's tally: its prompt's counts are known by the
+    time the stream opens)."""
     with renamed(chat.origins, chat.names):
         service, body, ticket = await _admitted(request, principal, chat, endpoint)
         with closed_on_failure(ticket):
             if body.stream:
-                stream = await service.chat_stream(ticket, body)
-                return EventStream(events(stream, ticket.model, ticket.tally), {**SSE_HEADERS, **_served(ticket)})
+                stream = await service.chat_stream(ticket, body, voice(ticket.model, ticket.tally))
+                return EventStream(stream, {**SSE_HEADERS, **_served(ticket)})
             answered = await cancel_on_disconnect(request, service.chat(ticket, body))
         return FastJSONResponse(shape(answered), headers=_served(ticket))
 

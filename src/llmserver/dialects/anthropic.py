@@ -1,21 +1,20 @@
 """Anthropic's Messages API answer shapes, from the chat answer a message is (`schemas/anthropic.py`).
 
-A non-streamed message is built from the chat completion; a streamed one from the chat stream's
-chunks (`engine/responses.chat_chunks`) as Anthropic's events: message_start, then per content block
-(thinking, text, each tool_use) content_block_start, its deltas and content_block_stop, then
-message_delta (the stop reason and the counts) and message_stop. A failure mid-stream is an `error`
-event, as Anthropic sends one. Errors before the answer are Anthropic's error object (`errors.for_path`).
+A non-streamed message is built from the chat completion; a streamed one from the chat stream's typed
+pieces as the relay makes them (`Voice`, engine/shapes.py), written as Anthropic's events:
+message_start, then per content block (thinking, text, each tool_use) content_block_start, its deltas
+and content_block_stop, then message_delta (the stop reason and the counts) and message_stop. A failure
+mid-stream is an `error` event, as Anthropic sends one. Errors before the answer are Anthropic's error
+object (`errors.for_path`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from typing import Any
 
-from llmserver.dialects.responses import READING, chat_chunks, new_id
-from llmserver.engine.shapes import named_sse
+from llmserver.dialects.responses import new_id
+from llmserver.engine.shapes import TokenEvents, named_sse
 from llmserver.errors import anthropic_error
 from llmserver.metrics.recorder import Tally
 
@@ -72,85 +71,94 @@ def message(answer: JSON) -> JSON:
     }
 
 
-async def stream(
-    chat: AsyncGenerator[bytes, Any], model: str, tally: Tally | None = None
-) -> AsyncGenerator[bytes, Any]:
-    """Anthropic's events for a chat stream (already open: its first step has run, so that `tally` holds
-    the prompt's counts for `message_start`)."""
-    try:
-        async with aclosing(_stream(chat, model, tally)) as events:
-            async for event in events:
-                yield event
-    finally:  # also when the client leaves, before or while it is read: the chat stream closes its ticket
-        await chat.aclose()
+class Voice:
+    """Anthropic's events for a chat stream (engine/shapes.py `Voice`); `tally` holds the prompt's counts
+    by the time the stream opens, for `message_start`."""
 
+    def __init__(self, model: str, tally: Tally | None = None) -> None:
+        self.model, self.tally = model, tally
+        self.index = -1
+        self.block: str | None = None  # the kind of the block being streamed
+        self.finish, self.sequence = "stop", None
+        self.failed = False
 
-async def _stream(chat: AsyncGenerator[bytes, Any], model: str, tally: Tally | None) -> AsyncGenerator[bytes, None]:
-    counted = None
-    if tally is not None and tally.prompt_tokens:
-        cached = {"cached_tokens": tally.cached_tokens}
-        counted = {"prompt_tokens": tally.prompt_tokens, "completion_tokens": 0, "prompt_tokens_details": cached}
-    start: JSON = {
-        "id": new_id("msg"), "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": usage(counted),
-    }  # fmt: skip
-    yield named_sse({"type": "message_start", "message": start}) + named_sse({"type": "ping"})
-    index = -1
-    block: str | None = None  # the kind of the block being streamed
-    finish, counts, sequence = "stop", None, None
+    def opening(self) -> bytes:
+        tally, counted = self.tally, None
+        if tally is not None and tally.prompt_tokens:
+            cached = {"cached_tokens": tally.cached_tokens}
+            counted = {"prompt_tokens": tally.prompt_tokens, "completion_tokens": 0, "prompt_tokens_details": cached}
+        start: JSON = {
+            "id": new_id("msg"), "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage(counted),
+        }  # fmt: skip
+        return named_sse({"type": "message_start", "message": start}) + PING
 
-    def open_block(kind: str, content_block: JSON) -> bytes:
-        nonlocal index, block
-        out = close_block()
-        index += 1
-        block = kind
-        return out + named_sse({"type": "content_block_start", "index": index, "content_block": content_block})
+    def _open(self, kind: str, content_block: JSON) -> bytes:
+        out = self._close()
+        self.index += 1
+        self.block = kind
+        return out + named_sse({"type": "content_block_start", "index": self.index, "content_block": content_block})
 
-    def close_block() -> bytes:
-        nonlocal block
-        if block is None:
+    def _close(self) -> bytes:
+        if self.block is None:
             return b""
-        block = None
-        return named_sse({"type": "content_block_stop", "index": index})
+        self.block = None
+        return named_sse({"type": "content_block_stop", "index": self.index})
 
-    async for chunk in chat_chunks(chat):
+    def text(self, tokens: TokenEvents, raw: bytes) -> bytes:
+        """A token's text into a text_delta as llama-server wrote its JSON string: never parsed."""
+        out = b"" if self.block == "text" else self._open("text", {"type": "text", "text": ""})
+        return b"%s%s%d%s%s%s" % (out, TEXT_DELTA[0], self.index, TEXT_DELTA[1], raw, TEXT_DELTA[2])
+
+    def pieces(self, pieces: list[JSON]) -> bytes:
         out: list[bytes] = []
-        if chunk is READING:  # the prompt is still being read: Anthropic's keepalive
-            yield named_sse({"type": "ping"})
-            continue
-        if "error" in chunk:
-            yield close_block() + named_sse(anthropic_error(chunk["error"]))
-            return
-        counts = chunk.get("usage") or counts
-        for choice in chunk.get("choices") or []:
+        for choice in pieces:
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
-                if block != "thinking":
-                    out.append(open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
+                if self.block != "thinking":
+                    out.append(self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
                 text = delta["reasoning_content"]
-                out.append(named_sse({"type": "content_block_delta", "index": index,
-                                "delta": {"type": "thinking_delta", "thinking": text}}))  # fmt: skip
+                out.append(named_sse({"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "thinking_delta", "thinking": text}}))  # fmt: skip
             if delta.get("content"):
-                if block != "text":
-                    out.append(open_block("text", {"type": "text", "text": ""}))
-                out.append(named_sse({"type": "content_block_delta", "index": index,
-                                "delta": {"type": "text_delta", "text": delta["content"]}}))  # fmt: skip
+                if self.block != "text":
+                    out.append(self._open("text", {"type": "text", "text": ""}))
+                out.append(named_sse({"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "text_delta", "text": delta["content"]}}))  # fmt: skip
             for call in delta.get("tool_calls") or []:
                 function = call.get("function") or {}
                 if call.get("id"):
-                    out.append(open_block("tool_use", {"type": "tool_use", "id": call["id"],
+                    out.append(self._open("tool_use", {"type": "tool_use", "id": call["id"],
                                                        "name": function.get("name", ""), "input": {}}))  # fmt: skip
                 if function.get("arguments"):
                     partial = {"type": "input_json_delta", "partial_json": function["arguments"]}
-                    out.append(named_sse({"type": "content_block_delta", "index": index, "delta": partial}))
+                    out.append(named_sse({"type": "content_block_delta", "index": self.index, "delta": partial}))
             if choice.get("finish_reason"):
-                finish, sequence = choice["finish_reason"], choice.get("stop_sequence")
-        if out:
-            yield b"".join(out)
-    final = usage(counts)
-    ending = {"stop_reason": _stop_reason(finish, sequence), "stop_sequence": sequence}
-    yield (
-        close_block()
-        + named_sse({"type": "message_delta", "delta": ending, "usage": final})
-        + named_sse({"type": "message_stop"})
-    )
+                self.finish, self.sequence = choice["finish_reason"], choice.get("stop_sequence")
+        return b"".join(out)
+
+    def reading(self) -> bytes:
+        return PING  # the prompt is still being read: Anthropic's keepalive
+
+    def error(self, body: JSON) -> bytes:
+        self.failed = True
+        return self._close() + named_sse(anthropic_error(body["error"]))
+
+    def closing(self, counts: JSON | None) -> bytes:
+        if self.failed:
+            return b""
+        ending = {"stop_reason": _stop_reason(self.finish, self.sequence), "stop_sequence": self.sequence}
+        return (
+            self._close()
+            + named_sse({"type": "message_delta", "delta": ending, "usage": usage(counts)})
+            + named_sse({"type": "message_stop"})
+        )
+
+
+PING = named_sse({"type": "ping"})
+# A text_delta event around its index and its text (a JSON string), as named_sse writes it.
+TEXT_DELTA = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":',
+    b',"delta":{"type":"text_delta","text":',
+    b"}}\n\n",
+)

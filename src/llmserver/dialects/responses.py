@@ -1,7 +1,7 @@
 """The Responses API's answer shapes, from the chat answer a response is (`schemas/responses.py`).
 
 A non-streamed response is built from the chat completion; a streamed one from the chat stream's
-chunks as they come (`chat_chunks`), turned into the Responses events: response.created and
+typed pieces as the relay makes them (`Voice`, engine/shapes.py), written as the Responses events: response.created and
 response.in_progress, then for each output item (reasoning, the message, each function call) its
 output_item.added, deltas and done events, and last response.completed (response.incomplete when
 max_output_tokens cut it). A failure mid-stream is an `error` event followed by response.failed.
@@ -10,38 +10,17 @@ max_output_tokens cut it). A failure mid-stream is an `error` event followed by 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from contextlib import aclosing
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 from llmserver.engine import translate
-from llmserver.engine.shapes import named_sse
+from llmserver.engine.shapes import TokenEvents, named_sse
 from llmserver.schemas.responses import ResponsesRequest, namespaced
 
 JSON = dict[str, Any]
 Namespaces = Mapping[str, tuple[str, str]]  # a served function name: its namespace and own name
-
-
-async def chat_chunks(stream: AsyncGenerator[bytes, Any]) -> AsyncIterator[JSON]:
-    """The chunks (parsed) of one of our chat streams, until its `[DONE]` (its caller closes it)."""
-    pending = b""
-    async for data in stream:
-        pending += data
-        while b"\n\n" in pending:
-            event, pending = pending.split(b"\n\n", 1)
-            if event.startswith(b":"):
-                yield READING  # the prompt is still being read
-                continue
-            payload = event.removeprefix(b"data: ")
-            if payload == b"[DONE]":
-                return
-            if payload:
-                yield orjson.loads(payload)
-
-
-READING: JSON = {"reading": True}  # chat_chunks' sign of a keepalive comment
 
 
 def new_id(prefix: str) -> str:
@@ -215,67 +194,74 @@ class _Events:
                           output_index=self.index, delta=text)  # fmt: skip
 
 
-async def stream(chat: AsyncGenerator[bytes, Any], request: ResponsesRequest, model: str) -> AsyncGenerator[bytes, Any]:
-    """The Responses events of a chat stream (already open: its first step has run)."""
-    try:
-        async with aclosing(_stream(chat, request, model)) as events:
-            async for event in events:
-                yield event
-    finally:  # also when the client leaves, before or while it is read: the chat stream closes its ticket
-        await chat.aclose()
+class Voice:
+    """The Responses events of a chat stream (engine/shapes.py `Voice`)."""
 
+    def __init__(self, request: ResponsesRequest, model: str) -> None:
+        self.shaped = Response(request, model)
+        self.events = _Events(self.shaped)
+        self.finish = "stop"
+        self.failed = False
 
-async def _stream(
-    chat: AsyncGenerator[bytes, Any], request: ResponsesRequest, model: str
-) -> AsyncGenerator[bytes, None]:
-    shaped = Response(request, model)
-    events = _Events(shaped)
-    yield events.event("response.created", response=shaped.body("in_progress")) + events.event(
-        "response.in_progress", response=shaped.body("in_progress")
-    )
-    finish, counts = "stop", None
-    async for chunk in chat_chunks(chat):
-        out: list[bytes] = []
-        if chunk is READING:  # an event, not a comment: Codex's idle timeout counts events (300 s)
-            yield events.event("response.in_progress", response=shaped.body("in_progress"))
-            continue
-        if "error" in chunk:
-            error = chunk["error"]
-            out.extend(events.close("incomplete"))
-            out.append(events.event("error", code=error.get("type"), message=error.get("message"),
-                                    param=error.get("param")))  # fmt: skip
-            failed = {"code": error.get("type"), "message": error.get("message")}
-            out.append(events.event("response.failed", response=shaped.body("failed", counts, failed)))
-            yield b"".join(out)
-            return
-        counts = chunk.get("usage") or counts
-        for choice in chunk.get("choices") or []:
+    def opening(self) -> bytes:
+        body = self.shaped.body("in_progress")
+        return self.events.event("response.created", response=body) + self.events.event(
+            "response.in_progress", response=body
+        )
+
+    def text(self, tokens: TokenEvents, raw: bytes) -> bytes:
+        return self._content(orjson.loads(raw))
+
+    def _content(self, text: str) -> bytes:
+        events = self.events
+        out = b""
+        if events.item is None or events.item["type"] != "message":
+            out = b"".join(events.open(message_item("", "in_progress")))
+        return out + events.delta("message", text)
+
+    def pieces(self, pieces: list[JSON]) -> bytes:
+        events, out = self.events, []
+        for choice in pieces:
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
                 if events.item is None or events.item["type"] != "reasoning":
                     out.extend(events.open(reasoning_item("", "in_progress") | {"content": []}))
                 out.append(events.delta("reasoning", delta["reasoning_content"]))
             if delta.get("content"):
-                if events.item is None or events.item["type"] != "message":
-                    out.extend(events.open(message_item("", "in_progress")))
-                out.append(events.delta("message", delta["content"]))
+                out.append(self._content(delta["content"]))
             for call in delta.get("tool_calls") or []:
                 function = call.get("function") or {}
                 if call.get("id"):
-                    out.extend(
-                        events.open(
-                            call_item(call["id"], function.get("name", ""), "", "in_progress", shaped.namespaces)
-                        )
-                    )
+                    item = call_item(call["id"], function.get("name", ""), "", "in_progress", self.shaped.namespaces)
+                    out.extend(events.open(item))
                 if function.get("arguments"):
                     out.append(events.delta("function_call", function["arguments"]))
             if choice.get("finish_reason"):
-                finish = choice["finish_reason"]
-        if out:
-            yield b"".join(out)
-    status = "incomplete" if finish == "length" else "completed"
-    out = events.close(status)
-    if not shaped.output:  # an empty answer is still one (empty) message, as a non-streamed one has
-        out += events.open(message_item("", "in_progress")) + events.close(status)
-    kind = "response.incomplete" if status == "incomplete" else "response.completed"
-    yield b"".join([*out, events.event(kind, response=shaped.body(status, counts))])
+                self.finish = choice["finish_reason"]
+        return b"".join(out)
+
+    def reading(self) -> bytes:
+        # An event, not a comment: Codex's idle timeout counts events (300 s).
+        return self.events.event("response.in_progress", response=self.shaped.body("in_progress"))
+
+    def error(self, body: JSON) -> bytes:
+        self.failed = True
+        error, events = body["error"], self.events
+        out = events.close("incomplete")
+        out.append(
+            events.event("error", code=error.get("type"), message=error.get("message"), param=error.get("param"))
+        )
+        failed = {"code": error.get("type"), "message": error.get("message")}
+        out.append(events.event("response.failed", response=self.shaped.body("failed", None, failed)))
+        return b"".join(out)
+
+    def closing(self, usage: JSON | None) -> bytes:
+        if self.failed:
+            return b""
+        events = self.events
+        status = "incomplete" if self.finish == "length" else "completed"
+        out = events.close(status)
+        if not self.shaped.output:  # an empty answer is still one (empty) message, as a non-streamed one has
+            out += events.open(message_item("", "in_progress")) + events.close(status)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return b"".join([*out, events.event(kind, response=self.shaped.body(status, usage))])

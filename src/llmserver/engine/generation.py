@@ -283,13 +283,19 @@ class GenerationService:
             body = await self._answer(ticket, "/v1/chat/completions", payload)
         return shapes.chat(body, ticket.model, plan, request.top_logprobs or 0)
 
-    async def chat_stream(self, ticket: Ticket, request: ChatRequest) -> AsyncGenerator[bytes, Writer | None]:
+    async def chat_stream(
+        self, ticket: Ticket, request: ChatRequest, voice: shapes.Voice | None = None
+    ) -> AsyncGenerator[bytes, Writer | None]:
+        """The chat stream in OpenAI's chunks, or in another API's events (`voice`: dialects/)."""
+
         async def prepared() -> tuple[JSON, shapes.StreamShape]:
             payload, plan = await self._chat_payload(ticket, request)
             return payload, shapes.ChatStream(plan, request.top_logprobs or 0)
 
-        head = translate.head("chatcmpl", "chat.completion.chunk", ticket.model)
-        return await self._stream(ticket, "/v1/chat/completions", prepared, head, request)
+        if voice is None:
+            head = translate.head("chatcmpl", "chat.completion.chunk", ticket.model)
+            voice = shapes.OpenAIVoice(head, _include_usage(request))
+        return await self._stream(ticket, "/v1/chat/completions", prepared, voice)
 
     async def count_tokens(self, ticket: Ticket, request: ChatRequest) -> int:
         """The prompt tokens of a chat request, as its instance's template and tokenizer make them (its
@@ -340,7 +346,9 @@ class GenerationService:
             return payload, shapes.CompletionStream(self._legacy_logprobs(request))
 
         head = translate.head("cmpl", "text_completion", ticket.model)
-        return await self._stream(ticket, "/v1/completions", prepared, head, request)
+        return await self._stream(
+            ticket, "/v1/completions", prepared, shapes.OpenAIVoice(head, _include_usage(request))
+        )
 
     async def _called(self, ticket: Ticket, body: JSON) -> None:
         """A non-streamed call answered: its counts and time to first token, and the ticket closed
@@ -364,14 +372,12 @@ class GenerationService:
         ticket: Ticket,
         path: str,
         prepared: Callable[[], Awaitable[tuple[JSON, shapes.StreamShape]]],
-        head: JSON,
-        request: ChatRequest | CompletionRequest,
+        voice: shapes.Voice,
     ) -> AsyncGenerator[bytes, Writer | None]:
         """The SSE body, already started: its first step (the slot, the inputs, llama-server's first
         event) has run, so that what fails there is a plain HTTP error. From here the body owns the
         ticket: it closes it however it ends, also when it is dropped without being read."""
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        body = self._relay(ticket, path, prepared, head, include_usage)
+        body = self._relay(ticket, path, prepared, voice)
         await anext(body)
         return body
 
@@ -380,11 +386,11 @@ class GenerationService:
         ticket: Ticket,
         path: str,
         prepared: Callable[[], Awaitable[tuple[JSON, shapes.StreamShape]]],
-        head: JSON,
-        include_usage: bool,
+        voice: shapes.Voice,
     ) -> AsyncGenerator[bytes, Writer | None]:
-        """The stream's SSE body. Where the server sends in a `Writer` (`api/events.py`), the events
-        after the first are pumped: each batch shaped and written in the callback that received it."""
+        """The stream's SSE body, in `voice`'s events. Where the server sends in a `Writer`
+        (`api/events.py`), the events after the first are pumped: each batch shaped and written in the
+        callback that received it."""
         tally = ticket.tally
         outcome = "client_closed"
         events: AsyncGenerator[list[bytes], Sink | None] | None = None
@@ -401,8 +407,8 @@ class GenerationService:
         yield b""  # ready: the HTTP response may start
         sent_any = False
         usage: JSON | None = None
-        chunk = shapes.Chunks(head)
         token, tokens = self.recorder.token, shape.tokens
+        text_of, pieces_of = voice.text, voice.pieces
         named_stop: str | None = None  # "" or the stop sequence, once llama.cpp's `__verbose` has come
         quiet_since = time.monotonic()  # when the client last got bytes
 
@@ -415,7 +421,7 @@ class GenerationService:
                     if text != b'""':
                         token(tally)
                     sent_any = True
-                    out.append(chunk.token(tokens, text))
+                    out.append(text_of(tokens, text))
                     continue
                 event = parse_event(data)
                 progress = event.get("prompt_progress")
@@ -436,7 +442,7 @@ class GenerationService:
                     # quiet while, a comment that keeps the stream alive, which the other APIs turn into
                     # their own keepalive.
                     if time.monotonic() - quiet_since >= KEEPALIVE_SECONDS:
-                        out.append(shapes.READING)
+                        out.append(voice.reading())
                 elif choices:
                     if _generated(choices[0]):
                         token(tally)
@@ -446,7 +452,8 @@ class GenerationService:
                         for piece in pieces:
                             if piece.get("finish_reason"):
                                 piece["stop_sequence"] = named_stop or None
-                    out.extend(map(chunk, pieces))
+                    if pieces:
+                        out.append(pieces_of(pieces))
             if out:
                 quiet_since = time.monotonic()
             return out[0] if len(out) == 1 else b"".join(out)
@@ -459,6 +466,8 @@ class GenerationService:
             return (writer(out) if out else True) and not shape.stopped
 
         try:
+            if opening := voice.opening():
+                writer = (yield opening) or writer
             batch: list[bytes] | None = first
             while batch is not None:
                 out = shaped(batch)
@@ -473,23 +482,25 @@ class GenerationService:
                     batch = await events.asend(pumped if writer is not None else None)
                 except StopAsyncIteration:
                     batch = None
-            if include_usage and usage is not None:
-                # Last, as OpenAI sends it (llama.cpp's completions carry it on their final choice).
-                yield shapes.sse({**head, "choices": [], "usage": usage})
             outcome = "ok"
         except APIError as exc:
             exc = stalled_error(ticket) or exc  # its instance was restarted under it: say why
             outcome = exc.type
-            yield shapes.sse(exc.body())
+            yield voice.error(exc.body())
         except Exception:
             outcome = "server_error"
             log.exception("a stream failed")
-            yield shapes.sse(ServerError("The stream failed.").body())
+            yield voice.error(ServerError("The stream failed.").body())
         finally:
             await events.aclose()
             ticket.close(outcome)
         await ticket.shared()  # before the client hears the end
-        yield shapes.DONE
+        if closing := voice.closing(usage):
+            yield closing
+
+
+def _include_usage(request: ChatRequest | CompletionRequest) -> bool:
+    return bool(request.stream_options and request.stream_options.include_usage)
 
 
 def _tallied(tally: Tally) -> JSON:

@@ -169,6 +169,70 @@ def completion(body: JSON, model: str, logprobs: translate.LegacyLogprobs | None
     }
 
 
+class Voice(Protocol):
+    """How a stream speaks to its client. The relay (engine/generation.py) reads llama-server's events,
+    and a StreamShape makes them typed pieces (our chat or completion choices); a voice writes those in
+    one API's events: OpenAI's chunks (`OpenAIVoice`), or the Responses and Messages events
+    (dialects/). It is called for every batch, in the callback of the connection the batch came in on."""
+
+    def opening(self) -> bytes:
+        """What goes first, once the prompt's counts are known (b"": nothing)."""
+        ...
+
+    def text(self, tokens: TokenEvents, raw: bytes) -> bytes:
+        """One token of the answer's text, as the JSON string llama-server wrote (never parsed for chat)."""
+        ...
+
+    def pieces(self, pieces: list[JSON]) -> bytes:
+        """Choices of our shape: deltas of text, reasoning or tool calls, a finish reason."""
+        ...
+
+    def reading(self) -> bytes:
+        """A keepalive while the prompt is still being read."""
+        ...
+
+    def error(self, body: JSON) -> bytes:
+        """The stream failed (`body`: our error envelope); `closing` follows."""
+        ...
+
+    def closing(self, usage: JSON | None) -> bytes:
+        """The end, with the answer's usage in OpenAI's shape (after an error: what still follows it)."""
+        ...
+
+
+class OpenAIVoice:
+    """OpenAI's chat or completion chunks: `data:` lines, usage last where asked for, then [DONE]."""
+
+    def __init__(self, head: JSON, include_usage: bool) -> None:
+        self.head = head
+        self.chunks = Chunks(head)
+        self.include_usage = include_usage
+        self.failed = False
+
+    def opening(self) -> bytes:
+        return b""
+
+    def text(self, tokens: TokenEvents, raw: bytes) -> bytes:
+        return self.chunks.token(tokens, raw)
+
+    def pieces(self, pieces: list[JSON]) -> bytes:
+        chunk = self.chunks
+        return chunk(pieces[0]) if len(pieces) == 1 else b"".join(map(chunk, pieces))
+
+    def reading(self) -> bytes:
+        return READING
+
+    def error(self, body: JSON) -> bytes:
+        self.failed = True
+        return sse(body)
+
+    def closing(self, usage: JSON | None) -> bytes:
+        if self.include_usage and usage is not None and not self.failed:
+            # Last, as OpenAI sends it (llama.cpp's completions carry it on their final choice).
+            return sse({**self.head, "choices": [], "usage": usage}) + DONE
+        return DONE
+
+
 class StreamShape(Protocol):
     schema_param: str | None  # what to name when llama.cpp refuses the request's grammar
     tokens: TokenEvents | None  # its token events, when they may be relayed unparsed
