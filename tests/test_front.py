@@ -1,4 +1,4 @@
-"""The app's front (`middleware.Front`): the generation endpoints' lane past FastAPI's router, where
+"""The app's front (`server/front.Front`): the generation endpoints' lane past FastAPI's router, where
 what an endpoint raises is rendered as the app's handlers render it, and the body-size limit on a
 body that declares no length. The endpoints themselves are tested end to end (tests/e2e); what no
 endpoint raises on purpose is provoked here with stand-in endpoints."""
@@ -108,3 +108,63 @@ def test_the_generation_endpoints_take_the_lane_from_the_apps_route_table(tmp_pa
         "/v1/messages": anthropic.create_message,
         "/v1/messages/count_tokens": anthropic.count_tokens,
     }  # empty, every request went through FastAPI's routing: 0.12 ms more each (bench.instant)
+
+
+def test_a_dependency_or_a_middleware_takes_a_direct_route_through_fastapi() -> None:
+    """The lane past FastAPI is for routes FastAPI would run nothing else for: a dependency on a direct
+    route (its own, its router's or the app's) runs, and so does a middleware added to the app."""
+    from fastapi import APIRouter, Depends, FastAPI
+
+    from llmserver.api.deps import direct
+    from llmserver.app import Gateway
+
+    ran: list[str] = []
+
+    async def checked() -> None:
+        ran.append("dependency")
+
+    router = APIRouter()
+
+    @router.post("/plain")
+    @direct
+    async def plain(request: Request) -> Response:
+        return JSONResponse({"plain": True})
+
+    @router.post("/guarded", dependencies=[Depends(checked)])
+    @direct
+    async def guarded(request: Request) -> Response:
+        return JSONResponse({"guarded": True})
+
+    def served(app: FastAPI, path: str) -> httpx.Response:
+        async def go() -> httpx.Response:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+                return await client.post(path, content=b"{}")
+
+        return asyncio.run(go())
+
+    def gateway() -> Gateway:
+        app = Gateway()
+        app.include_router(router)
+        app.front = lambda stack, hot: Front(
+            stack, max_bytes=1024, quota=lambda: None,  # type: ignore[arg-type,return-value]
+            hot=hot, api_error=_api_error, unexpected=_unexpected,
+        )  # fmt: skip
+        return app
+
+    app = gateway()
+    front = app.build_middleware_stack()
+    assert isinstance(front, Front) and front.hot == {"/plain": plain}
+    assert served(app, "/guarded").json() == {"guarded": True} and ran == ["dependency"]
+    assert served(app, "/plain").json() == {"plain": True} and ran == ["dependency"]
+
+    app = gateway()
+
+    @app.middleware("http")
+    async def seen(request: Request, call_next):  # type: ignore[no-untyped-def]
+        ran.append(f"middleware {request.url.path}")
+        return await call_next(request)
+
+    front = app.build_middleware_stack()
+    assert isinstance(front, Front) and front.hot == {}
+    assert served(app, "/plain").json() == {"plain": True}
+    assert ran == ["dependency", "middleware /plain"]

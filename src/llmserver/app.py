@@ -7,13 +7,14 @@ import gc
 import io
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from llmserver import __version__, console, tracing
@@ -248,11 +249,11 @@ def create_app(settings: Settings) -> FastAPI:
     console.install(app)
     check_routes(app)
     _install_error_handlers(app)
-    app.front = lambda stack: Front(
+    app.front = lambda stack, hot: Front(
         stack,
         max_bytes=settings.max_request_bytes,
         quota=lambda: app.state.quota,
-        hot=direct_routes([route for router in routers for route in router.routes]),
+        hot=hot,
         api_error=_api_error,
         unexpected=_unexpected,
     )
@@ -260,13 +261,20 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 class Gateway(FastAPI):
-    """The app under its `front` (`middleware.Front`: outermost, beyond Starlette's error middleware)."""
+    """The app under its `front` (`server/front.Front`: outermost, beyond Starlette's error middleware).
 
-    front: Callable[[ASGIApp], ASGIApp] | None = None
+    The front calls the generation endpoints marked `direct` itself (`api/deps.direct_routes`), as
+    FastAPI would and with its error handlers, for those FastAPI would run nothing else for: built with
+    the stack, once every route and middleware is in, so that a dependency on such a route, or any
+    middleware added to the app, sends its requests through FastAPI like every other."""
+
+    front: Callable[[ASGIApp, Mapping[str, Callable[[Request], Awaitable[Response]]]], ASGIApp] | None = None
 
     def build_middleware_stack(self) -> ASGIApp:
         stack = super().build_middleware_stack()
-        return stack if self.front is None else self.front(stack)
+        if self.front is None:
+            return stack
+        return self.front(stack, {} if self.user_middleware else direct_routes(self.routes))
 
 
 def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:

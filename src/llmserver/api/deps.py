@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import fastapi.routing
 import orjson
 from fastapi import Request
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.routing import BaseRoute
@@ -41,21 +41,33 @@ Endpoint = TypeVar("Endpoint", bound=Callable[..., Awaitable[Response]])
 
 
 def direct(endpoint: Endpoint) -> Endpoint:
-    """Marks a POST endpoint that takes the Request alone and reads its own body: `middleware.Front`
+    """Marks a POST endpoint that takes the Request alone and reads its own body: `server/front.Front`
     calls it straight from FastAPI's route table (`direct_routes`), past Starlette's routing and
-    exception middleware, with the app's own error handlers."""
+    exception middleware, with the app's own error handlers — as long as FastAPI would run nothing else
+    for it: a dependency given to the route, its router or the app takes it off that lane."""
     endpoint.direct = True  # type: ignore[attr-defined]
     return endpoint
 
 
 def direct_routes(routes: Sequence[BaseRoute]) -> dict[str, Callable[[Request], Awaitable[Response]]]:
-    """path → endpoint, for the POST routes marked `direct` among the routers' own routes (included in
-    the app without a prefix: FastAPI's `app.routes` nests them in objects of its own)."""
-    return {
-        route.path: route.endpoint
-        for route in routes
-        if isinstance(route, APIRoute) and "POST" in (route.methods or ()) and getattr(route.endpoint, "direct", False)
-    }
+    """path → endpoint, for the POST routes marked `direct` that have no dependency, as FastAPI resolves
+    each route of the app (`routes`: the app's own; FastAPI 0.16x nests included routers' routes in
+    objects of its own, which `iter_route_contexts` opens)."""
+    contexts: Iterable[Any] = (
+        fastapi.routing.iter_route_contexts(routes) if hasattr(fastapi.routing, "iter_route_contexts") else routes
+    )
+    lane: dict[str, Callable[[Request], Awaitable[Response]]] = {}
+    for route in contexts:
+        endpoint, dependant = getattr(route, "endpoint", None), getattr(route, "dependant", None)
+        if (
+            endpoint is not None
+            and getattr(endpoint, "direct", False)
+            and "POST" in (getattr(route, "methods", None) or ())
+            and dependant is not None
+            and not dependant.dependencies
+        ):
+            lane.setdefault(route.path, endpoint)
+    return lane
 
 
 def settings(request: Request) -> Settings:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from llmserver.api.deps import FastJSONResponse, cancel_on_disconnect, generation, header, parse, validate
+from llmserver.api.deps import FastJSONResponse, cancel_on_disconnect, generation, header, parse
 from llmserver.api.events import EventStream
 from llmserver.auth.keys import Principal
 from llmserver.engine.generation import GenerationService, closed_on_failure
@@ -69,10 +69,7 @@ async def _admitted(
 ) -> tuple[GenerationService, ChatRequest, Ticket]:
     """The chat request (its body and `fields`) validated and admitted (errors renamed by the caller)."""
     service = generation(request)
-    body = validate(ChatRequest, {**chat.body, **fields})
-    body._thinking_budget = chat.budget
-    body._thinking_optional = chat.optional_thinking
-    body._names_stop = chat.names_stop
+    body = ChatRequest.of(chat, **fields)
     ticket = await service.admit(principal, body, endpoint, header(request, b"x-session-id"))
     request.state.tally = ticket.tally  # for the access log
     return service, body, ticket

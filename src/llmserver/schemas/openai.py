@@ -10,10 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from llmserver.errors import InvalidRequest
-from llmserver.schemas.common import MAX_STOP_STRINGS, LogitBias, Sampling, StopStringOrList, Strict
+from llmserver.errors import InvalidRequest, validation_error
+from llmserver.schemas.common import MAX_STOP_STRINGS, AsChat, LogitBias, Sampling, StopStringOrList, Strict
 
 # Accepted and not used: they change nothing about the answer.
 HARMLESS = ("metadata", "store", "service_tier", "safety_identifier")
@@ -202,6 +211,19 @@ class ChatRequest(_OpenAIRequest):
     _thinking_budget: int | None = PrivateAttr(default=None)
     _thinking_optional: bool = PrivateAttr(default=False)
     _names_stop: bool = PrivateAttr(default=False)  # ask llama-server which stop sequence ended the answer
+
+    @classmethod
+    def of(cls, chat: AsChat, **fields: Any) -> ChatRequest:
+        """The chat request another API's request amounts to (`chat`, with `fields` over its body). Its
+        body is validated as any chat request's is: the chat path's own limits apply to it alike."""
+        try:
+            request = cls.model_validate({**chat.body, **fields})
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        request._thinking_budget = chat.budget
+        request._thinking_optional = chat.optional_thinking
+        request._names_stop = chat.names_stop
+        return request
 
     audio: Any = _refuse("audio output")
     prediction: Any = _refuse("predicted outputs")
