@@ -29,7 +29,7 @@ from llmserver.cluster.records import KEY, NODE_KEY, READ_EVERY
 from llmserver.cluster.registry import Registry
 from llmserver.cluster.scheduler import InstanceView, Model, NodeView, Scheduler, plan
 from llmserver.store import CatalogEntry
-from tests.services import Redis
+from tests.support.services import Redis
 
 MODELS = 100  # the catalog's models; each node runs per_node instances of them
 

@@ -3,7 +3,7 @@ PostgreSQL + Redis, with a plain llama-server as the baseline, measured in one r
 
     python -m bench.shared_state [--requests N] [--out FILE]
 
-Private PostgreSQL and Redis servers are started as the tests start them (tests/services.py: Debian's
+Private PostgreSQL and Redis servers are started as the tests start them (tests/support/services.py: Debian's
 packages, temp folders, free ports). Each gateway serves one instance of the embedded model; the key
 on each has a token quota (a reservation and a settlement per request), and on PostgreSQL + Redis
 also rpm and max_concurrency (two Redis scripts per request), so every shared path is taken. Tiny
@@ -23,7 +23,7 @@ from pathlib import Path
 from bench import load
 from bench.targets import Target, migrated_database, model_config, start_llama_server, start_llmserver
 from llmserver.store import KeyLimits
-from tests.services import Postgres, Redis
+from tests.support.services import Postgres, Redis
 
 LIMITS = KeyLimits(quota_tokens=10**12, quota_period="month", rpm=10**6, max_concurrency=64)
 

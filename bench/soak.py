@@ -11,7 +11,7 @@ add PostgreSQL restarted, Redis restarted, a node killed (-9, then started again
 (-9, then started again under its id, as an init system would).
 
 Traffic: streamed and non-streamed native, chat and completions requests, chat with documents
-(DOCX, a ZIP holding a DOCX), images on the test vision model (tests/vision_model.py), async jobs
+(DOCX, a ZIP holding a DOCX), images on the test vision model (tests/support/vision_model.py), async jobs
 polled or delivered by webhook, and keys at and over their token quota and requests per minute.
 Faults, on a schedule: kill -9 a model instance, a burst of clients that leave mid-stream, a burst
 that overfills the model's queue, and SIGTERM to the gateway followed by a fresh start.
@@ -62,11 +62,10 @@ from llmserver.auth.keys import KeyService
 from llmserver.settings import DEFAULT_MODEL_NAME
 from llmserver.store import open_store
 from llmserver.store.interfaces import KeyLimits
-from tests import documents, images
-from tests.receiver import Receiver
-from tests.services import Postgres, Redis
-from tests.support import free_port, free_port_range, spawn
-from tests.vision_model import write_vision_model
+from tests.support import documents, free_port, free_port_range, images, spawn
+from tests.support.receiver import Receiver
+from tests.support.services import Postgres, Redis
+from tests.support.vision_model import write_vision_model
 
 VISION = "soak-vision"
 QUOTA_TOKENS = 400  # reached within the 2-minute soaks even when CI is slow (1,000 was not, once)

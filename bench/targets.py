@@ -30,7 +30,7 @@ from llmserver.store import NO_LIMITS, KeyLimits, open_store
 from tests.support import free_port, free_port_range
 
 if TYPE_CHECKING:
-    from tests.services import Postgres
+    from tests.support.services import Postgres
 
 
 async def _create_key(database_url: str, limits: KeyLimits = NO_LIMITS) -> str:

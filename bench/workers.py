@@ -4,7 +4,7 @@
 
 A node (`llmserver node`) runs one instance of the embedded model (4 slots, 2 threads); two gateways
 of role `gateway` on PostgreSQL + Redis route to it, one with one worker, one with two. Private
-PostgreSQL and Redis servers are started as the tests start them (tests/services.py). For 1, 4 and
+PostgreSQL and Redis servers are started as the tests start them (tests/support/services.py). For 1, 4 and
 16 clients, each target in turn takes tiny requests (`max_tokens: 1`, non-streamed) for S seconds:
 requests/s, median latency and the gateway's CPU per request (its processes together: the
 supervisor and its workers).
@@ -26,7 +26,7 @@ import psutil
 
 from bench import load
 from bench.targets import Target, free_port, migrated_database, model_config, model_toml, start_llmserver, wait_ready
-from tests.services import Postgres, Redis
+from tests.support.services import Postgres, Redis
 
 LEVELS = (1, 4, 16)
 INSTANCE_KEY = secrets.token_urlsafe(16)  # the node's instances demand it, from the gateways and this benchmark

@@ -13,7 +13,7 @@ import zipfile
 from PIL import Image
 
 from fuzz.run import CORPUS
-from tests import documents
+from tests.support import documents
 
 
 def _image(format: str, mode: str = "RGB", size: tuple[int, int] = (8, 6), **options: object) -> bytes:

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.services import Postgres, Redis
 from tests.support import MODEL, Server, create_key, launched_chromium, shared_servers
+from tests.support.services import Postgres, Redis
 
 # A small per-request context so that the context-length limit is cheap to hit.
 TEST_CONFIG = f"""

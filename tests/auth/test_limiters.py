@@ -9,7 +9,7 @@ import pytest
 
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, MemoryRateLimiter, RedisLimits, open_limiters
 from llmserver.errors import StateUnavailable
-from tests.services import Redis
+from tests.support.services import Redis
 
 
 class Clock:

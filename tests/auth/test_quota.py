@@ -3,15 +3,14 @@ on each engine (a real SQLite file, a real PostgreSQL database), with an injecta
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import pytest
 
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import InsufficientQuota, QuotaService, Reservation, window
-from llmserver.store import KeyLimits, Store, UsageBatch, open_store
+from llmserver.store import KeyLimits, Store, UsageBatch
+from tests.support import with_store
 
 
 class Clock:
@@ -24,17 +23,6 @@ class Clock:
 
 def principal(**limits: object) -> Principal:
     return Principal("key_q", "q", "qqqqqqqq", False, KeyLimits(**limits))  # type: ignore[arg-type]
-
-
-def with_store(database_url: str, test: Callable[[Store], Awaitable[None]]) -> None:
-    async def scenario() -> None:
-        store = await open_store(database_url)
-        try:
-            await test(store)
-        finally:
-            await store.close()
-
-    asyncio.run(scenario())
 
 
 async def settle(store: Store, quota: QuotaService, reservation: Reservation | None, used: int) -> None:

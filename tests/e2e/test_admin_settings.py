@@ -8,8 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_errors import assert_error
-from tests.support import Server, make_key
+from tests.support import Server, assert_error, make_key
 
 ISSUE_ARGS = ["--api_key", "K", "--tools", "read_file,exec_shell_command", "--log_file", "/tmp/x", "--cache_ram", "512"]
 

@@ -14,9 +14,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import documents
-from tests.e2e.test_errors import assert_error
-from tests.support import MODEL, Server, create_key, make_key_record, metric, use_total_quota, wait_for
+from tests.support import (
+    MODEL,
+    Server,
+    assert_error,
+    create_key,
+    documents,
+    make_key_record,
+    metric,
+    use_total_quota,
+    wait_for,
+)
 
 # This module starts a server of its own (the default 128 MiB body limit): selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +12,9 @@ import httpx
 import pytest
 
 from llmserver.client import Client, JobGone
-from tests.jobs.test_crypto import independent_decrypt
-from tests.receiver import Receiver
 from tests.support import COUNTING, MODEL, Server, cli, make_key, store_rows, wait_for
+from tests.support.jobs import independent_decrypt, new_key, poll_until_done
+from tests.support.receiver import Receiver
 
 GONE = {
     "error": {
@@ -35,22 +33,6 @@ ctx_size = 1024
 """
 BODY = {"prompt": "Name three colors.", "max_tokens": 16, "temperature": 0, "seed": 1}
 LONG = {"prompt": COUNTING, "raw": True, "max_tokens": 250, "temperature": 0}
-
-
-def new_key() -> tuple[bytes, str]:
-    raw = os.urandom(32)
-    return raw, base64.b64encode(raw).decode()
-
-
-def poll_until_done(server: Server, key: str, tracking_id: str, timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        answer = httpx.get(server.url + "/api/async_result", params={"tracking_id": tracking_id, "api_key": key})
-        assert answer.status_code == 200, answer.text
-        if answer.json()["status"] != "pending":
-            return dict(answer.json())
-        time.sleep(0.2)
-    raise AssertionError("job did not finish")
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,7 @@ import pytest
 
 from llmserver.models.files import embedded_model_path
 from tests.e2e.test_compat import Person
-from tests.e2e.test_errors import assert_error
-from tests.support import COUNTING, MODEL, Server, make_key_record, started, store_rows, wait_for
+from tests.support import COUNTING, MODEL, Server, assert_error, make_key_record, started, store_rows, wait_for
 
 THINK = "smol-think"
 TEMPLATE = Path(__file__).parent.parent / "templates" / "chatml_think.jinja"
@@ -385,7 +384,7 @@ def test_a_document_block_is_read_and_tokens_are_counted(claude: anthropic.Anthr
 
 
 def test_an_image_in_a_tool_result_is_refused_clearly_by_a_model_that_cannot_see(server: Server, key: str) -> None:
-    from tests.images import png
+    from tests.support.images import png
 
     data = base64.b64encode(png(8, 8)).decode()
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}

@@ -17,10 +17,8 @@ import pytest
 from pydantic import BaseModel
 
 from llmserver.models.files import embedded_model_path as model_file
-from tests.e2e.test_async import new_key, poll_until_done
-from tests.e2e.test_errors import assert_error
-from tests.jobs.test_crypto import independent_decrypt
-from tests.support import MODEL, Server, make_key
+from tests.support import MODEL, Server, assert_error, make_key
+from tests.support.jobs import independent_decrypt, new_key, poll_until_done
 
 EMBED = "smol-embed"
 NATIVE = "smol-tools"

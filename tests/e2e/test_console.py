@@ -543,7 +543,7 @@ def test_assets_are_compressed_and_revalidated_and_a_new_secret_is_never_stored(
 
 
 def test_no_page_has_a_serious_accessibility_violation_light_or_dark(browser: Browser) -> None:
-    from tests import axe
+    from tests.support import axe
 
     page = browser.open()
     found = {"sign-in": axe.violations(page)}

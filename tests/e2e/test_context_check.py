@@ -10,8 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.test_errors import assert_error
-from tests.support import COUNTING, MODEL, Server, busy_slots, create_key, wait_for
+from tests.support import COUNTING, MODEL, Server, assert_error, busy_slots, create_key, wait_for
 
 CONFIG = f"""
 max_tokens_limit = 2048

@@ -5,22 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support import COUNTING, Server
+from tests.support import COUNTING, Server, assert_error
 
 INVALID_KEY = {"error": {"message": "Invalid API key", "type": "authentication_error", "code": 401}}
-
-
-def assert_error(response: httpx.Response, status: int, type_: str, param: str | None = None) -> dict[str, object]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    # OpenAI's paths name a context overflow in `code`, as OpenAI's clients read it (docs/api/errors.md).
-    openai = response.request.url.path in ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-    code = type_ if openai and type_ == "context_length_exceeded" else status
-    assert error["type"] == type_ and error["code"] == code and error["message"]
-    assert set(error) <= {"message", "type", "code", "param"}
-    if param is not None:
-        assert error["param"] == param
-    return error  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(

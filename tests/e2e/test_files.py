@@ -9,9 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests import documents
-from tests.e2e.test_errors import assert_error
-from tests.support import MODEL, Server, cli
+from tests.support import MODEL, Server, assert_error, cli, documents
 
 
 def chat(*parts: dict[str, object], text: str = "Reply with one word.", **extra: object) -> dict[str, object]:

@@ -1,6 +1,6 @@
 """Schemathesis against our own /openapi.json: generated and mutated requests for every endpoint
 (the instance admin endpoints aside: they start and stop processes), bounded, with a fixed seed.
-No answer may be a 5xx, and every 4xx must be the error envelope (tests/fuzz_hooks.py)."""
+No answer may be a 5xx, and every 4xx must be the error envelope (tests/support/fuzz_hooks.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_no_endpoint_answers_5xx_or_breaks_the_envelope(start_server: Callable[.
             "--max-examples", "25", "--seed", "1",
             "--exclude-path-regex", "instances",
         ],
-        env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.fuzz_hooks", "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.support.fuzz_hooks", "PYTHONPATH": str(ROOT)},
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     summary = ran.stdout[-3000:]

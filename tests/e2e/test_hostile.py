@@ -10,9 +10,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests import documents
-from tests.e2e.test_errors import assert_error
-from tests.support import Server, make_key_record, use_total_quota, wait_for
+from tests.support import Server, assert_error, documents, make_key_record, use_total_quota, wait_for
 
 LONE = '"\\ud800"'  # a lone surrogate, as JSON spells it
 USER_LONE = f'{{"role": "user", "content": {LONE}}}'

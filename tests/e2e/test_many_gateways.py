@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from llmserver.store import open_store
-from tests.services import Postgres, Redis
 from tests.support import COUNTING, MODEL, Server, cli, wait_for
+from tests.support.services import Postgres, Redis
 
 CONFIG = f"""
 gateway_lease_seconds = 3

@@ -12,12 +12,12 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.test_errors import assert_error
 from tests.support import (
     MODEL,
     TEST_DATABASE,
     Server,
     SteadyStreams,
+    assert_error,
     cli,
     make_key,
     shared_servers,

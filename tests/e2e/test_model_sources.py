@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from llmserver.models.files import embedded_model_path
-from tests.hub import StandInHub
 from tests.support import Server, cli, make_key
+from tests.support.hub import StandInHub
 
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow

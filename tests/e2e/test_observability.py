@@ -23,8 +23,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services import Postgres, Redis
 from tests.support import MODEL, Server, cli, free_port, make_key, state_env, wait_for
+from tests.support.services import Postgres, Redis
 
 CONFIG = f"""
 [[models]]

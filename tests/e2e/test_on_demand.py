@@ -13,8 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_errors import assert_error
-from tests.support import COUNTING, Server, make_key, metric, wait_for
+from tests.support import COUNTING, Server, assert_error, make_key, metric, wait_for
 
 MODELS = """
 [[models]]

@@ -27,11 +27,10 @@ import httpx
 import pytest
 
 from llmserver.settings import Settings
-from tests import documents
-from tests.e2e.test_async import poll_until_done
-from tests.images import png
-from tests.support import MODEL, Server, make_key, make_key_record, shared_servers, state_env
-from tests.vision_model import write_vision_model
+from tests.support import MODEL, Server, documents, make_key, make_key_record, shared_servers, state_env
+from tests.support.images import png
+from tests.support.jobs import poll_until_done
+from tests.support.vision_model import write_vision_model
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

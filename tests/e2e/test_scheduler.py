@@ -27,7 +27,6 @@ import redis
 
 from llmserver.models.files import embedded_model_path
 from tests.e2e.test_worker_hosts import Node, add_host, ip
-from tests.services import Postgres, Redis
 from tests.support import (
     Server,
     SteadyStreams,
@@ -39,6 +38,7 @@ from tests.support import (
     stream,
     wait_for,
 )
+from tests.support.services import Postgres, Redis
 
 pytestmark = pytest.mark.slow
 

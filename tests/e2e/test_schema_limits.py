@@ -8,8 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.test_errors import assert_error
-from tests.support import MODEL
+from tests.support import MODEL, assert_error
 
 HANGS = "^((a{0,99}){0,99}){0,99}$"  # held llama-server's main thread for over 11 minutes
 OPTIONAL_REPEATED = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^(a?){0,1000}$"}}}

@@ -1,5 +1,5 @@
 """Images in chat through the real server and a real vision path: llama-server loads a generated
-mmproj (random weights, see tests/vision_model.py), encodes each image and counts its tokens."""
+mmproj (random weights, see tests/support/vision_model.py), encodes each image and counts its tokens."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ import openai
 import psutil
 import pytest
 
-from tests import images
-from tests.e2e.test_errors import assert_error
-from tests.local_http import LocalHTTPServer, QuietHandler
-from tests.support import MODEL, Server, create_key, make_key_record, use_total_quota
-from tests.vision_model import IMAGE_TOKENS, write_vision_model
+from tests.support import MODEL, Server, assert_error, create_key, images, make_key_record, use_total_quota
+from tests.support.local_http import LocalHTTPServer, QuietHandler
+from tests.support.vision_model import IMAGE_TOKENS, write_vision_model
 
 # This module starts a server of its own (two models, one vision-capable): selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow

@@ -12,8 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.e2e.test_errors import assert_error
-from tests.support import MODEL, Server, create_key, make_key_record, metric, wait_for
+from tests.support import MODEL, Server, assert_error, create_key, make_key_record, metric, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.services import Postgres, Redis
 from tests.support import (
     COUNTING,
     MODEL,
@@ -39,6 +38,7 @@ from tests.support import (
     tls_certificates,
     wait_for,
 )
+from tests.support.services import Postgres, Redis
 
 # Four hosts, nodes killed and restarted, about 90 s: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from llmserver.engine.calls import InstanceCalls
 from llmserver.errors import ContextLengthExceeded, InstanceUnavailable
 from llmserver.pool.admission import Admission, Ticket
 from llmserver.pool.instance import Instance
-from tests.pool.test_admission import World, world
+from tests.support.pool import World, world
 
 
 class StandIn:

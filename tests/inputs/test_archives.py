@@ -11,7 +11,7 @@ from llmserver.inputs import extraction
 from llmserver.inputs.archives import ArchiveLimits, ArchiveRejected, declared_entries, member_label
 from llmserver.inputs.extraction import Extracted, Unextractable
 from llmserver.inputs.limits import FileLimits
-from tests import documents
+from tests.support import documents
 
 
 def extract(filename: str, data: bytes, limits: ArchiveLimits | None = None) -> Extracted:

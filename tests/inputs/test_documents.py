@@ -10,7 +10,7 @@ from llmserver.errors import APIError
 from llmserver.inputs import documents as uploads
 from llmserver.inputs.documents import DocumentService, UnprocessableFile, Upload, count_check, native_file_parts
 from llmserver.inputs.limits import FileLimits
-from tests import documents
+from tests.support import documents
 
 MEMORY_MB = 512
 LIMITS = FileLimits()

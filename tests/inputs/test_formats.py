@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 
 from llmserver.inputs.formats import decode_text, is_html, sniff
-from tests import documents
+from tests.support import documents
 
 
 def test_documents_are_known_by_their_contents() -> None:

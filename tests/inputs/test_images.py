@@ -12,7 +12,7 @@ from llmserver.errors import APIError
 from llmserver.inputs import images as image_inputs
 from llmserver.inputs.images import PreparedImage
 from llmserver.inputs.limits import ImageLimits
-from tests import images
+from tests.support import images
 
 LIMITS = ImageLimits()
 MAX_IMAGE_BYTES = LIMITS.max_bytes

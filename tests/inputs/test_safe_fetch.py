@@ -10,7 +10,7 @@ import pytest
 
 from llmserver.errors import InvalidRequest, RequestTooLarge
 from llmserver.inputs.safe_fetch import PinnedResolver, UnsafeURL, check_url, fetch_bytes, is_public
-from tests.local_http import LocalHTTPServer, QuietHandler
+from tests.support.local_http import LocalHTTPServer, QuietHandler
 
 
 @pytest.mark.parametrize(

@@ -5,16 +5,10 @@ from __future__ import annotations
 import base64
 
 import pytest
-from Crypto.Cipher import ChaCha20_Poly1305
 
 from llmserver.errors import InvalidRequest
 from llmserver.jobs import crypto
-
-
-def independent_decrypt(result: str, key: bytes, nonce: bytes) -> bytes:
-    data = base64.b64decode(result)
-    cipher = ChaCha20_Poly1305.new(key=key, nonce=nonce)  # a 24-byte nonce selects XChaCha20
-    return cipher.decrypt_and_verify(data[:-16], data[-16:])
+from tests.support.jobs import independent_decrypt
 
 
 def test_round_trip_against_pycryptodome() -> None:

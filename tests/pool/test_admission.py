@@ -4,71 +4,16 @@ and a model pool whose instance has no process behind it (nothing is sent anywhe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from llmserver.auth.keys import Principal
-from llmserver.auth.limiters import MemoryConcurrencyLimiter, MemoryRateLimiter
-from llmserver.auth.quota import InsufficientQuota, QuotaService
+from llmserver.auth.quota import InsufficientQuota
 from llmserver.errors import Overloaded, RateLimited
-from llmserver.metrics.prometheus import Metrics
-from llmserver.metrics.recorder import UsageRecorder
-from llmserver.metrics.speed import RollingSpeed
-from llmserver.pool.admission import Admission
-from llmserver.pool.router import Router
-from llmserver.pool.supervisor import Supervisor
-from llmserver.settings import ModelConfig, Settings
 from llmserver.store import KeyLimits
-from llmserver.store.sqlite import SQLiteStore
-from tests.pool.test_pool import ready_instance
-
-
-@dataclass
-class World:
-    admission: Admission
-    store: SQLiteStore
-    quota: QuotaService
-    rate: MemoryRateLimiter
-    places: MemoryConcurrencyLimiter
-    recorder: UsageRecorder
-    supervisor: Supervisor
-    metrics: Metrics
-
-    async def remaining(self, who: Principal) -> int:
-        await self.recorder.flush()
-        return int((await self.quota.headers(who))["x-ratelimit-remaining-tokens"])
-
-    def rejections(self, kind: str) -> float:
-        return self.metrics.quota_rejections.labels(kind)._value.get()
-
-
-@asynccontextmanager
-async def world(tmp_path: Path, max_queue: int = 1) -> AsyncIterator[World]:
-    settings = Settings(
-        models=[ModelConfig(name="m", parallel=1, max_queue=max_queue, instance_queue=0)], max_concurrency_per_key=2
-    )
-    supervisor = Supervisor(settings)
-    pool = supervisor.pools["m"]
-    pool.queue_timeout = 30
-    pool.instances.append(await ready_instance(pool.config, 1))
-    store = SQLiteStore(tmp_path / "a.db")
-    quota = QuotaService(store, "gw1")
-    metrics = Metrics(supervisor.pools)
-    recorder = UsageRecorder(store, quota, RollingSpeed(store), metrics)
-    rate, places = MemoryRateLimiter(), MemoryConcurrencyLimiter()
-    admission = Admission(Router(supervisor.pools), rate, places, quota, recorder, metrics, default_concurrency=2)
-    try:
-        yield World(admission, store, quota, rate, places, recorder, supervisor, metrics)
-    finally:
-        for instance in pool.instances:
-            assert instance.client is not None
-            await instance.client.close()
-        await recorder.flush()
-        await store.close()
+from tests.support.pool import World, world
 
 
 def run(tmp_path: Path, test: Callable[[World], Awaitable[None]], **options: int) -> None:

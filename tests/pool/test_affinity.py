@@ -7,7 +7,7 @@ import collections
 import itertools
 
 from llmserver.pool.affinity import Candidate, affinity_key, choose, ranked
-from tests.pool.test_pool import make_pool, ready_instance
+from tests.support.pool import make_pool, ready_instance
 
 KEYS = [affinity_key("m", f"system prompt {n}", "first message") for n in range(2000)]
 

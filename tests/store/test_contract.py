@@ -13,7 +13,7 @@ import pytest
 
 from llmserver.store import LedgerQuery, Store, UsageBatch
 from llmserver.store.migrations import POSTGRES
-from tests.auth.test_quota import with_store as run
+from tests.support import with_store as run
 
 
 def test_keys_by_hash_and_revocation(database_url: str) -> None:
@@ -173,7 +173,7 @@ def test_a_concurrent_quota_never_overshoots(database_url: str) -> None:
 
 
 def test_db_migrate_and_a_gateway_that_refuses_an_unmigrated_database(postgres: object) -> None:
-    from tests.services import Postgres
+    from tests.support.services import Postgres
 
     assert isinstance(postgres, Postgres)
     url = postgres.new_database()

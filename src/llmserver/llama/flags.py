@@ -9,7 +9,7 @@ reads or writes a file or a URL (logs, slot saves, LoRA, grammars, prompts, medi
 a TLS file, an address, the web UI or its tools, endpoints that change the server (`--props`), or what
 llmserver sets itself (`--cache-ram`, slots, context, threads, `--jinja`, …) — those would bypass
 quotas and the ledger, run tools on the host, or undo per-key cache isolation.
-`tests/test_llama_flags.py` checks each entry against `llama-server --help` of the pinned build.
+`tests/llama/test_flags.py` checks each entry against `llama-server --help` of the pinned build.
 """
 
 from __future__ import annotations

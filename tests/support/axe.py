@@ -15,7 +15,7 @@ from typing import Any
 
 VERSION = "4.14.1"
 INTEGRITY = "sha512-FHfa+lmNjQZfJz1q8wKqIDwC6DExcHt/pkjNQb09a3NPjCKg2rhu5qb2S4r76ASyFNNtuFooJpZe37OgudVGtQ=="
-CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "axe-core"
+CACHE = Path(__file__).resolve().parents[2] / ".pytest_cache" / "axe-core"
 
 
 def source() -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from tests.local_http import LocalHTTPServer, QuietHandler
+from tests.support.local_http import LocalHTTPServer, QuietHandler
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

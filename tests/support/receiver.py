@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.local_http import LocalHTTPServer, QuietHandler
+from tests.support.local_http import LocalHTTPServer, QuietHandler
 
 
 @dataclass

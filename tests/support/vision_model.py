@@ -6,7 +6,7 @@ with it and counts the image's tokens into the prompt. LLaVA layout ("mlp" proje
 two blocks over 8-px patches of a 32-px image (16 patches → 16 image tokens), then a two-layer
 MLP into the text model's embedding width.
 
-    python -m tests.vision_model FOLDER    # writes FOLDER/model.gguf and FOLDER/mmproj.gguf
+    python -m tests.support.vision_model FOLDER    # writes FOLDER/model.gguf and FOLDER/mmproj.gguf
 """
 
 from __future__ import annotations
@@ -105,6 +105,6 @@ def write_vision_model(folder: Path) -> tuple[Path, Path]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m tests.vision_model FOLDER")
+        sys.exit("usage: python -m tests.support.vision_model FOLDER")
     for written in write_vision_model(Path(sys.argv[1])):
         print(written)

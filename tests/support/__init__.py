@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from llmserver.store import Store, open_store
+
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from tests.services import Postgres, Redis
+    from tests.support.services import Postgres, Redis
 
 MODEL = "SmolLM2-135M-Instruct-Q4_1"
 # An untemplated counting prompt that the embedded model continues to max_tokens. Greedy chat answers
@@ -107,7 +109,7 @@ _databases: dict[Path, str] = {}
 
 def shared_servers() -> tuple[Postgres, Redis]:
     """The session's PostgreSQL and Redis, started on first use and stopped when the tests end."""
-    from tests.services import Postgres, Redis
+    from tests.support.services import Postgres, Redis
 
     if "postgres" not in _shared:
         _shared["postgres"] = Postgres().start()
@@ -501,7 +503,7 @@ class SteadyStreams:
             thread.join(120)
 
 
-COMPOSE = Path(__file__).resolve().parent.parent / "deploy" / "compose" / "compose.yaml"
+COMPOSE = Path(__file__).resolve().parents[2] / "deploy" / "compose" / "compose.yaml"
 
 
 def compose_service(name: str, values: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -545,3 +547,28 @@ def launched_chromium() -> Iterator[Any]:
             yield browser
         finally:
             browser.close()
+
+
+def assert_error(response: httpx.Response, status: int, type_: str, param: str | None = None) -> dict[str, object]:
+    """An answer in the one error envelope, with this status, type and (if given) param."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    # OpenAI's paths name a context overflow in `code`, as OpenAI's clients read it (docs/api/errors.md).
+    openai = response.request.url.path in ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+    code = type_ if openai and type_ == "context_length_exceeded" else status
+    assert error["type"] == type_ and error["code"] == code and error["message"]
+    assert set(error) <= {"message", "type", "code", "param"}
+    if param is not None:
+        assert error["param"] == param
+    return error  # type: ignore[no-any-return]
+
+
+def with_store(database_url: str, test: Callable[[Store], Awaitable[None]]) -> None:
+    async def scenario() -> None:
+        store = await open_store(database_url)
+        try:
+            await test(store)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())

@@ -1,4 +1,4 @@
-"""Schemathesis checks of our own (loaded with SCHEMATHESIS_HOOKS=tests.fuzz_hooks): every error,
+"""Schemathesis checks of our own (loaded with SCHEMATHESIS_HOOKS=tests.support.fuzz_hooks): every error,
 whatever the input, is the one envelope with its status as `code` (on Anthropic's Messages paths,
 Anthropic's error object)."""
 
