@@ -40,7 +40,7 @@ from llmserver.pool.admission import Admission, Ticket, outcome_of
 from llmserver.pool.affinity import affinity_key
 from llmserver.pool.instance import slot_context
 from llmserver.schemas.native import GenerateRequest, GenerateResponse
-from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest
+from llmserver.schemas.openai import ChatMessage, ChatRequest, CompletionRequest, TranslatedChat
 from llmserver.settings import ModelConfig, Settings
 
 log = logging.getLogger(__name__)
@@ -267,10 +267,11 @@ class GenerationService:
         plan = ToolPlan.of(request, native=template.tools)
         max_tokens = self._max_tokens(request)
         payload = translate.chat_payload(request, max_tokens, plan.payload(messages))
-        effort, budget = request.reasoning_effort, request._thinking_budget
-        optional = request._thinking_optional
-        payload.update(reasoning.fields(effort, budget, max_tokens, template, ticket.model, optional))
-        if request._names_stop:
+        translated = request if isinstance(request, TranslatedChat) else None
+        budget = translated._thinking_budget if translated is not None else None
+        optional = translated is not None and translated._thinking_optional
+        payload.update(reasoning.fields(request.reasoning_effort, budget, max_tokens, template, ticket.model, optional))
+        if translated is not None and translated._names_stop:
             # llama.cpp names the stop sequence that ended an answer only in its `__verbose` (which also
             # holds the prompt): asked for only when the client wants the sequence named.
             payload["verbose"] = True

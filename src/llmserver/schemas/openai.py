@@ -207,17 +207,13 @@ class ChatRequest(_OpenAIRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_cache_key: str | None = Field(default=None, description="Used for prompt-cache affinity.")
     modalities: list[str] | None = Field(default=None, description='Only ["text"] is supported.')
-    # Set by the Anthropic Messages translation (`thinking.budget_tokens`), which has no effort levels.
-    _thinking_budget: int | None = PrivateAttr(default=None)
-    _thinking_optional: bool = PrivateAttr(default=False)
-    _names_stop: bool = PrivateAttr(default=False)  # ask llama-server which stop sequence ended the answer
 
-    @classmethod
-    def of(cls, chat: AsChat, **fields: Any) -> ChatRequest:
+    @staticmethod
+    def of(chat: AsChat, **fields: Any) -> TranslatedChat:
         """The chat request another API's request amounts to (`chat`, with `fields` over its body). Its
         body is validated as any chat request's is: the chat path's own limits apply to it alike."""
         try:
-            request = cls.model_validate({**chat.body, **fields})
+            request = TranslatedChat.model_validate({**chat.body, **fields})
         except ValidationError as exc:
             raise validation_error(exc.errors()) from None
         request._thinking_budget = chat.budget
@@ -265,6 +261,17 @@ class ChatRequest(_OpenAIRequest):
         if choice in ("required",) and not self.tools:
             raise InvalidRequest("tool_choice: required needs tools", param="tool_choice")
         return self
+
+
+class TranslatedChat(ChatRequest):
+    """A chat request another API's request amounts to (`ChatRequest.of`), with what its translation
+    says beyond chat's fields. Kept apart from ChatRequest: pydantic sets a model's private fields up on
+    every instance it validates, and the chat path validates one per request."""
+
+    # Set by the Anthropic Messages translation (`thinking.budget_tokens`), which has no effort levels.
+    _thinking_budget: int | None = PrivateAttr(default=None)
+    _thinking_optional: bool = PrivateAttr(default=False)
+    _names_stop: bool = PrivateAttr(default=False)  # ask llama-server which stop sequence ended the answer
 
 
 class CompletionRequest(_OpenAIRequest):
