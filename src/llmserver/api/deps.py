@@ -29,6 +29,7 @@ from llmserver.jobs.runner import JobService
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.recorder import UsageRecorder
 from llmserver.metrics.speed import RollingSpeed
+from llmserver.models.lineup import Lineup
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import Settings
 from llmserver.store import Store
@@ -72,6 +73,12 @@ def direct_routes(routes: Sequence[BaseRoute]) -> dict[str, Callable[[Request], 
 
 def settings(request: Request) -> Settings:
     value: Settings = request.app.state.settings
+    return value
+
+
+def lineup(request: Request) -> Lineup:
+    """The models served now (models/lineup.py): what the settings configured, changed by the catalog."""
+    value: Lineup = request.app.state.lineup
     return value
 
 

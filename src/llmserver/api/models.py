@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from llmserver.api.access import Access, body_of, caller, router
-from llmserver.api.deps import settings, speed, store, supervisor
+from llmserver.api.deps import lineup, settings, speed, store, supervisor
 from llmserver.auth.keys import may_use
 from llmserver.errors import NotFound
 from llmserver.models import catalog as model_catalog
@@ -25,7 +25,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     config = settings(request)
     created = int(request.app.state.started_at)
     data = []
-    for model in config.models:
+    for model in lineup(request):
         if not may_use(principal.limits, model.name):
             continue
         entry: dict[str, Any] = {"id": model.name, "object": "model", "created": created, "owned_by": config.owned_by}
