@@ -7,7 +7,7 @@ in `extra` (the access log's: method, path, status, duration_ms, key, model, ins
 `exception` (its traceback) when one was logged.
 
 The request id is the client's `X-Request-Id` when it sent a usable one (up to 128 characters of
-letters, digits and `-_.:/+=`), else one made here; `middleware.Front` sets it for the request's task
+letters, digits and `-_.:/+=`), else one made here; `server/front.Front` sets it for the request's task
 and every task it starts (a context variable), returns it on the answer and sends it to the instance.
 """
 

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 # test id (as pytest names it in the suite) → why llmserver's protocol does otherwise, on purpose.
-ACCESS_LOG = "the access log is the app's (middleware.Front): it names the key by fingerprint and never writes the \
+ACCESS_LOG = "the access log is the app's (server/front.Front): it names the key by fingerprint and never writes the \
 query string, which may hold an api_key; the protocol writes none to uvicorn.access"
 ONE_TIMER = "one timer per connection, re-armed when it fires, instead of one made and cancelled per request: an idle \
 kept-alive connection closes 5 to 10 s after its last answer (README, Limits), not at 5 s exactly"

@@ -3,7 +3,7 @@
 Starlette's StreamingResponse runs each stream in an anyio task group beside a second task that
 listens for the disconnect, and every chunk passes through each middleware's `send` wrapper. This
 response sends its start (and its end) through the middleware stack, where the access log and the
-quota headers see them (`middleware.Front`), and the body's chunks past it: the first through the
+quota headers see them (`server/front.Front`), and the body's chunks past it: the first through the
 server's own `send`, which `Front` leaves in the scope, and the rest, where the server offers the
 `DIRECT_WRITE` extension (`asgi_ext`; llmserver's own server does), through the writer it opens, which
 the body is sent (`asend`): the relay (`engine/generation.py`) then shapes and writes each batch of
