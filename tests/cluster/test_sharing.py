@@ -5,16 +5,11 @@ the request that freed it ends."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 from llmserver.pool.instance import Status
 from tests.support import free_port
-from tests.support.pool import close, make_pool, ready_instance
+from tests.support.pool import close, make_pool, ready_instance, run
 from tests.support.services import Redis
-
-
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(test())
 
 
 def test_the_registry_keeps_each_gateways_latest_load_and_drops_gateways_that_stopped() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -14,11 +13,7 @@ from llmserver.pool.instance import Status, llama_server_args, slot_context
 from llmserver.pool.pool import ModelPool
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import ModelConfig, Settings
-from tests.support.pool import close, make_pool, ready_instance
-
-
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(test())
+from tests.support.pool import close, make_pool, ready_instance, run
 
 
 def test_least_loaded_instance_then_fifo_queue_then_503() -> None:

@@ -3,7 +3,8 @@ them, and an admission over a real SQLite store with the in-process limiters (no
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,3 +89,7 @@ async def world(tmp_path: Path, max_queue: int = 1) -> AsyncIterator[World]:
             await instance.client.close()
         await recorder.flush()
         await store.close()
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())

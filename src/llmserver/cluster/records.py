@@ -1,13 +1,5 @@
-"""A node (`llmserver node`) writes one key per instance every second, `llmserver:instance:ID` → the
-instance's record as JSON (the seed's fields plus slots, in-flight, node and incarnation), expiring
-after `LEASE_MS`: an instance whose node died or lost its link leaves the registry within 3 s. A
-gateway of role `gateway` reads the registry every half second and keeps its pools in step: an
-instance that appears joins its model's pool (a `RemoteInstance`, reached with `instance_api_key`),
-one that vanishes or comes back under a new node incarnation leaves it. While Redis cannot be read,
-a gateway keeps routing to the instances it knows (logged once); a node publishes again as soon as
-Redis answers.
-
-These are the keys and leases every part of the cluster shares, and the record a node publishes.
+"""The keys, leases and record of the instance registry in Redis, which every part of the cluster shares
+(how nodes publish and gateways read: cluster/registry.py).
 """
 
 from __future__ import annotations
