@@ -68,7 +68,7 @@ def main() -> None:
         targets.append(start_llmserver(model, logs, name=name, env={"PYTHONPATH": src}))
     if args.traced:
         sink = span_sink()
-        env = {"PYTHONPATH": str(ROOT / "src"), "LLMSERVER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
+        env = {"PYTHONPATH": str(ROOT / "src"), "LLMSERVER_OBSERVABILITY__OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
         targets.append(start_llmserver(model, logs, name="llmserver-traced", env=env))
     levels = () if args.tiny_only else ((1, 6), (8, 2))  # (clients, requests per client) of 128 tokens
     per_token: dict[tuple[str, int], list[float]] = {}

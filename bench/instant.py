@@ -105,7 +105,7 @@ def measure(args: argparse.Namespace) -> None:
     folder = Path(tempfile.mkdtemp(prefix="llmserver-instant-"))
     script = upstream_script(folder)
     upstream = start_upstream(script, folder)
-    settings = f'llama_server_path = "{script}"\n'
+    settings = f'instances.llama_server_path = "{script}"\n'
     targets = [start_passthrough(upstream, folder), start_passthrough(upstream, folder, client="wire")]
     for index, src in enumerate([str(ROOT / "src"), *args.src]):
         name = "llmserver" if index == 0 else f"llmserver-{index}"

@@ -172,7 +172,7 @@ def _affinity(plan: Plan, model: ModelConfig, logs: Path, results: Results) -> N
             two,
             logs,
             name=f"llmserver-{routing}",
-            settings=f'routing = "{routing}"\n',
+            settings=f'router.policy = "{routing}"\n',
             env={"LLMSERVER_ADMIN_KEY": ADMIN_KEY},
         )
         try:

@@ -37,8 +37,8 @@ WORDS = ["river", "stone", "light", "paper", "garden", "window", "music", "engin
 
 
 def config(model: Path, budget_mb: int, disk_mb: int) -> str:
-    return f"""memory_budget_mb = {budget_mb}
-prompt_cache_disk_mb = {disk_mb}
+    return f"""instances.memory_budget_mb = {budget_mb}
+prompt_cache.disk_mb = {disk_mb}
 
 [[models]]
 name = "chat"
@@ -90,7 +90,7 @@ class Server:
     def start(self) -> None:
         port = free_port()
         env = {**os.environ, "LLMSERVER_ADMIN_KEY": ADMIN}
-        env["LLMSERVER_INSTANCE_BASE_PORT"] = str(free_port_range(4, avoid=port))
+        env["LLMSERVER_INSTANCES__BASE_PORT"] = str(free_port_range(4, avoid=port))
         with (self.logs / "saved-prompts.log").open("ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "llmserver", "serve", "--config", str(self.data_dir / "config.toml"),

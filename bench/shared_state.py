@@ -41,7 +41,7 @@ def main() -> None:
         url = migrated_database(postgres)
         targets.append(start_llama_server(model, logs))
         targets.append(start_llmserver(model, logs, name="llmserver-sqlite", limits=LIMITS))
-        shared = {"LLMSERVER_DATABASE_URL": url, "LLMSERVER_REDIS_URL": redis.url}
+        shared = {"LLMSERVER_STATE__DATABASE_URL": url, "LLMSERVER_STATE__REDIS_URL": redis.url}
         targets.append(start_llmserver(model, logs, name="llmserver-postgres-redis", env=shared, limits=LIMITS))
         started = time.perf_counter()
         latencies, cpu = asyncio.run(load.overhead(targets, args.requests))

@@ -115,7 +115,7 @@ class Gateway:
         """Start the gateway; the seconds it took to be ready."""
         started = time.monotonic()
         self.tmp.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port), "TMPDIR": str(self.tmp),
+        env = {**os.environ, "LLMSERVER_INSTANCES__BASE_PORT": str(self.instance_port), "TMPDIR": str(self.tmp),
                **self.env}  # fmt: skip
         config = self.config or self.data_dir / "config.toml"
         self.process = spawn(
@@ -172,8 +172,8 @@ class Node:
 
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, "LLMSERVER_NODE_ID": self.name, "LLMSERVER_NODE_PORT": str(self.http_port),
-               "LLMSERVER_INSTANCE_BASE_PORT": str(self.base_port), "TMPDIR": str(self.data_dir)}  # fmt: skip
+        env = {**os.environ, **self.env, "LLMSERVER_NODE__ID": self.name, "LLMSERVER_NODE__PORT": str(self.http_port),
+               "LLMSERVER_INSTANCES__BASE_PORT": str(self.base_port), "TMPDIR": str(self.data_dir)}  # fmt: skip
         self.process = spawn(
             [sys.executable, "-m", "llmserver", "node", "--config", str(self.data_dir.parent / "config.toml"),
              "--data-dir", str(self.data_dir), "--log-level", "info"],
@@ -211,16 +211,18 @@ class Cluster:
         postgres, redis = Postgres().start(), Redis().start()
         url = postgres.new_database()
         migrated = subprocess.run(
-            [sys.executable, "-m", "llmserver", "db", "migrate"], env={**os.environ, "LLMSERVER_DATABASE_URL": url},
+            [sys.executable, "-m", "llmserver", "db", "migrate"],
+            env={**os.environ, "LLMSERVER_STATE__DATABASE_URL": url},
             capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
         if migrated.returncode != 0:
             raise RuntimeError(f"db migrate failed: {migrated.stderr}")
-        shared = {"LLMSERVER_REDIS_URL": redis.url, "LLMSERVER_INSTANCE_API_KEY": secrets.token_urlsafe(24)}
+        shared = {"LLMSERVER_STATE__REDIS_URL": redis.url, "LLMSERVER_INSTANCES__API_KEY": secrets.token_urlsafe(24)}
         nodes = [Node(root / f"node-{n}", f"node-{n}", shared) for n in (1, 2)]
         gateways = [
-            Gateway(root / f"gw-{n}", f"gw-{n}", {**shared, "LLMSERVER_ROLE": "gateway", "LLMSERVER_DATABASE_URL": url,
-                    "LLMSERVER_GATEWAY_ID": f"gw-{n}"}, config=root / "config.toml")
+            Gateway(root / f"gw-{n}", f"gw-{n}", {**shared, "LLMSERVER_ROLE": "gateway",
+                    "LLMSERVER_STATE__DATABASE_URL": url, "LLMSERVER_STATE__GATEWAY_ID": f"gw-{n}"},
+                    config=root / "config.toml")
             for n in (1, 2)
         ]  # fmt: skip
         return cls(root, postgres, redis, url, gateways, nodes)
@@ -235,9 +237,9 @@ class Cluster:
 def write_config(data_dir: Path, cluster: bool = False) -> None:
     model, mmproj = write_vision_model(data_dir / "vision")
     (data_dir / "config.toml").write_text(
-        ("gateway_lease_seconds = 5\n" if cluster else "")
-        + f"drain_timeout = {DRAIN_TIMEOUT}\nqueue_timeout = 20\nwebhook_allow_private = true\n"
-        f"max_concurrency_per_key = 32\nrequest_timeout = 120\n\n"
+        ("state.gateway_lease_seconds = 5\n" if cluster else "")
+        + f"server.drain_timeout = {DRAIN_TIMEOUT}\nlimits.queue_timeout = 20\njobs.webhook_allow_private = true\n"
+        f"limits.max_concurrency_per_key = 32\nlimits.request_timeout = 120\n\n"
         f'[[models]]\nname = "{DEFAULT_MODEL_NAME}"\nparallel = {TEXT_SLOTS}\nctx_size = 4096\nthreads = 1\n'
         f"max_queue = {MAX_QUEUE}\n\n"
         f'[[models]]\nname = "{VISION}"\npath = "{model}"\nmmproj = "{mmproj}"\nparallel = 2\n'

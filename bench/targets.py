@@ -114,15 +114,15 @@ def start_llmserver(
     limits: KeyLimits = NO_LIMITS,
 ) -> Target:
     """llmserver on the model; `settings` are extra top-level settings lines of its config file, `env`
-    may name its database (LLMSERVER_DATABASE_URL, migrated), where its key is made with `limits`."""
+    may name its database (LLMSERVER_STATE__DATABASE_URL, migrated), where its key is made with `limits`."""
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-"))
     config = data_dir / "config.toml"
     config.write_text(settings + model_toml(model))
-    database_url = (env or {}).get("LLMSERVER_DATABASE_URL") or f"sqlite:///{data_dir / 'llmserver.db'}"
+    database_url = (env or {}).get("LLMSERVER_STATE__DATABASE_URL") or f"sqlite:///{data_dir / 'llmserver.db'}"
     key = asyncio.run(_create_key(database_url, limits))
     port = free_port()
     instances = free_port_range(4, avoid=port)  # its instances take instances, +1, …: none the gateway's
-    env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(instances), **(env or {})}
+    env = {**os.environ, "LLMSERVER_INSTANCES__BASE_PORT": str(instances), **(env or {})}
     with (log_dir / f"{name}.log").open("ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "llmserver", "serve", "--config", str(config), "--data-dir", str(data_dir),

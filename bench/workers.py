@@ -50,9 +50,9 @@ def start_node(config: str, redis_url: str, logs: Path) -> tuple[subprocess.Pope
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-node-"))
     (data_dir / "config.toml").write_text(config)
     port = free_port()
-    env = {**os.environ, "LLMSERVER_INSTANCE_BASE_PORT": str(port), "LLMSERVER_NODE_ID": "bench-node",
-           "LLMSERVER_NODE_PORT": str(free_port()),
-           "LLMSERVER_INSTANCE_API_KEY": INSTANCE_KEY}  # fmt: skip
+    env = {**os.environ, "LLMSERVER_INSTANCES__BASE_PORT": str(port), "LLMSERVER_NODE__ID": "bench-node",
+           "LLMSERVER_NODE__PORT": str(free_port()),
+           "LLMSERVER_INSTANCES__API_KEY": INSTANCE_KEY}  # fmt: skip
     with (logs / "node.log").open("ab") as log:
         node = subprocess.Popen(
             [sys.executable, "-m", "llmserver", "node", "--config", str(data_dir / "config.toml"),
@@ -80,9 +80,10 @@ def main() -> None:
         node, instance = start_node(config, redis.url, logs)
         for workers in (1, 2):
             env = {
-                "LLMSERVER_DATABASE_URL": url, "LLMSERVER_REDIS_URL": redis.url, "LLMSERVER_ROLE": "gateway",
-                "LLMSERVER_WORKERS": str(workers), "LLMSERVER_GATEWAY_ID": f"bench-{workers}w",
-                "LLMSERVER_INSTANCE_API_KEY": INSTANCE_KEY,
+                "LLMSERVER_STATE__DATABASE_URL": url, "LLMSERVER_STATE__REDIS_URL": redis.url,
+                "LLMSERVER_ROLE": "gateway",
+                "LLMSERVER_SERVER__WORKERS": str(workers), "LLMSERVER_STATE__GATEWAY_ID": f"bench-{workers}w",
+                "LLMSERVER_INSTANCES__API_KEY": INSTANCE_KEY,
             }  # fmt: skip
             gateways.append(start_llmserver(model, logs, name=f"{workers} worker{'s' * (workers > 1)}", env=env))
         targets = [instance, *gateways]

@@ -1,13 +1,16 @@
-"""Rewrite the settings table of docs/reference/configuration.md from the settings' own descriptions
-(run after changing them; tests/test_docs.py checks it is current)."""
+"""Rewrite the settings tables of docs/reference/configuration.md (every setting; the old names and
+where each now lives) from the settings themselves (run after changing them; tests/test_docs.py checks
+they are current)."""
 
 from pathlib import Path
 
-from llmserver.commands.config import markdown_reference
+from llmserver.commands.config import markdown_reference, markdown_renamed
 
-START, END = "<!-- settings-table:start -->\n", "<!-- settings-table:end -->"
 page = Path(__file__).resolve().parent.parent / "docs" / "reference" / "configuration.md"
 text = page.read_text()
-head, rest = text.split(START)
-_, tail = rest.split(END)
-page.write_text(head + START + markdown_reference() + "\n" + END + tail)
+for name, table in (("settings-table", markdown_reference()), ("renamed-table", markdown_renamed())):
+    start, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    text = head + start + table + "\n" + end + tail
+page.write_text(text)

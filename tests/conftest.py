@@ -16,8 +16,8 @@ from tests.support.services import Postgres, Redis
 
 # A small per-request context so that the context-length limit is cheap to hit.
 TEST_CONFIG = f"""
-max_tokens_limit = 512
-max_request_bytes = 25165824  # 24 MiB: room for one 16 MB file, base64-encoded
+limits.max_tokens = 512
+server.max_request_bytes = 25165824  # 24 MiB: room for one 16 MB file, base64-encoded
 
 [[models]]
 name = "{MODEL}"

@@ -23,14 +23,14 @@ import pytest
 import yaml
 
 from llmserver.cli import cli
-from llmserver.settings import Settings
+from llmserver.settings import NodeSettings, env_name, setting_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 KUBERNETES_VERSION = "1.30.0"  # pinned: the oldest minor version still maintained when these were written
 COMPOSE_SCHEMA_FROM = "docker-compose==1.29.2"  # its wheel carries the compose specification's schema
 NOT_SETTINGS = {"LLMSERVER_DEBUG"}  # read by the CLI itself (`llmserver --debug`)
-SETTINGS = {f"LLMSERVER_{name.upper()}" for name in Settings.model_fields} | NOT_SETTINGS
+SETTINGS = {env_name(path) for path in setting_paths()} | NOT_SETTINGS  # the new names: no deprecation line
 GATEWAY_PATHS = {"/health", "/ready", "/metrics"}
 NODE_PATHS = {"/health", "/ready", "/metrics"}  # cluster/node_http.py
 
@@ -88,11 +88,12 @@ def test_the_kubernetes_manifests_agree_with_the_code() -> None:
                     assert check["path"] in GATEWAY_PATHS and port == int(container["args"][-1])
                 else:
                     assert role == "node" and check["path"] in NODE_PATHS
-                    assert port == Settings.model_fields["node_port"].default
+                    assert port == NodeSettings.model_fields["port"].default
     llmserver_names = {name for name in names if name.startswith("LLMSERVER_")}
     assert llmserver_names - SETTINGS == set()
-    assert {"LLMSERVER_DATABASE_URL", "LLMSERVER_REDIS_URL", "LLMSERVER_ADMIN_KEY", "LLMSERVER_INSTANCE_API_KEY",
-            "LLMSERVER_INSTANCE_HOST", "LLMSERVER_NODE_ID", "LLMSERVER_GATEWAY_ID"} <= llmserver_names  # fmt: skip
+    assert {"LLMSERVER_STATE__DATABASE_URL", "LLMSERVER_STATE__REDIS_URL", "LLMSERVER_ADMIN_KEY",
+            "LLMSERVER_INSTANCES__API_KEY", "LLMSERVER_INSTANCES__HOST", "LLMSERVER_NODE__ID",
+            "LLMSERVER_STATE__GATEWAY_ID"} <= llmserver_names  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The documentation site: it builds with no broken link, missing page or anchor (mkdocs --strict),
-every page is in its navigation, and the settings table is the one the settings generate."""
+every page is in its navigation, and the settings tables are the ones the settings generate."""
 
 from __future__ import annotations
 
@@ -10,18 +10,19 @@ from pathlib import Path
 
 import yaml
 
-from llmserver.commands.config import markdown_reference
+from llmserver.commands.config import markdown_reference, markdown_renamed
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 ENV = {"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"}  # (mkdocs-material's notice about its successor)
 
 
-def test_settings_table_is_current() -> None:
+def test_settings_tables_are_current() -> None:
     text = (DOCS / "reference" / "configuration.md").read_text()
-    start = text.index("<!-- settings-table:start -->\n") + len("<!-- settings-table:start -->\n")
-    end = text.index("<!-- settings-table:end -->")
-    assert text[start:end].strip() == markdown_reference().strip(), "run .venv/bin/python scripts/docs_settings.py"
+    for name, table in (("settings-table", markdown_reference()), ("renamed-table", markdown_renamed())):
+        start = text.index(f"<!-- {name}:start -->\n") + len(f"<!-- {name}:start -->\n")
+        end = text.index(f"<!-- {name}:end -->")
+        assert text[start:end].strip() == table.strip(), "run .venv/bin/python scripts/docs_settings.py"
 
 
 def nav_pages(entries: list[object]) -> set[str]:

@@ -1,14 +1,25 @@
 from __future__ import annotations
 
+import json
+import socket
 from pathlib import Path
 
 import click
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from llmserver.commands import models_from_args
-from llmserver.commands.config import markdown_reference
-from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings
+from llmserver.commands.config import markdown_reference, markdown_renamed
+from llmserver.inputs.limits import FileLimits, ImageLimits
+from llmserver.settings import (
+    DEFAULT_MODEL_NAME,
+    RENAMED,
+    ModelConfig,
+    Settings,
+    env_name,
+    load_settings,
+    setting_paths,
+)
 
 
 def test_defaults_serve_the_embedded_model(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -16,23 +27,25 @@ def test_defaults_serve_the_embedded_model(monkeypatch: pytest.MonkeyPatch) -> N
     settings = load_settings()
     assert [m.name for m in settings.models] == [DEFAULT_MODEL_NAME]
     assert settings.models[0].path is None
-    assert (settings.host, settings.port, settings.owned_by) == ("127.0.0.1", 8000, "5cbot_llm_server")
+    assert (settings.server.host, settings.server.port, settings.owned_by) == ("127.0.0.1", 8000, "5cbot_llm_server")
     assert settings.data_dir.name == "llmserver"
 
 
 def test_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "c.toml"
     config.write_text(
-        'port = 9000\nowned_by = "from-file"\nhost = "0.0.0.0"\n'
+        'owned_by = "from-file"\n'
+        '[server]\nport = 9000\nhost = "0.0.0.0"\n'
         '[[models]]\nname = "a"\npath = "/m/a.gguf"\nparallel = 2\n'
         '[[models]]\nname = "b"\npath = "/m/a.gguf"\n'
     )
     monkeypatch.setenv("LLMSERVER_OWNED_BY", "from-env")
-    monkeypatch.setenv("LLMSERVER_HOST", "10.0.0.1")
-    settings = load_settings(config, host="127.0.0.2", port=None)
-    assert settings.port == 9000  # file
+    monkeypatch.setenv("LLMSERVER_SERVER__HOST", "10.0.0.1")
+    settings = load_settings(config, server={"host": "127.0.0.2", "port": None})
+    assert settings.server.port == 9000  # file
     assert settings.owned_by == "from-env"  # env beats file
-    assert settings.host == "127.0.0.2"  # flag beats env
+    assert settings.server.host == "127.0.0.2"  # flag beats env
+    assert settings.deprecations == ()
     assert [(m.name, m.parallel) for m in settings.models] == [("a", 2), ("b", 4)]
     assert isinstance(settings, Settings) and type(settings) is Settings
 
@@ -57,11 +70,16 @@ def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
         '[[models]]\nname = "bad name"\n',
         '[[models]]\nname = "a"\nparallel = 0\n',
         '[[models]]\nname = "a"\nunknown = 1\n',
-        "default_max_tokens = 900\nmax_tokens_limit = 100\n",
+        "[limits]\ndefault_max_tokens = 900\nmax_tokens = 100\n",
+        "default_max_tokens = 900\nmax_tokens_limit = 100\n",  # the old names, checked as the new
         "no_such_setting = 1\n",
-        "workers = 2\n",  # role all: every worker would start its own instances
-        'workers = 2\nrole = "gateway"\nredis_url = "redis://127.0.0.1:6379"\n',  # SQLite: one gateway's file
-        'workers = 0\nrole = "gateway"\n',
+        "[server]\nno_such_setting = 1\n",
+        "[limits.images]\nmax_bytes = 10\n",
+        "[instances]\ntls_cert = '/c.pem'\n",  # without its key
+        "[server]\nworkers = 2\n",  # role all: every worker would start its own instances
+        # SQLite: one gateway's file
+        'role = "gateway"\n[server]\nworkers = 2\n[state]\nredis_url = "redis://127.0.0.1:6379"\n',
+        'role = "gateway"\n[server]\nworkers = 0\n',
     ],
 )
 def test_invalid_settings_are_rejected(tmp_path: Path, config: str) -> None:
@@ -87,16 +105,138 @@ def test_model_args() -> None:
 
 def test_reference_table_lists_every_setting() -> None:
     table = markdown_reference()
-    for name in Settings.model_fields:
-        if name != "models":
-            assert f"`{name}`" in table
+    paths = setting_paths()
+    assert len(paths) > 80 and ("limits", "files", "archive", "max_depth") in paths
+    for path in paths:
+        assert f"| `{'.'.join(path)}` |" in table and f"`{env_name(path)}`" in table
     for name in ModelConfig.model_fields:
         assert f"`models[].{name}`" in table
+    renamed = markdown_renamed()
+    for old, path in RENAMED.items():
+        assert f"| `{old}` | `{'.'.join(path)}`" in renamed
+
+
+def test_every_old_name_leads_to_a_setting() -> None:
+    assert set(RENAMED.values()) <= set(setting_paths())
+    assert not RENAMED.keys() & {path[0] for path in setting_paths() if len(path) == 1}
+
+
+def sample(path: tuple[str, ...]) -> tuple[object, str]:
+    """A value for the setting at `path` other than its default (what the test expects to read back),
+    and how the environment writes it."""
+    special: dict[tuple[str, ...], object] = {
+        ("server", "workers"): 1,  # more needs role gateway and PostgreSQL: checked in its own test
+        ("router", "policy"): "least_loaded",
+        ("prompt_cache", "isolation"): "shared",
+        ("observability", "log_level"): "debug",
+        ("observability", "log_format"): "json",
+        ("node", "labels"): {"gpu": "a100"},
+        ("limits", "images", "fetch_allow_hosts"): ["127.0.0.1:9"],
+        ("limits", "default_max_tokens"): 100,
+    }
+    owner: type[BaseModel] = Settings
+    for part in path[:-1]:
+        owner = owner.model_fields[part].annotation  # type: ignore[assignment]
+    field = owner.model_fields[path[-1]]
+    if path in special:
+        value = special[path]
+    else:
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, bool):
+            value = not default
+        elif isinstance(default, int):
+            value = default + 1 if default < 8 or path[-1].endswith("port") else default - 1
+        elif isinstance(default, float):
+            value = default + 0.5
+        elif default is None and "Path" in str(field.annotation):
+            value = Path("/etc/hosts")
+        else:
+            value = "x1" if default in ("", None) else f"{default}-1"
+    written = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+    return value, written
+
+
+def read_back(settings: Settings, path: tuple[str, ...]) -> object:
+    value: object = settings
+    for part in path:
+        value = getattr(value, part)
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+def toml_value(value: object) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(str(value) if isinstance(value, Path) else value)
+
+
+@pytest.mark.parametrize("old", sorted(set(RENAMED) - {"instance_tls_cert", "instance_tls_key"}))
+def test_an_old_name_is_read_with_one_warning(old: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = RENAMED[old]
+    value, written = sample(path)
+    monkeypatch.setenv(f"LLMSERVER_{old.upper()}", written)
+    from_env = load_settings()
+    assert read_back(from_env, path) == value
+    assert from_env.deprecations == (f"LLMSERVER_{old.upper()} is deprecated: set {env_name(path)} instead",)
+    monkeypatch.delenv(f"LLMSERVER_{old.upper()}")
+    config = tmp_path / "c.toml"
+    config.write_text(f"{old} = {toml_value(value)}\n")
+    from_file = load_settings(config)
+    assert read_back(from_file, path) == value
+    section, name = ".".join(path[:-1]), path[-1]
+    assert from_file.deprecations == (f"{config}: the setting {old} is deprecated: set {name} in [{section}] instead",)
+
+
+def test_the_old_tls_pair_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMSERVER_INSTANCE_TLS_CERT", "/c.pem")
+    monkeypatch.setenv("LLMSERVER_INSTANCE_TLS_KEY", "/k.pem")
+    settings = load_settings()
+    assert (settings.instances.tls_cert, settings.instances.tls_key) == (Path("/c.pem"), Path("/k.pem"))
+    assert len(settings.deprecations) == 2
+
+
+def test_a_new_name_wins_over_its_old_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("port = 9001\n[server]\nport = 9002\n")
+    assert load_settings(config).server.port == 9002  # the same source: the new name
+    monkeypatch.setenv("LLMSERVER_PORT", "9003")
+    assert load_settings(config).server.port == 9003  # the environment over the file, whatever its names
+    monkeypatch.setenv("LLMSERVER_SERVER__PORT", "9004")
+    assert load_settings(config).server.port == 9004
+    assert load_settings(config, server={"port": 9005}).server.port == 9005  # a flag over all
+
+
+def test_python_callers_may_still_give_old_names_silently() -> None:
+    settings = Settings(host="0.0.0.0", max_image_bytes=4096, cache_isolation="shared")
+    assert (settings.server.host, settings.limits.images.max_bytes) == ("0.0.0.0", 4096)
+    assert settings.prompt_cache.isolation == "shared" and settings.deprecations == ()
+
+
+def test_the_limits_sections_are_what_inputs_receive() -> None:
+    settings = load_settings(limits={"images": {"max_bytes": 4096}, "files": {"archive": {"max_depth": 2}}})
+    assert isinstance(settings.limits.images, ImageLimits) and settings.limits.images.max_bytes == 4096
+    assert isinstance(settings.limits.files, FileLimits) and settings.limits.files.archive.max_depth == 2
+
+
+def test_settings_are_read_only() -> None:
+    settings = load_settings()
+    with pytest.raises(ValidationError):
+        settings.server.port = 1  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        settings.models = []  # type: ignore[misc]
+
+
+def test_derived_values_are_filled_in_once(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path)
+    assert settings.state.database_url == f"sqlite:///{tmp_path / 'llmserver.db'}"
+    assert settings.state.gateway_id == socket.gethostname()
+    assert load_settings(state={"gateway_id": "g1"}).state.gateway_id == "g1"
 
 
 def test_workers_need_a_gateway_on_postgresql() -> None:
-    settings = load_settings(workers=2, role="gateway", database_url="postgresql://u@db/llm", redis_url="redis://r")
-    assert settings.workers == 2
+    settings = load_settings(
+        role="gateway", server={"workers": 2}, state={"database_url": "postgresql://u@db/llm", "redis_url": "redis://r"}
+    )
+    assert settings.server.workers == 2
 
 
 def test_llama_server_knobs_become_its_flags(tmp_path: Path) -> None:

@@ -122,7 +122,7 @@ def test_serve_is_not_ready_before_its_port_answers(tmp_path: Path) -> None:
         process = spawn(
             [sys.executable, "-m", "llmserver", "serve", "--port", str(port), "--data-dir", str(data)],
             tmp_path / "serve.log",
-            {**os.environ, "NOTIFY_SOCKET": listener.path, "LLMSERVER_INSTANCE_BASE_PORT": str(free_port_range(4))},
+            {**os.environ, "NOTIFY_SOCKET": listener.path, "LLMSERVER_INSTANCES__BASE_PORT": str(free_port_range(4))},
         )
         try:
             assert wait_for(lambda: listener.first("READY") is not None, 120), (tmp_path / "serve.log").read_text()
@@ -140,9 +140,9 @@ def test_a_node_says_ready_once_its_instances_are_published(tmp_path: Path) -> N
     with listening(tmp_path) as listener:
         config = tmp_path / "node.toml"
         config.write_text(f'[[models]]\nname = "{MODEL}"\nparallel = 1\nctx_size = 512\nthreads = 1\n')
-        env = {**os.environ, "NOTIFY_SOCKET": listener.path, "LLMSERVER_NODE_ID": "notifying",
-               "LLMSERVER_NODE_PORT": "0", "LLMSERVER_INSTANCE_API_KEY": "systemd-test-instance-key",
-               "LLMSERVER_INSTANCE_BASE_PORT": str(free_port_range(4))}  # fmt: skip
+        env = {**os.environ, "NOTIFY_SOCKET": listener.path, "LLMSERVER_NODE__ID": "notifying",
+               "LLMSERVER_NODE__PORT": "0", "LLMSERVER_INSTANCES__API_KEY": "systemd-test-instance-key",
+               "LLMSERVER_INSTANCES__BASE_PORT": str(free_port_range(4))}  # fmt: skip
         node = spawn([sys.executable, "-m", "llmserver", "node", "--config", str(config), "--data-dir",
                       str(tmp_path / "node"), "--redis-url", url], tmp_path / "node.log", env)  # fmt: skip
         try:
@@ -166,8 +166,9 @@ def test_workers_are_ready_together(tmp_path: Path) -> None:
     with listening(tmp_path) as listener:
         port = free_port()
         env = {**os.environ, "NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": "2000000", "LLMSERVER_ROLE": "gateway",
-               "LLMSERVER_DATABASE_URL": database_url, "LLMSERVER_REDIS_URL": shared.url.rsplit("/", 1)[0] + "/11",
-               "LLMSERVER_WORKERS": "2", "LLMSERVER_GATEWAY_ID": "notify-workers"}  # fmt: skip
+               "LLMSERVER_STATE__DATABASE_URL": database_url, "LLMSERVER_STATE__REDIS_URL": shared.url.rsplit("/",
+               1)[0] + "/11",
+               "LLMSERVER_SERVER__WORKERS": "2", "LLMSERVER_STATE__GATEWAY_ID": "notify-workers"}  # fmt: skip
         process = spawn([sys.executable, "-m", "llmserver", "serve", "--port", str(port), "--data-dir",
                          str(tmp_path / "gw")], tmp_path / "serve.log", env)  # fmt: skip
         try:

@@ -84,8 +84,8 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        tracing.configure(settings.otlp_endpoint, "llmserver")
-        store = await open_store(settings.store_url)
+        tracing.configure(settings.observability.otlp_endpoint, "llmserver")
+        store = await open_store(settings.state.database_url)
         try:  # the models: the catalog's, with the config file's brought in (models/catalog.py)
             entries = await model_catalog.seed(store, settings)
         except BaseException:
@@ -93,18 +93,18 @@ def create_app(settings: Settings) -> FastAPI:
             raise
         own = list(settings.models)  # the config file's (a gateway of role `all` on a shared database keeps them)
         lineup = Lineup(model_catalog.served(entries, settings, own))
-        gateway = settings.gateway_name
+        gateway = settings.state.gateway_id
         admin_key = settings.admin_key.get_secret_value() if settings.admin_key else None
         supervisor = Supervisor(settings, lineup)
         metrics = Metrics(supervisor.pools)
-        metrics.registry.register(PoolCollector(supervisor, node=settings.node_id or gateway))
+        metrics.registry.register(PoolCollector(supervisor, node=settings.node.id or gateway))
         quota = QuotaService(store, gateway)
         speed = RollingSpeed(store)
         supervisor.speed_of = speed.average
         await speed.load()
         recorder = UsageRecorder(store, quota, speed, metrics)
-        rate, concurrency, shared = open_limiters(settings.redis_url, gateway)
-        if shared is None and not settings.store_url.startswith("sqlite:"):
+        rate, concurrency, shared = open_limiters(settings.state.redis_url, gateway)
+        if shared is None and not settings.state.database_url.startswith("sqlite:"):
             log.warning("no redis_url: rpm and max_concurrency are counted per gateway, not for all gateways at once")
         admission = Admission(
             Router(supervisor.pools),
@@ -113,7 +113,7 @@ def create_app(settings: Settings) -> FastAPI:
             quota,
             recorder,
             metrics,
-            default_concurrency=settings.max_concurrency_per_key,
+            default_concurrency=settings.limits.max_concurrency_per_key,
             local_concurrency=MemoryConcurrencyLimiter() if shared is not None else None,
         )
 
@@ -125,38 +125,38 @@ def create_app(settings: Settings) -> FastAPI:
             store,
             store,
             gateway,
-            lease=settings.gateway_lease_seconds,
-            job_ttl=settings.async_result_ttl,
+            lease=settings.state.gateway_lease_seconds,
+            job_ttl=settings.jobs.result_ttl,
             produced=recorder.produced,
             on_beat=[refresh_speed, *([shared.resync] if shared is not None else [])],
             on_sweep=shared.forget_gateway if shared is not None else None,
         )
         documents = DocumentService(
-            timeout=settings.extract_timeout,
-            memory_mb=settings.extract_memory_mb,
-            limits=settings.file_limits,
-            workers=settings.extract_workers or None,
+            timeout=settings.limits.files.extract_timeout,
+            memory_mb=settings.limits.files.extract_memory_mb,
+            limits=settings.limits.files,
+            workers=settings.limits.files.extract_workers or None,
             on_extraction=metrics.extracted,
         )
         documents.warm_up()
         images = ImageService(
-            timeout=settings.image_fetch_timeout,
-            limits=settings.image_limits,
-            allow_hosts=settings.fetch_allow_hosts,
+            timeout=settings.limits.images.fetch_timeout,
+            limits=settings.limits.images,
+            allow_hosts=settings.limits.images.fetch_allow_hosts,
             on_prepared=lambda source, seconds: metrics.image_seconds.labels(source).observe(seconds),
         )
         inputs = InputService(images, documents, [m.name for m in lineup if m.vision_capable])
         calls = InstanceCalls(
             admission,
-            attempts=settings.instance_attempts,
-            timeout=settings.request_timeout,
-            isolate_keys=settings.cache_isolation == "key",
+            attempts=settings.instances.attempts,
+            timeout=settings.limits.request_timeout,
+            isolate_keys=settings.prompt_cache.isolation == "key",
         )
         job_service = JobService(settings, store, store, store)
 
         app.state.settings = settings
         app.state.store = store
-        app.state.keys = KeyService(store, admin_key, settings.key_cache_seconds)
+        app.state.keys = KeyService(store, admin_key, settings.state.key_cache_seconds)
         app.state.supervisor = supervisor
         app.state.metrics = metrics
         app.state.quota = quota
@@ -181,7 +181,7 @@ def create_app(settings: Settings) -> FastAPI:
         if registry is not None:
             supervisor.on_new_pool = registry.adopt
             scheduler = Scheduler(
-                store, registry.client, gateway, catalog, lease_seconds=settings.scheduler_lease_seconds
+                store, registry.client, gateway, catalog, lease_seconds=settings.state.scheduler_lease_seconds
             )
         probes: dict[str, Probe] = {"database": store.ping}
         if shared is not None:
@@ -215,11 +215,11 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             # Should a step below hang, say where: the tasks still waiting, with their stacks.
-            overdue = asyncio.get_running_loop().call_later(settings.drain_timeout + 15, _log_pending_tasks)
+            overdue = asyncio.get_running_loop().call_later(settings.server.drain_timeout + 15, _log_pending_tasks)
             if scheduler is not None:
                 await scheduler.stop()
             await catalog.stop()
-            await job_service.stop(grace=settings.drain_timeout)
+            await job_service.stop(grace=settings.server.drain_timeout)
             if registry is not None:
                 await registry.stop()
             await supervisor.stop()
@@ -251,7 +251,7 @@ def create_app(settings: Settings) -> FastAPI:
     _install_error_handlers(app)
     app.front = lambda stack, hot: Front(
         stack,
-        max_bytes=settings.max_request_bytes,
+        max_bytes=settings.server.max_request_bytes,
         quota=lambda: app.state.quota,
         hot=hot,
         api_error=_api_error,
@@ -283,8 +283,10 @@ def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:
         return None
     from llmserver.auth.limiters import connect_redis
 
-    client = connect_redis(settings.redis_url)
-    return Registry(client, supervisor.pools, settings.instance_key, settings.gateway_name, settings.instance_tls())
+    client = connect_redis(settings.state.redis_url)
+    return Registry(
+        client, supervisor.pools, settings.instances.key, settings.state.gateway_id, settings.instances.tls()
+    )
 
 
 GC_YOUNG_THRESHOLD = 20_000

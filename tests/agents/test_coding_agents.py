@@ -39,7 +39,7 @@ AIDER = "aider-chat==0.86.1"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserver-tests" / "agents"
 # The embedded model, its context raised past the agents' prompts (its training context is 8,192).
 BIG_CONFIG = f"""
-max_tokens_limit = 256
+limits.max_tokens = 256
 [[models]]
 name = "{MODEL}"
 parallel = 1

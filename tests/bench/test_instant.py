@@ -13,7 +13,7 @@ from tests.support import MODEL, Server, create_key
 
 def test_llmserver_serves_through_the_instant_stand_in(tmp_path: Path) -> None:
     script = instant.upstream_script(tmp_path)
-    config = f'llama_server_path = "{script}"\n[[models]]\nname = "{MODEL}"\nparallel = 2\n'
+    config = f'instances.llama_server_path = "{script}"\n[[models]]\nname = "{MODEL}"\nparallel = 2\n'
     server = Server(data_dir=tmp_path / "data", config=config).start(timeout=60)
     try:
         key = create_key(server.data_dir, "instant")

@@ -31,7 +31,7 @@ def one_line(ran: subprocess.CompletedProcess[str], status: int, *words: str) ->
 
 def test_a_config_with_a_toml_syntax_error(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
-    config.write_text("port = \n")
+    config.write_text("server.port = \n")
     for command in (["config"], ["keys", "list"], ["serve", "--port", "1"]):
         one_line(llmserver(*command, "--config", str(config), "--data-dir", str(tmp_path)), 2, "not valid TOML")
 
@@ -108,11 +108,11 @@ def test_extract_over_the_file_limit_says_413(tmp_path: Path) -> None:
 def test_a_node_on_the_network_needs_a_key_and_tls_unless_told_the_network_is_trusted(tmp_path: Path) -> None:
     # 192.0.2.1 (TEST-NET-1) is never bound: each refusal comes before any instance is started.
     node = ["node", "--advertise", "192.0.2.1", "--redis-url", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]
-    one_line(llmserver(*node), 2, "without a key", "instance_api_key")
+    one_line(llmserver(*node), 2, "without a key", "[instances] api_key", "LLMSERVER_INSTANCES__API_KEY")
     # On loopback too: its gateways reach its instances with the key, and no other local process may.
     loopback = ["node", "--redis-url", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]
-    one_line(llmserver(*loopback), 2, "on 127.0.0.1 without a key", "instance_api_key")
-    keyed = {"LLMSERVER_INSTANCE_API_KEY": "k" * 32}
-    one_line(llmserver(*node, env=keyed), 2, "in clear", "instance_tls_cert", "instance_plain_http")
-    half = {**keyed, "LLMSERVER_INSTANCE_TLS_CERT": str(tmp_path / "cert.pem")}
-    one_line(llmserver(*node, env=half), 2, "instance_tls_cert and instance_tls_key go together")
+    one_line(llmserver(*loopback), 2, "on 127.0.0.1 without a key", "[instances] api_key")
+    keyed = {"LLMSERVER_INSTANCES__API_KEY": "k" * 32}
+    one_line(llmserver(*node, env=keyed), 2, "in clear", "tls_cert and tls_key in [instances]", "plain_http")
+    half = {**keyed, "LLMSERVER_INSTANCES__TLS_CERT": str(tmp_path / "cert.pem")}
+    one_line(llmserver(*node, env=half), 2, "instances: Value error, tls_cert and tls_key go together")

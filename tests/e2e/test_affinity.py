@@ -22,7 +22,7 @@ TURNS = 6
 
 def config(routing: str) -> str:
     model = f'name = "{MODEL}"\nmin_instances = 2\nmax_instances = 2\nparallel = 2\nctx_size = 2048\n'
-    return f'routing = "{routing}"\n[[models]]\n{model}'
+    return f'router.policy = "{routing}"\n[[models]]\n{model}'
 
 
 def test_affinity_keeps_conversations_on_their_cached_instance(start_server: Callable[..., Server]) -> None:

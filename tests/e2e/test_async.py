@@ -24,8 +24,8 @@ GONE = {
     }
 }
 ASYNC_CONFIG = f"""
-sync_timeout = 1.5
-webhook_allow_private = true
+jobs.sync_timeout = 1.5
+jobs.webhook_allow_private = true
 [[models]]
 name = "{MODEL}"
 parallel = 2
@@ -148,7 +148,7 @@ def test_failed_generation_is_reported_as_failed(async_server: Server) -> None:
 
 def test_sync_request_past_sync_timeout_falls_back_to_async(start_server: Callable[..., Server]) -> None:
     # 250 tokens take about 1.7 s here: 0.2 s is far from any machine's speed.
-    server = start_server(ASYNC_CONFIG.replace("sync_timeout = 1.5", "sync_timeout = 0.2"))
+    server = start_server(ASYNC_CONFIG.replace("jobs.sync_timeout = 1.5", "jobs.sync_timeout = 0.2"))
     key = make_key(server.data_dir, "fallback")
     answer = httpx.post(server.url + "/api/generate", json={**LONG, "api_key": key}, timeout=60)
     assert answer.status_code == 200
@@ -195,7 +195,7 @@ def job_rows(data_dir: Path, tracking_id: str) -> list[tuple[str]]:
 
 def test_expired_results_are_404(start_server: Callable[..., Server]) -> None:
     server = start_server(
-        f'async_result_ttl = 1\njob_sweep_interval = 0.5\n[[models]]\nname = "{MODEL}"\nctx_size = 512\n'
+        f'jobs.result_ttl = 1\njobs.sweep_interval = 0.5\n[[models]]\nname = "{MODEL}"\nctx_size = 512\n'
     )
     key = make_key(server.data_dir, "late")
     _, encoded = new_key()
@@ -216,7 +216,7 @@ def stopped_while_running(
 ) -> tuple[str, dict[str, Any], dict[str, str], bytes, Server]:
     """A server stopped (SIGTERM) while an async job of `max_tokens` runs: its config, the submit
     answer, the poll parameters, the client key, and the stopped server."""
-    config = f'drain_timeout = {drain_timeout}\n[[models]]\nname = "{MODEL}"\nctx_size = 1024\n'
+    config = f'server.drain_timeout = {drain_timeout}\n[[models]]\nname = "{MODEL}"\nctx_size = 1024\n'
     first = start_server(config, data_dir=tmp_path)
     key = make_key(tmp_path, "stopped")
     raw, encoded = new_key()

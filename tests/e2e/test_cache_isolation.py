@@ -1,6 +1,6 @@
 """The cache side channel of issue 39 (row 3), as its probe ran: a victim key sends a system prompt
 holding a secret; an attacker key sends guesses and reads `usage.prompt_tokens_details.cached_tokens`.
-Under cache_isolation = "key" (the default) a wrong guess and a right one read the same, and the
+Under prompt_cache.isolation = "key" (the default) a wrong guess and a right one read the same, and the
 victim's own next request still reuses its cache; under "shared" the probe tells them apart."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_another_keys_prompt_cannot_be_probed(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = f'cache_isolation = "shared"\n[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
+    config = f'prompt_cache.isolation = "shared"\n[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
     server = Server(data_dir=tmp_path_factory.mktemp("shared-cache"), config=config).start()
     yield server
     server.stop()

@@ -70,9 +70,9 @@ def test_the_image_builds_offline_and_serves_as_a_non_root_user(buildah: list[st
 
     container = run([*buildah, "from", "--quiet", IMAGE], 120).stdout.strip()
     port, admin = free_port(), "sk-admin-container-test-0123456789"
-    settings = {"LLMSERVER_ADMIN_KEY": admin, "LLMSERVER_PORT": str(port)}
+    settings = {"LLMSERVER_ADMIN_KEY": admin, "LLMSERVER_SERVER__PORT": str(port)}
     # The chroot shares this host's network: instances get free ports here, not the default 8001.
-    settings["LLMSERVER_INSTANCE_BASE_PORT"] = str(free_port_range(4, avoid=port))
+    settings["LLMSERVER_INSTANCES__BASE_PORT"] = str(free_port_range(4, avoid=port))
     inside = [*buildah, "run", "--isolation", "chroot"]
     for name, value in settings.items():
         inside += ["-e", f"{name}={value}"]

@@ -13,7 +13,7 @@ import pytest
 from tests.support import COUNTING, MODEL, Server, assert_error, busy_slots, create_key, wait_for
 
 CONFIG = f"""
-max_tokens_limit = 2048
+limits.max_tokens = 2048
 [[models]]
 name = "{MODEL}"
 parallel = 1

@@ -15,8 +15,8 @@ from tests.support import Server, make_key
 ROOT = Path(__file__).resolve().parents[2]
 # Generation is cut short: the fuzzer exercises validation and routing, not the model.
 CONFIG = """
-max_tokens_limit = 8
-default_max_tokens = 4
+limits.max_tokens = 8
+limits.default_max_tokens = 4
 [[models]]
 name = "SmolLM2-135M-Instruct-Q4_1"
 ctx_size = 512

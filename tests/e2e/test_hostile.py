@@ -117,7 +117,7 @@ def _held(server: Server, request: bytes) -> tuple[float, bytes]:
     ],
 )
 def test_a_request_that_stops_arriving_is_closed(start_server: Callable[..., Server], request_bytes: bytes) -> None:
-    server = start_server("request_read_timeout = 2\n")
+    server = start_server("server.request_read_timeout = 2\n")
     waited, answered = _held(server, request_bytes)
     assert 1.5 < waited < 10, waited
     assert answered == b""

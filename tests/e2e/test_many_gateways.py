@@ -25,10 +25,10 @@ from tests.support import COUNTING, MODEL, Server, cli, wait_for
 from tests.support.services import Postgres, Redis
 
 CONFIG = f"""
-gateway_lease_seconds = 3
-max_concurrency_per_key = 64
-key_cache_seconds = 0.2
-sync_timeout = 60
+state.gateway_lease_seconds = 3
+limits.max_concurrency_per_key = 64
+state.key_cache_seconds = 0.2
+jobs.sync_timeout = 60
 [[models]]
 name = "{MODEL}"
 parallel = 2
@@ -49,9 +49,9 @@ class Deployment:
 
     def env(self, gateway_id: str) -> dict[str, str]:
         return {
-            "LLMSERVER_DATABASE_URL": self.database_url,
-            "LLMSERVER_REDIS_URL": self.redis.url,
-            "LLMSERVER_GATEWAY_ID": gateway_id,
+            "LLMSERVER_STATE__DATABASE_URL": self.database_url,
+            "LLMSERVER_STATE__REDIS_URL": self.redis.url,
+            "LLMSERVER_STATE__GATEWAY_ID": gateway_id,
         }
 
     def start_gateway(self, gateway_id: str) -> Server:
@@ -84,7 +84,7 @@ def deployment(
 ) -> Iterator[Deployment]:
     url = postgres.new_database()
     root = tmp_path_factory.mktemp("gateways")
-    migrated = cli(root, "db", "migrate", env={"LLMSERVER_DATABASE_URL": url})
+    migrated = cli(root, "db", "migrate", env={"LLMSERVER_STATE__DATABASE_URL": url})
     assert migrated.returncode == 0, migrated.stderr
     running = Deployment(postgres, redis_server, url, root, [])
     running.start_gateway("gw-a")

@@ -189,13 +189,17 @@ def test_gateways_of_role_all_on_one_database_keep_their_own_models(
     and the catalog's, which a model added through either reaches both."""
     postgres, shared = shared_servers()
     database_url = postgres.new_database()
-    assert cli(tmp_path, "db", "migrate", env={"LLMSERVER_DATABASE_URL": database_url}).returncode == 0
+    assert cli(tmp_path, "db", "migrate", env={"LLMSERVER_STATE__DATABASE_URL": database_url}).returncode == 0
     admin = "role-all-admin-key-0123456789abcdef"
-    env = {"LLMSERVER_DATABASE_URL": database_url, "LLMSERVER_REDIS_URL": shared.url, "LLMSERVER_ADMIN_KEY": admin}
+    env = {
+        "LLMSERVER_STATE__DATABASE_URL": database_url,
+        "LLMSERVER_STATE__REDIS_URL": shared.url,
+        "LLMSERVER_ADMIN_KEY": admin,
+    }
     first = start_server(FILE_MODEL.replace(f'"{MODEL}"', '"first"'), data_dir=tmp_path / "a",
-                         env={**env, "LLMSERVER_GATEWAY_ID": "role-all-a"})  # fmt: skip
+                         env={**env, "LLMSERVER_STATE__GATEWAY_ID": "role-all-a"})  # fmt: skip
     second = start_server(FILE_MODEL.replace(f'"{MODEL}"', '"second"'), data_dir=tmp_path / "b",
-                          env={**env, "LLMSERVER_GATEWAY_ID": "role-all-b"})  # fmt: skip
+                          env={**env, "LLMSERVER_STATE__GATEWAY_ID": "role-all-b"})  # fmt: skip
     assert server_models(first, admin) == [] and server_models(second, admin) == []  # nothing of theirs written
     added = admin_call(second, admin, "POST", "/api/models", {**B, "name": "shared", "min_instances": 0})
     assert added.status_code == 201, added.text

@@ -21,9 +21,9 @@ CONFIG = f'[[models]]\nname = "{MODEL}"\nparallel = 1\nctx_size = 512\nthreads =
 def node_command(data: Path, redis_url: str) -> tuple[list[str], dict[str, str]]:
     data.mkdir(exist_ok=True)
     (data / "config.toml").write_text(CONFIG)
-    env = {**os.environ, "LLMSERVER_NODE_ID": "twin", "LLMSERVER_NODE_PORT": "0",
-           "LLMSERVER_INSTANCE_API_KEY": "node-identity-test-instance-key",
-           "LLMSERVER_INSTANCE_BASE_PORT": str(free_port_range(4))}  # fmt: skip
+    env = {**os.environ, "LLMSERVER_NODE__ID": "twin", "LLMSERVER_NODE__PORT": "0",
+           "LLMSERVER_INSTANCES__API_KEY": "node-identity-test-instance-key",
+           "LLMSERVER_INSTANCES__BASE_PORT": str(free_port_range(4))}  # fmt: skip
     command = [sys.executable, "-m", "llmserver", "node", "--config", str(data / "config.toml"),
                "--data-dir", str(data), "--redis-url", redis_url]  # fmt: skip
     return command, env
@@ -48,7 +48,7 @@ def test_a_node_id_held_by_a_live_node_is_refused(tmp_path: Path) -> None:
         refused = subprocess.run(second_command, env=env, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1
         assert refused.stderr.strip().splitlines() == [
-            f"Error: node id 'twin' is held by a live node (incarnation {live}): give this node another node_id, "
+            f"Error: node id 'twin' is held by a live node (incarnation {live}): give this node another node.id, "
             "or stop that one"
         ]
         assert "starting" not in refused.stderr + refused.stdout  # no instance was started

@@ -55,8 +55,8 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Postgres,
     server = None
     try:
         data = tmp_path_factory.mktemp("shared")
-        env = {"LLMSERVER_DATABASE_URL": postgres.new_database(), "LLMSERVER_REDIS_URL": redis.url,
-               "LLMSERVER_METRICS_TOKEN": TOKEN, "LLMSERVER_GATEWAY_ID": "observed"}  # fmt: skip
+        env = {"LLMSERVER_STATE__DATABASE_URL": postgres.new_database(), "LLMSERVER_STATE__REDIS_URL": redis.url,
+               "LLMSERVER_OBSERVABILITY__METRICS_TOKEN": TOKEN, "LLMSERVER_STATE__GATEWAY_ID": "observed"}  # fmt: skip
         migrated = cli(data, "db", "migrate", env=env)
         assert migrated.returncode == 0, migrated.stderr
         server = Server(data, CONFIG, env=env).start()
@@ -124,7 +124,11 @@ def test_ready_names_redis_while_it_is_down(shared: tuple[Postgres, Redis, Serve
 @pytest.fixture(scope="module")
 def json_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     data = tmp_path_factory.mktemp("json-logs")
-    server = Server(data, CONFIG, env={"LLMSERVER_LOG_FORMAT": "json", "LLMSERVER_METRICS_TOKEN": TOKEN}).start()
+    server = Server(
+        data,
+        CONFIG,
+        env={"LLMSERVER_OBSERVABILITY__LOG_FORMAT": "json", "LLMSERVER_OBSERVABILITY__METRICS_TOKEN": TOKEN},
+    ).start()
     yield server
     server.stop()
 
@@ -209,7 +213,7 @@ def test_json_logs_carry_the_request_id_the_client_sent_or_one_made(json_server:
 def test_a_gateway_refused_at_start_says_why_in_one_line_and_never_ready(json_server: Server, tmp_path: Path) -> None:
     """A second gateway on a taken port, and one under a gateway_id a live gateway holds."""
     base = [sys.executable, "-m", "llmserver", "serve", "--data-dir", str(json_server.data_dir)]
-    env = {**os.environ, **state_env(json_server.data_dir), "LLMSERVER_INSTANCE_BASE_PORT": str(free_port())}
+    env = {**os.environ, **state_env(json_server.data_dir), "LLMSERVER_INSTANCES__BASE_PORT": str(free_port())}
     taken = subprocess.run([*base, "--port", str(json_server.port)], env=env, capture_output=True, text=True,
                            timeout=120)  # fmt: skip
     assert taken.returncode == 1
@@ -217,7 +221,7 @@ def test_a_gateway_refused_at_start_says_why_in_one_line_and_never_ready(json_se
     assert "ready on" not in taken.stderr
     held = subprocess.run(
         [*base, "--port", str(free_port())],
-        env={**env, "LLMSERVER_GATEWAY_LEASE_SECONDS": "1"}, capture_output=True, text=True, timeout=120,
+        env={**env, "LLMSERVER_STATE__GATEWAY_LEASE_SECONDS": "1"}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     # The live gateway renews its lease (its own lease period, 10 s): this one waits two of its own and gives up.
     assert held.returncode == 1

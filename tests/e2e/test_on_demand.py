@@ -32,7 +32,7 @@ threads = 1
 idle_timeout = 5
 """
 # One instance of the embedded model measures ~142 MiB here; two do not fit in 200.
-ONE_INSTANCE_BUDGET = "memory_budget_mb = 200\n"
+ONE_INSTANCE_BUDGET = "instances.memory_budget_mb = 200\n"
 
 
 def instances(server: Server, admin: str, model: str) -> list[dict[str, Any]]:
@@ -46,7 +46,7 @@ def generate(server: Server, key: str, model: str, **fields: Any) -> httpx.Respo
 
 
 def test_a_cold_model_starts_on_first_request_and_stops_when_idle(start_server: Callable[..., Server]) -> None:
-    server = start_server("queue_timeout = 60\n" + MODELS)
+    server = start_server("limits.queue_timeout = 60\n" + MODELS)
     admin = make_key(server.data_dir, "admin", admin=True)
     assert httpx.get(server.url + "/ready").status_code == 200  # b at zero does not hold readiness back
     assert instances(server, admin, "b") == []
@@ -64,7 +64,9 @@ def test_a_cold_model_starts_on_first_request_and_stops_when_idle(start_server: 
 
 
 def test_ten_first_requests_start_one_instance(start_server: Callable[..., Server]) -> None:
-    server = start_server("queue_timeout = 60\n" + MODELS.replace('name = "b"\n', 'name = "b"\nmax_instances = 2\n'))
+    server = start_server(
+        "limits.queue_timeout = 60\n" + MODELS.replace('name = "b"\n', 'name = "b"\nmax_instances = 2\n')
+    )
     admin = make_key(server.data_dir, "admin", admin=True)
     with concurrent.futures.ThreadPoolExecutor(10) as workers:
         answers = list(workers.map(lambda _: generate(server, admin, "b", max_tokens=2), range(10)))
@@ -75,7 +77,7 @@ def test_ten_first_requests_start_one_instance(start_server: Callable[..., Serve
 
 
 def test_keep_alive_holds_an_instance_past_idle_timeout(start_server: Callable[..., Server]) -> None:
-    server = start_server("queue_timeout = 60\nmax_keep_alive = 30\n" + MODELS)
+    server = start_server("limits.queue_timeout = 60\nlimits.max_keep_alive = 30\n" + MODELS)
     admin = make_key(server.data_dir, "admin", admin=True)
     assert generate(server, admin, "b", keep_alive=12).status_code == 200
     time.sleep(8)  # past idle_timeout (5 s), within keep_alive
@@ -85,7 +87,7 @@ def test_keep_alive_holds_an_instance_past_idle_timeout(start_server: Callable[.
 
 
 def test_under_a_one_instance_budget_models_swap(start_server: Callable[..., Server]) -> None:
-    server = start_server("queue_timeout = 60\n" + ONE_INSTANCE_BUDGET + MODELS)
+    server = start_server("limits.queue_timeout = 60\n" + ONE_INSTANCE_BUDGET + MODELS)
     admin = make_key(server.data_dir, "admin", admin=True)
     swaps = []
     for model in ("b", "a", "b", "a"):
@@ -101,7 +103,7 @@ def test_under_a_one_instance_budget_models_swap(start_server: Callable[..., Ser
 
 
 def test_an_instance_with_a_stream_in_flight_is_never_evicted(start_server: Callable[..., Server]) -> None:
-    server = start_server("queue_timeout = 60\n" + ONE_INSTANCE_BUDGET + MODELS)
+    server = start_server("limits.queue_timeout = 60\n" + ONE_INSTANCE_BUDGET + MODELS)
     admin = make_key(server.data_dir, "admin", admin=True)
     (a_instance,) = instances(server, admin, "a")
     streamed: list[str] = []
@@ -131,7 +133,7 @@ def test_an_instance_with_a_stream_in_flight_is_never_evicted(start_server: Call
 
 
 def test_a_model_that_cannot_start_in_time_is_503_saying_why(start_server: Callable[..., Server]) -> None:
-    server = start_server("queue_timeout = 3\n" + ONE_INSTANCE_BUDGET + MODELS)
+    server = start_server("limits.queue_timeout = 3\n" + ONE_INSTANCE_BUDGET + MODELS)
     admin = make_key(server.data_dir, "admin", admin=True)
     hold = threading.Thread(
         target=lambda: generate(server, admin, "a", prompt=COUNTING, raw=True, max_tokens=400, temperature=0)

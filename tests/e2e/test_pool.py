@@ -24,8 +24,8 @@ ADMIN = "test-admin-key-0123456789"
 # Two models on the same GGUF file. MODEL: two fixed instances. "smol-b": one to two instances,
 # one slot each, a queue of one, and a short idle timeout.
 POOL_CONFIG = f"""
-max_concurrency_per_key = 4
-health_interval = 0.5
+limits.max_concurrency_per_key = 4
+instances.health_interval = 0.5
 
 [[models]]
 name = "{MODEL}"
@@ -108,7 +108,7 @@ def test_instance_records_are_the_seeds(pool: Server) -> None:
         command = " ".join(process.cmdline())
         assert (
             f"--port {record['port']}" in command and "--cache-ram 0" in command
-        )  # cache_isolation = "key": no RAM cache and "--threads 1" in command
+        )  # prompt_cache.isolation = "key": no RAM cache and "--threads 1" in command
         assert record["ram_used_mb"] > 0
         assert datetime.fromisoformat(record["last_activity"]).utcoffset() is not None
     with admin(pool) as client:

@@ -178,7 +178,7 @@ def shell_env(server: Server, values: dict[str, Any]) -> dict[str, str]:
         "ADMIN_KEY": values["admin"],
         "ID": values["job"]["tracking_id"],
         "LLMSERVER_DATA_DIR": str(server.data_dir),
-        "LLMSERVER_PORT": str(server.port),
+        "LLMSERVER_SERVER__PORT": str(server.port),
         "PYTHONPATH": str(ROOT),  # `python -m tests.…` as from the repository
     }
 

@@ -51,8 +51,8 @@ GATEWAYS = {21: "llms-sg1", 22: "llms-sg2"}  # NET.31-32
 # The compose stack's secrets, as its .env would give them (deploy/compose/compose.yaml: these tests run its
 # node and gateway services, on the test's hosts).
 COMPOSE_VALUES = {
-    "POSTGRES_PASSWORD": "unused-here", "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_ADMIN_KEY": ADMIN,
-    "LLMSERVER_METRICS_TOKEN": "scheduler-metrics-token-0123456789",
+    "POSTGRES_PASSWORD": "unused-here", "LLMSERVER_INSTANCES__API_KEY": SECRET, "LLMSERVER_ADMIN_KEY": ADMIN,
+    "LLMSERVER_OBSERVABILITY__METRICS_TOKEN": "scheduler-metrics-token-0123456789",
 }  # fmt: skip
 CHAT = {"name": "chat", "min_instances": 2, "max_instances": 3, "parallel": 2, "ctx_size": 512, "threads": 1}
 
@@ -83,8 +83,8 @@ class ScheduledNode(Node):
         self.home.mkdir(exist_ok=True)
         args, given = compose_service("node-1", COMPOSE_VALUES)
         args = [self.address if arg == "node-1" else arg for arg in args]
-        env = {**os.environ, **given, "HOME": str(self.home), "LLMSERVER_NODE_ID": self.name,
-               "LLMSERVER_REDIS_URL": self.redis_url, "LLMSERVER_DATABASE_URL": ""}  # fmt: skip
+        env = {**os.environ, **given, "HOME": str(self.home), "LLMSERVER_NODE__ID": self.name,
+               "LLMSERVER_STATE__REDIS_URL": self.redis_url, "LLMSERVER_STATE__DATABASE_URL": ""}  # fmt: skip
         self.process = spawn(
             ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", *args,
              "--data-dir", str(self.home)],
@@ -102,7 +102,9 @@ class Cluster:
     gateways: list[Server] = field(default_factory=list)
 
     def key(self, name: str) -> str:
-        result = cli(self.root, "keys", "create", "--name", name, env={"LLMSERVER_DATABASE_URL": self.database_url})
+        result = cli(
+            self.root, "keys", "create", "--name", name, env={"LLMSERVER_STATE__DATABASE_URL": self.database_url}
+        )
         assert result.returncode == 0, result.stderr
         return result.stdout.strip().splitlines()[-1]
 
@@ -112,8 +114,9 @@ class Cluster:
         args, given = compose_service(f"gateway-{number}", COMPOSE_VALUES)
         assert args[:1] == ["serve"] and args[-2:] == ["--host", "0.0.0.0"], args
         # The nodes' model folder, as they see it: a gateway of role `gateway` takes catalog paths only there.
-        env = {**given, "LLMSERVER_REDIS_URL": self.redis.url, "LLMSERVER_DATABASE_URL": self.database_url,
-               "LLMSERVER_SCHEDULER_LEASE_SECONDS": "3", "LLMSERVER_MODEL_DIRS": '["~/models"]'}  # fmt: skip
+        env = {**given, "LLMSERVER_STATE__REDIS_URL": self.redis.url,
+               "LLMSERVER_STATE__DATABASE_URL": self.database_url,
+               "LLMSERVER_STATE__SCHEDULER_LEASE_SECONDS": "3", "LLMSERVER_MODEL_DIRS": '["~/models"]'}  # fmt: skip
         gateway = Server(data_dir=self.root / f"gw-{number}", env=env, host=f"{NET}.{10 + index}",
                          namespace=GATEWAYS[index], extra_args=args[1:-2])  # fmt: skip
         return gateway.start()
@@ -151,7 +154,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         redis_server = Redis(bind=f"{NET}.1 127.0.0.1").start()
         postgres = Postgres(listen=f"{NET}.1,127.0.0.1", trust=f"{NET}.0/24").start()
         database_url = postgres.new_database()
-        migrated = cli(root, "db", "migrate", env={"LLMSERVER_DATABASE_URL": database_url})
+        migrated = cli(root, "db", "migrate", env={"LLMSERVER_STATE__DATABASE_URL": database_url})
         assert migrated.returncode == 0, migrated.stderr
         running = Cluster(root, redis_server, database_url)
         running.nodes = [ScheduledNode(index, root, redis_server.url).start() for index in WORKERS]
@@ -286,7 +289,7 @@ def test_the_other_gateway_schedules_once_the_leader_is_killed(cluster: Cluster)
     assert cluster.call(alive, "POST", "/api/models", later).status_code == 201
     assert wait_for(lambda: len(cluster.instances(alive, "later")) == 1, 60), alive.log()[-3000:]
     took = time.monotonic() - killed
-    assert cluster.leader() == alive.env["LLMSERVER_GATEWAY_ID"]
+    assert cluster.leader() == alive.env["LLMSERVER_STATE__GATEWAY_ID"]
     cluster.gateways[number - 1] = cluster.start_gateway(number)
     print(f"leader killed: the other gateway placed the next model {took:.1f} s later (lease 3 s)")
 
@@ -302,16 +305,17 @@ def test_a_full_node_stops_an_idle_instance_of_another_model_for_waiting_request
     redis_url = shared_redis.url.rsplit("/", 1)[0] + "/9"  # a database of its own: no other test's nodes
     redis.Redis.from_url(redis_url).flushdb()
     database_url = postgres.new_database()
-    assert cli(tmp_path, "db", "migrate", env={"LLMSERVER_DATABASE_URL": database_url}).returncode == 0
-    env = {**os.environ, "LLMSERVER_NODE_ID": "small", "LLMSERVER_INSTANCE_API_KEY": SECRET,
-           "LLMSERVER_INSTANCE_BASE_PORT": str(free_port_range(8)), "LLMSERVER_NODE_PORT": "0",
-           "LLMSERVER_MEMORY_BUDGET_MB": "250"}  # fmt: skip
+    assert cli(tmp_path, "db", "migrate", env={"LLMSERVER_STATE__DATABASE_URL": database_url}).returncode == 0
+    env = {**os.environ, "LLMSERVER_NODE__ID": "small", "LLMSERVER_INSTANCES__API_KEY": SECRET,
+           "LLMSERVER_INSTANCES__BASE_PORT": str(free_port_range(8)), "LLMSERVER_NODE__PORT": "0",
+           "LLMSERVER_INSTANCES__MEMORY_BUDGET_MB": "250"}  # fmt: skip
     node = spawn([sys.executable, "-m", "llmserver", "node", "--data-dir", str(tmp_path / "node"), "--redis-url",
                   redis_url], tmp_path / "node.log", env)  # fmt: skip
     gateway = Server(data_dir=tmp_path / "gw", env={
-        "LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": redis_url, "LLMSERVER_DATABASE_URL": database_url,
-        "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_GATEWAY_ID": "gw-small",
-        "LLMSERVER_QUEUE_TIMEOUT": "60",
+        "LLMSERVER_ROLE": "gateway", "LLMSERVER_STATE__REDIS_URL": redis_url,
+        "LLMSERVER_STATE__DATABASE_URL": database_url,
+        "LLMSERVER_INSTANCES__API_KEY": SECRET, "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_STATE__GATEWAY_ID": "gw-small",
+        "LLMSERVER_LIMITS__QUEUE_TIMEOUT": "60",
     })  # fmt: skip
     try:
         gateway.start()

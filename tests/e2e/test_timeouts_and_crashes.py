@@ -18,7 +18,7 @@ from tests.support import COUNTING, MODEL, Server, create_key, pids_of_children_
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
 
-SHORT_TIMEOUT = f'request_timeout = 1.0\n[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
+SHORT_TIMEOUT = f'limits.request_timeout = 1.0\n[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
 # Greedy decoding of this prompt runs to max_tokens: 300 tokens, about 3 s on 2 cores.
 LONG = {"prompt": COUNTING, "raw": True, "max_tokens": 300, "temperature": 0}
 STREAM = {"prompt": COUNTING, "temperature": 0, "stream": True}
@@ -87,7 +87,10 @@ def test_instance_dying_mid_stream_ends_it_with_an_error_event(impatient: tuple[
 
 
 def test_crash_looping_instance_is_given_up(start_server: Callable[..., Server]) -> None:
-    config = f'restart_max_failures = 2\nrestart_window = 60\n[[models]]\nname = "{MODEL}"\nctx_size = 512\n'
+    config = (
+        "instances.restart_max_failures = 2\ninstances.restart_window = 60\n"
+        f'[[models]]\nname = "{MODEL}"\nctx_size = 512\n'
+    )
     server = start_server(config)
     assert server.process is not None
     (first,) = pids_of_children_named("llama-server", server.process.pid)
@@ -112,7 +115,7 @@ def test_crash_looping_instance_is_given_up(start_server: Callable[..., Server])
 def test_instance_that_cannot_restart_is_given_up(tmp_path: Path, start_server: Callable[..., Server]) -> None:
     model_file = tmp_path / "copy.gguf"
     shutil.copyfile(embedded_model_path(), model_file)
-    config = f'restart_max_failures = 3\n[[models]]\nname = "copy"\npath = "{model_file}"\nctx_size = 512\n'
+    config = f'instances.restart_max_failures = 3\n[[models]]\nname = "copy"\npath = "{model_file}"\nctx_size = 512\n'
     server = start_server(config, data_dir=tmp_path / "data")
     assert server.process is not None
     (child,) = pids_of_children_named("llama-server", server.process.pid)

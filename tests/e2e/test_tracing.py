@@ -20,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from tests.support import MODEL, Server, make_key, wait_for
 
 CONFIG = f"""
-webhook_allow_private = true
+jobs.webhook_allow_private = true
 [[models]]
 name = "{MODEL}"
 parallel = 1
@@ -66,7 +66,10 @@ class Receiver:
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Receiver]]:
     receiver = Receiver()
-    env = {"LLMSERVER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    env = {
+        "LLMSERVER_OBSERVABILITY__OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
     server = Server(tmp_path_factory.mktemp("traced"), CONFIG, env=env).start()
     yield server, receiver
     server.stop()

@@ -51,8 +51,8 @@ def vision_server(tmp_path_factory: pytest.TempPathFactory, image_server: str) -
     folder = tmp_path_factory.mktemp("vision")
     model, mmproj = write_vision_model(folder / "model")
     config = f"""
-fetch_allow_hosts = ["{image_server.removeprefix("http://")}"]
-max_request_bytes = 25165824
+limits.images.fetch_allow_hosts = ["{image_server.removeprefix("http://")}"]
+server.max_request_bytes = 25165824
 
 [[models]]
 name = "{MODEL}"

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.slow
 
 ADMIN = "watchdog-admin-key-0123456789abcdef"
 CONFIG = f"""
-max_pattern_cost = 1000000000000
-instance_stall_timeout = 3
-health_interval = 0.5
+limits.max_pattern_cost = 1000000000000
+instances.stall_timeout = 3
+instances.health_interval = 0.5
 [[models]]
 name = "{MODEL}"
 parallel = 2

@@ -49,7 +49,7 @@ def test_the_wheel_installed_alone_serves_the_embedded_model(tmp_path: Path) -> 
 
     port, data = free_port(), tmp_path / "data"
     env = {key: value for key, value in os.environ.items() if not key.startswith("LLMSERVER_")}
-    env |= {"LLMSERVER_INSTANCE_BASE_PORT": str(free_port_range(4)), "LLMSERVER_DATA_DIR": str(data)}
+    env |= {"LLMSERVER_INSTANCES__BASE_PORT": str(free_port_range(4)), "LLMSERVER_DATA_DIR": str(data)}
     server = spawn([str(venv / "bin" / "llmserver"), "serve", "--port", str(port)], tmp_path / "serve.log", env)
     try:
         assert wait_ready(port, server, 600), (tmp_path / "serve.log").read_text()[-3000:]

@@ -51,7 +51,7 @@ METRICS_TOKEN = "worker-hosts-metrics-token-0123"
 # One tenant here: the prompt cache of nodes' instances is shared (under the default "key", instances
 # that several gateways use reuse no cached prompt: tests/e2e/test_cache_isolation.py).
 CONFIG = f"""
-cache_isolation = "shared"
+prompt_cache.isolation = "shared"
 [[models]]
 name = "{MODEL}"
 parallel = 2
@@ -93,10 +93,10 @@ class Node:
         data.mkdir(exist_ok=True)
         (data / "config.toml").write_text(CONFIG)
         _, cert, key = tls_files(self.root)
-        env = {**os.environ, "LLMSERVER_INSTANCE_API_KEY": SECRET, "LLMSERVER_INSTANCE_BASE_PORT": "8101",
-               "LLMSERVER_NODE_ID": f"worker-{self.index}", "LLMSERVER_INSTANCE_TLS_CERT": str(cert),
-               "LLMSERVER_INSTANCE_TLS_KEY": str(key), "LLMSERVER_NODE_HTTP_HOST": self.address,
-               "LLMSERVER_METRICS_TOKEN": METRICS_TOKEN}  # fmt: skip
+        env = {**os.environ, "LLMSERVER_INSTANCES__API_KEY": SECRET, "LLMSERVER_INSTANCES__BASE_PORT": "8101",
+               "LLMSERVER_NODE__ID": f"worker-{self.index}", "LLMSERVER_INSTANCES__TLS_CERT": str(cert),
+               "LLMSERVER_INSTANCES__TLS_KEY": str(key), "LLMSERVER_NODE__HOST": self.address,
+               "LLMSERVER_OBSERVABILITY__METRICS_TOKEN": METRICS_TOKEN}  # fmt: skip
         self.process = spawn(
             ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", "node",
              "--config", str(data / "config.toml"), "--data-dir", str(data), "--advertise", self.address,
@@ -130,7 +130,9 @@ class Hosts:
 
     def key(self, name: str) -> str:
         """A key in the gateways' shared database."""
-        result = cli(self.root, "keys", "create", "--name", name, env={"LLMSERVER_DATABASE_URL": self.database_url})
+        result = cli(
+            self.root, "keys", "create", "--name", name, env={"LLMSERVER_STATE__DATABASE_URL": self.database_url}
+        )
         assert result.returncode == 0, result.stderr
         return result.stdout.strip().splitlines()[-1]
 
@@ -146,17 +148,21 @@ class Hosts:
 
     def gateway_env(self, routing: str = "affinity") -> dict[str, str]:
         return {
-            "LLMSERVER_ROLE": "gateway", "LLMSERVER_REDIS_URL": self.redis.url, "LLMSERVER_INSTANCE_API_KEY": SECRET,
-            "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_DATABASE_URL": self.database_url, "LLMSERVER_ROUTING": routing,
-            "LLMSERVER_INSTANCE_TLS_CA": str(tls_files(self.root)[0]), "LLMSERVER_METRICS_TOKEN": METRICS_TOKEN,
+            "LLMSERVER_ROLE": "gateway", "LLMSERVER_STATE__REDIS_URL": self.redis.url,
+            "LLMSERVER_INSTANCES__API_KEY": SECRET,
+            "LLMSERVER_ADMIN_KEY": ADMIN, "LLMSERVER_STATE__DATABASE_URL": self.database_url,
+            "LLMSERVER_ROUTER__POLICY": routing,
+            "LLMSERVER_INSTANCES__TLS_CA": str(tls_files(self.root)[0]),
+            "LLMSERVER_OBSERVABILITY__METRICS_TOKEN": METRICS_TOKEN,
         }  # fmt: skip
 
     def start_gateways(self, routing: str) -> None:
         env = self.gateway_env(routing)
         for number, (index, namespace) in enumerate(GATEWAYS.items(), 1):
             gateway = Server(
-                data_dir=self.root / f"gw-{number}", config=CONFIG, env={**env, "LLMSERVER_GATEWAY_ID": f"gw-{number}"},
-                host=f"{NET}.{10 + index}", namespace=namespace,
+                data_dir=self.root / f"gw-{number}", config=CONFIG,
+                env={**env, "LLMSERVER_STATE__GATEWAY_ID": f"gw-{number}"}, host=f"{NET}.{10 + index}",
+                namespace=namespace,
             )  # fmt: skip
             self.gateways.append(gateway.start())
         self.gateway = self.gateways[0]
@@ -222,7 +228,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
         running = Hosts(root, redis)
         running.nodes = [Node(index, root, redis.url).start() for index in WORKERS]
         running.database_url = postgres.new_database()
-        migrated = cli(root, "db", "migrate", env={"LLMSERVER_DATABASE_URL": running.database_url})
+        migrated = cli(root, "db", "migrate", env={"LLMSERVER_STATE__DATABASE_URL": running.database_url})
         assert migrated.returncode == 0, migrated.stderr
         running.start_gateways("affinity")
         assert wait_for(lambda: len(running.hosts_seen()) == 2, 120), running.instances()  # type: ignore[union-attr]
@@ -572,7 +578,7 @@ def test_workers_serve_one_port_each_a_gateway_of_its_own(hosts: Hosts) -> None:
     import psutil
     import redis
 
-    env = {**hosts.gateway_env(), "LLMSERVER_GATEWAY_ID": "gw-multi", "LLMSERVER_WORKERS": "2"}
+    env = {**hosts.gateway_env(), "LLMSERVER_STATE__GATEWAY_ID": "gw-multi", "LLMSERVER_SERVER__WORKERS": "2"}
     server = Server(data_dir=hosts.root / "gw-multi", config=CONFIG, env=env, host=f"{NET}.21", namespace="llms-g1")
     client = redis.Redis.from_url(hosts.redis.url)
 
@@ -707,7 +713,7 @@ def test_the_worker_hosts_guide_runs_as_written(hosts: Hosts, tmp_path: Path) ->
         "redis://db.internal:6379/0": hosts.redis.url,
         "10.0.0.21": f"{NET}.{10 + GUIDE_HOST}",
         "/etc/llmserver/worker.pem": str(cert), "/etc/llmserver/worker.key": str(key), "/etc/llmserver/ca.pem": str(ca),
-        "SHARED-KEY": SECRET, "LLMSERVER_NODE_ID=worker-1": "LLMSERVER_NODE_ID=worker-guide",
+        "SHARED-KEY": SECRET, "LLMSERVER_NODE__ID=worker-1": "LLMSERVER_NODE__ID=worker-guide",
         ".venv/bin/": f"{Path(sys.executable).parent}/",
     }  # fmt: skip
     lines = [line for line in commands[1].splitlines() if line.strip() and not line.startswith("#")]
@@ -735,7 +741,7 @@ def test_the_worker_hosts_guide_runs_as_written(hosts: Hosts, tmp_path: Path) ->
                                text=True, timeout=60, check=False)  # fmt: skip
         assert added.returncode == 0, added.stderr
         created = cli(hosts.root, "keys", "create", "--name", "guide-admin", "--admin",
-                      env={"LLMSERVER_DATABASE_URL": hosts.database_url})  # fmt: skip
+                      env={"LLMSERVER_STATE__DATABASE_URL": hosts.database_url})  # fmt: skip
         admin = {"Authorization": f"Bearer {created.stdout.strip().splitlines()[-1]}"}
         assert wait_for(lambda: any(i["node"] == "worker-guide" for i in
                                     httpx.get(gateway + "/api/instances", headers=admin).json()["data"]), 120), (
@@ -747,7 +753,7 @@ def test_the_worker_hosts_guide_runs_as_written(hosts: Hosts, tmp_path: Path) ->
         assert answer.status_code == 200, answer.text
         assert answer.json()["model"] == "chat"
     finally:
-        cli(hosts.root, "models", "remove", "chat", env={"LLMSERVER_DATABASE_URL": hosts.database_url})
+        cli(hosts.root, "models", "remove", "chat", env={"LLMSERVER_STATE__DATABASE_URL": hosts.database_url})
         for process in processes:
             process.send_signal(signal.SIGTERM)
         for process in processes:

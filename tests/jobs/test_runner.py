@@ -27,11 +27,11 @@ BOB = Principal("key_b", "bob", "bbbbbbbb", False)
 
 
 @asynccontextmanager
-async def runner(database_url: str, gateway: str = "gw1", **options: Any) -> AsyncIterator[JobService]:
-    """A job service with its gateway's lease, stopped as the server stops it."""
+async def runner(database_url: str, gateway: str = "gw1", **jobs: Any) -> AsyncIterator[JobService]:
+    """A job service with its gateway's lease, stopped as the server stops it; its [jobs] settings `jobs`."""
     store = await open_store(database_url)
-    settings = Settings(data_dir=Path("/nonexistent"), gateway_id=gateway, **options)
-    lease = GatewayLease(store, store, gateway, lease=10.0, job_ttl=settings.async_result_ttl, produced=dict)
+    settings = Settings(data_dir=Path("/nonexistent"), state={"gateway_id": gateway}, jobs=jobs)
+    lease = GatewayLease(store, store, gateway, lease=10.0, job_ttl=settings.jobs.result_ttl, produced=dict)
     await lease.start()
     service = JobService(settings, store, store, store)
     await service.start()

@@ -98,7 +98,7 @@ def test_an_affinity_key_is_asked_for_only_where_there_is_a_choice_of_instance()
         assert not pool.chooses  # one instance, and max_instances 1: nothing to choose
         pool.config = pool.config.model_copy(update={"max_instances": 2})
         assert pool.chooses
-        pool.affinity_margin = -1  # routing = "least_loaded"
+        pool.affinity_margin = -1  # router.policy = "least_loaded"
         assert not pool.chooses
         await close(a)
 
@@ -152,7 +152,7 @@ def test_queue_wait_times_out_with_504_and_cancelled_waiters_leak_nothing() -> N
 def test_scale_up_respects_max_instances_and_memory_budget() -> None:
     async def scenario() -> None:
         model = ModelConfig(name="m", min_instances=1, max_instances=2)
-        supervisor = Supervisor(Settings(models=[model], memory_budget_mb=1000))
+        supervisor = Supervisor(Settings(models=[model], instances={"memory_budget_mb": 1000}))
         pool = supervisor.pools["m"]
         running = await ready_instance(pool.config, 1)
         running.ram_used_mb = 600

@@ -23,8 +23,9 @@ from tests.support import free_port
 
 
 @asynccontextmanager
-async def supervised(alive: bool, **settings: object) -> AsyncIterator[tuple[Supervisor, Instance]]:
-    supervisor = Supervisor(Settings(models=[ModelConfig(name="m")], **settings))  # type: ignore[arg-type]
+async def supervised(alive: bool, **instances: object) -> AsyncIterator[tuple[Supervisor, Instance]]:
+    """A supervisor of one instance of model m, its [instances] settings `instances`."""
+    supervisor = Supervisor(Settings(models=[ModelConfig(name="m")], instances=instances))  # type: ignore[arg-type]
     pool = supervisor.pools["m"]
     instance = Instance(model=pool.config, host="127.0.0.1", port=free_port(), log_path=supervisor.settings.log_dir)
     instance.process = subprocess.Popen(["sleep", "30" if alive else "0"])  # noqa: ASYNC220

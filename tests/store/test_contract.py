@@ -177,7 +177,7 @@ def test_db_migrate_and_a_gateway_that_refuses_an_unmigrated_database(postgres: 
 
     assert isinstance(postgres, Postgres)
     url = postgres.new_database()
-    env = {**os.environ, "LLMSERVER_DATABASE_URL": url}
+    env = {**os.environ, "LLMSERVER_STATE__DATABASE_URL": url}
 
     def llmserver(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

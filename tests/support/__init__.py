@@ -142,9 +142,9 @@ def state_env(data_dir: Path) -> dict[str, str]:
         return {}
     _, redis = shared_servers()
     return {
-        "LLMSERVER_DATABASE_URL": database_url(data_dir),
-        "LLMSERVER_REDIS_URL": redis.url,
-        "LLMSERVER_GATEWAY_ID": "test-" + hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:10],
+        "LLMSERVER_STATE__DATABASE_URL": database_url(data_dir),
+        "LLMSERVER_STATE__REDIS_URL": redis.url,
+        "LLMSERVER_STATE__GATEWAY_ID": "test-" + hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:10],
     }
 
 
@@ -198,7 +198,7 @@ class Server:
     @property
     def instance_headers(self) -> dict[str, str]:
         """What a direct call to its instances needs."""
-        return {"Authorization": f"Bearer {self.env.get('LLMSERVER_INSTANCE_API_KEY', self.instance_key)}"}
+        return {"Authorization": f"Bearer {self.env.get('LLMSERVER_INSTANCES__API_KEY', self.instance_key)}"}
 
     def instance_post(self, path: str, body: object) -> Any:
         """A direct call to its first instance (llama-server's own API): the answer's JSON."""
@@ -218,8 +218,8 @@ class Server:
             config_path = self.data_dir / "config.toml"
             config_path.write_text(self.config)
             args += ["--config", str(config_path)]
-        ports = {"LLMSERVER_INSTANCE_BASE_PORT": str(self.instance_port)}
-        key = {"LLMSERVER_INSTANCE_API_KEY": self.instance_key} if self.instance_key else {}
+        ports = {"LLMSERVER_INSTANCES__BASE_PORT": str(self.instance_port)}
+        key = {"LLMSERVER_INSTANCES__API_KEY": self.instance_key} if self.instance_key else {}
         env = {**os.environ, **ports, **key, **state_env(self.data_dir), **self.env}
         self.log_path = self.data_dir / "gateway.log"
         self.process = spawn(args, self.log_path, env)

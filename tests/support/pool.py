@@ -69,7 +69,8 @@ class World:
 @asynccontextmanager
 async def world(tmp_path: Path, max_queue: int = 1) -> AsyncIterator[World]:
     settings = Settings(
-        models=[ModelConfig(name="m", parallel=1, max_queue=max_queue, instance_queue=0)], max_concurrency_per_key=2
+        models=[ModelConfig(name="m", parallel=1, max_queue=max_queue, instance_queue=0)],
+        limits={"max_concurrency_per_key": 2},
     )
     supervisor = Supervisor(settings)
     pool = supervisor.pools["m"]

@@ -127,13 +127,14 @@ async def me(request: Request) -> dict[str, Any]:
         "admin": principal.is_admin,
         **limit_fields(principal.limits),
         "quota": await quota(request).standing(principal.key_id, principal.limits),
-        # The server's request limits, for clients that check inputs before sending them.
+        # The server's request limits, for clients that check inputs before sending them (the names they had
+        # before the settings were put in sections: clients read them).
         "server": {
-            "max_tokens_limit": config.max_tokens_limit,
-            "max_images": config.max_images,
-            "max_image_bytes": config.max_image_bytes,
-            "max_files": config.max_files,
-            "max_file_bytes": config.max_file_bytes,
+            "max_tokens_limit": config.limits.max_tokens,
+            "max_images": config.limits.images.max_images,
+            "max_image_bytes": config.limits.images.max_bytes,
+            "max_files": config.limits.files.max_files,
+            "max_file_bytes": config.limits.files.max_bytes,
         },
     }
 

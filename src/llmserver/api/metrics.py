@@ -24,7 +24,7 @@ routers = (scraped,)
 
 @scraped.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
-    config = settings(request)
+    config = settings(request).observability
     if not config.metrics_public:
         presented = bearer_token(request)
         token = config.metrics_token.get_secret_value() if config.metrics_token else None

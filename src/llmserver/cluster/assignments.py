@@ -43,7 +43,7 @@ class Assignments:
         self._key = ASSIGN_KEY + node_id
         self.checks: dict[str, dict[str, Any]] = {}  # model → {revision, estimate_mb | unavailable}
         self.gpus = gpu.detect()
-        self.gpu_budget_mb = gpu.budget_mb(self.gpus, settings.gpu_memory_budget_mb)
+        self.gpu_budget_mb = gpu.budget_mb(self.gpus, settings.instances.gpu_memory_budget_mb)
         if self.gpus:
             found = ", ".join(f"{g.name} ({g.memory_total_mb} MiB)" for g in self.gpus)
             log.info("GPUs: %s; %d MiB of their memory for instances", found, self.gpu_budget_mb)
@@ -53,7 +53,7 @@ class Assignments:
     def record(self) -> dict[str, Any]:
         """What the node's record carries for the scheduler."""
         return {
-            "scheduled": True, "labels": self._settings.node_labels, "checks": self.checks,
+            "scheduled": True, "labels": self._settings.node.labels, "checks": self.checks,
             "gpus": [g.record() for g in self.gpus], "gpu_budget_mb": self.gpu_budget_mb,
         }  # fmt: skip
 

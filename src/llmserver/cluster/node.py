@@ -30,9 +30,9 @@ log = logging.getLogger("llmserver.node")
 async def run_node(settings: Settings, models: list[ModelConfig], listening: socket.socket | None) -> None:
     """Start this host's instances of `models` (none: it runs what the scheduler assigns it), publish
     them until SIGTERM or SIGINT, then withdraw them and stop."""
-    node_id = settings.node_id or socket.gethostname()
+    node_id = settings.node.id or socket.gethostname()
     supervisor = Supervisor(settings, Lineup(models))
-    client = connect_redis(settings.redis_url)
+    client = connect_redis(settings.state.redis_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
@@ -57,7 +57,7 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
             uvicorn.Config(
                 node_app(settings, supervisor, readiness, metrics),
                 log_config=None, access_log=False, lifespan="off", server_header=False,
-                log_level=settings.log_level,
+                log_level=settings.observability.log_level,
             )
         )  # fmt: skip
         serving = asyncio.create_task(http.serve(sockets=[listening]), name="node-http")
@@ -79,8 +79,8 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
         node_id, publisher.incarnation,
         f"{len(supervisor.all_instances())} instances" if assignments is None
         else "the instances the scheduler assigns it (no [[models]] in its config)",
-        settings.instance_host,
-        f"; /health, /ready and /metrics on http://{settings.node_http_host}:{settings.node_port}"
+        settings.instances.host,
+        f"; /health, /ready and /metrics on http://{settings.node.host}:{settings.node.port}"
         if listening is not None else "",
     )  # fmt: skip
     await publisher.publish()  # its instances in the registry now, before it says it is ready

@@ -29,7 +29,9 @@ from llmserver.settings import Settings
 
 
 def node_app(settings: Settings, supervisor: Supervisor, readiness: Readiness, metrics: Metrics) -> Starlette:
-    tokens = [s.get_secret_value().encode() for s in (settings.metrics_token, settings.instance_api_key) if s]
+    tokens = [
+        s.get_secret_value().encode() for s in (settings.observability.metrics_token, settings.instances.api_key) if s
+    ]
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -41,7 +43,7 @@ def node_app(settings: Settings, supervisor: Supervisor, readiness: Readiness, m
         return JSONResponse(body, status_code=200 if readiness.ready else 503)
 
     async def scrape(request: Request) -> Response:
-        if not settings.metrics_public:
+        if not settings.observability.metrics_public:
             scheme, _, presented = request.headers.get("authorization", "").partition(" ")
             given = presented.strip().encode()
             if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, token) for token in tokens):

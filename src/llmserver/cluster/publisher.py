@@ -69,7 +69,7 @@ class Publisher:
                 other = json.loads(held).get("incarnation", "?") if held else "?"
                 raise NodeIdInUse(
                     f"node id {self.node_id!r} is held by a live node (incarnation {other}): give this node "
-                    "another node_id, or stop that one"
+                    "another node.id, or stop that one"
                 )
             await asyncio.sleep(0.25)
 

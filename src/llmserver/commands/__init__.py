@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from collections.abc import Awaitable, Callable
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from pydantic import ValidationError
 
+from llmserver import logs
 from llmserver.models.files import BUILTIN, known_model
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings
 
@@ -35,7 +37,8 @@ def settings_options(func: F) -> F:
     """--config, --data-dir and --database-url, which every command that touches state accepts."""
     func = click.option(
         "--database-url", default=None, expose_value=False, callback=remember,
-        help="sqlite:///PATH or postgresql://… (default: $LLMSERVER_DATABASE_URL, else the data folder's SQLite file).",
+        help="sqlite:///PATH or postgresql://… (default: $LLMSERVER_STATE__DATABASE_URL, else the data folder's "
+        "SQLite file).",
     )(func)  # fmt: skip
     func = click.option(
         "--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -48,17 +51,22 @@ def settings_options(func: F) -> F:
     return func
 
 
-def load(config_file: Path | None, **overrides: Any) -> Settings:
+def load(config_file: Path | None, *, logged: bool = False, **overrides: Any) -> Settings:
     """Settings, or a clean CLI error that says what is wrong with them. Options that every command
-    takes without naming them (--database-url) are applied here."""
+    takes without naming them (--database-url) are applied here. A deprecated setting name they were
+    read with is a line on stderr each, or (`logged`: serve and node) in the log (`configure_logs`)."""
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
-        for name in ("database_url", "redis_url", "role"):
+        for name, path in (("database_url", ("state", "database_url")), ("redis_url", ("state", "redis_url")),
+                           ("role", ("role",))):  # fmt: skip
             value = ctx.meta.get(f"llmserver.{name}")  # shared by every context of the command line
             if value is not None:
-                overrides.setdefault(name, value)
+                section = overrides
+                for part in path[:-1]:
+                    section = overrides[part] = dict(overrides.get(part) or {})
+                section.setdefault(path[-1], value)
     try:
-        return load_settings(config_file, **overrides)
+        settings = load_settings(config_file, **overrides)
     except FileNotFoundError as exc:
         raise click.UsageError(str(exc)) from None
     except tomllib.TOMLDecodeError as exc:
@@ -68,6 +76,17 @@ def load(config_file: Path | None, **overrides: Any) -> Settings:
             f"{'.'.join(str(p) for p in error['loc']) or 'settings'}: {error['msg']}" for error in exc.errors()
         )
         raise click.UsageError(f"invalid settings: {problems}") from None
+    if not logged:
+        for line in settings.deprecations:
+            click.echo(f"warning: {line}", err=True)
+    return settings
+
+
+def configure_logs(settings: Settings) -> None:
+    """The logs as the settings say, then a warning for each deprecated setting name they were read with."""
+    logs.configure(settings.observability.log_level, settings.observability.log_format)
+    for line in settings.deprecations:
+        logging.getLogger("llmserver.settings").warning("%s", line)
 
 
 def models_from_args(
@@ -100,8 +119,8 @@ def server_url(config_file: Path | None, data_dir: Path | None, url: str | None)
     if url is not None:
         return url
     settings = load(config_file, data_dir=data_dir)
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    return f"http://{host}:{settings.port}"
+    host = "127.0.0.1" if settings.server.host in ("0.0.0.0", "::") else settings.server.host
+    return f"http://{host}:{settings.server.port}"
 
 
 async def open_cli_store(settings: Settings, *, migrate: bool = False) -> Store:
@@ -111,7 +130,7 @@ async def open_cli_store(settings: Settings, *, migrate: bool = False) -> Store:
     from llmserver.store import SchemaError, open_store
 
     try:
-        return await open_store(settings.store_url, migrate=migrate)
+        return await open_store(settings.state.database_url, migrate=migrate)
     except (ValueError, SchemaError) as exc:
         raise click.UsageError(str(exc)) from None
     except APIError as exc:

@@ -21,4 +21,4 @@ def migrate(config_file: Path | None, data_dir: Path | None) -> None:
     """Apply the schema migrations the database lacks (safe to run from several hosts at once)."""
     settings = load(config_file, data_dir=data_dir)
     version = open_checked_store(settings, migrate=True)
-    click.echo(f"{redact(settings.store_url)}: schema version {version}")
+    click.echo(f"{redact(settings.state.database_url)}: schema version {version}")

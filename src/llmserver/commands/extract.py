@@ -18,12 +18,12 @@ def extract(config_file: Path | None, data_dir: Path | None, files: tuple[Path, 
     """Extract FILES (up to 5, 15 MB each) with the server's own code path, limits and settings,
     and print the blocks a chat request would carry. Nothing is sent anywhere."""
     settings = load(config_file, data_dir=data_dir)
-    limits = settings.file_limits
+    limits = settings.limits.files
     service = DocumentService(
-        timeout=settings.extract_timeout,
-        memory_mb=settings.extract_memory_mb,
+        timeout=settings.limits.files.extract_timeout,
+        memory_mb=settings.limits.files.extract_memory_mb,
         limits=limits,
-        workers=settings.extract_workers or None,
+        workers=settings.limits.files.extract_workers or None,
     )
     try:
         count_check(len(files), "files", limits)

@@ -7,8 +7,15 @@ from pathlib import Path
 
 import click
 
-from llmserver import logs
-from llmserver.commands import check_model_files, debugging, load, log_level_option, remember, settings_options
+from llmserver.commands import (
+    check_model_files,
+    configure_logs,
+    debugging,
+    load,
+    log_level_option,
+    remember,
+    settings_options,
+)
 from llmserver.settings import is_loopback
 
 
@@ -16,7 +23,7 @@ from llmserver.settings import is_loopback
 @settings_options
 @click.option(
     "--redis-url", default=None, expose_value=False, callback=remember,
-    help="redis://… where the node publishes its instances (default: $LLMSERVER_REDIS_URL).",
+    help="redis://… where the node publishes its instances (default: $LLMSERVER_STATE__REDIS_URL).",
 )  # fmt: skip
 @click.option(
     "--advertise", default=None, help="The address gateways reach this host's instances at (they bind to it)."
@@ -35,37 +42,39 @@ def node(
 ) -> None:
     """Run this host's instances of the configured models for the gateways (`serve --role gateway`)."""
     debug = debugging()  # `llmserver --debug node`, or LLMSERVER_DEBUG=1
-    overrides: dict[str, object] = {"instance_host": advertise} if advertise else {}
-    if metrics_port is not None:
-        overrides["node_port"] = metrics_port
-    settings = load(config_file, data_dir=data_dir, log_level="debug" if debug else log_level, **overrides)
-    if not settings.redis_url:
-        raise click.UsageError("a node publishes its instances in Redis: set --redis-url (or LLMSERVER_REDIS_URL)")
-    if settings.instance_api_key is None:
+    settings = load(
+        config_file, logged=True, data_dir=data_dir, instances={"host": advertise}, node={"port": metrics_port},
+        observability={"log_level": "debug" if debug else log_level},
+    )  # fmt: skip
+    if not settings.state.redis_url:
         raise click.UsageError(
-            f"instances would listen on {settings.instance_host} without a key: set instance_api_key "
-            "(LLMSERVER_INSTANCE_API_KEY), the key gateways use to reach them"
+            "a node publishes its instances in Redis: set --redis-url (or LLMSERVER_STATE__REDIS_URL)"
+        )
+    if settings.instances.api_key is None:
+        raise click.UsageError(
+            f"instances would listen on {settings.instances.host} without a key: set [instances] api_key "
+            "(LLMSERVER_INSTANCES__API_KEY), the key gateways use to reach them"
         )
     if (
-        not is_loopback(settings.instance_host)
-        and settings.instance_tls_cert is None
-        and not settings.instance_plain_http
+        not is_loopback(settings.instances.host)
+        and settings.instances.tls_cert is None
+        and not settings.instances.plain_http
     ):
         raise click.UsageError(
-            f"instances on {settings.instance_host} would take the instance key in clear over the network: set "
-            "instance_tls_cert and instance_tls_key (their HTTPS certificate, which gateways verify with "
-            "instance_tls_ca), or instance_plain_http = true on a private network you trust"
+            f"instances on {settings.instances.host} would take the instance key in clear over the network: set "
+            "tls_cert and tls_key in [instances] (their HTTPS certificate, which gateways verify with "
+            "tls_ca), or plain_http = true there on a private network you trust"
         )
-    logs.configure(settings.log_level, settings.log_format)
+    configure_logs(settings)
     # No [[models]]: the scheduler assigns what this node runs, and it starts with none.
     models = settings.models if settings.models_given else []
     check_model_files(settings, models)
     listening = None
-    if settings.node_port:
+    if settings.node.port:
         from llmserver.commands.workers import listening_socket
 
         purpose = " for /health, /ready and /metrics (--metrics-port: another, or 0 for none)"
-        listening = listening_socket(settings.node_http_host, settings.node_port, purpose=purpose)
+        listening = listening_socket(settings.node.host, settings.node.port, purpose=purpose)
     from llmserver.cluster.node import NodeIdInUse, run_node  # the node's modules, only once it runs
 
     try:

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from llmserver import __version__, logs
+from llmserver import __version__
 from llmserver.commands import (
     check_catalog,
     check_model_files,
+    configure_logs,
     debugging,
     load,
     log_level_option,
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 )
 @click.option(
     "--redis-url", default=None, expose_value=False, callback=remember,
-    help="redis://… where rpm and max_concurrency are counted for all gateways (default: $LLMSERVER_REDIS_URL).",
+    help="redis://… where rpm and max_concurrency are counted for all gateways (default: $LLMSERVER_STATE__REDIS_URL).",
 )  # fmt: skip
 @click.option(
     "--workers", type=int, default=None,
@@ -76,51 +77,52 @@ def serve(
 
     debug = debugging()  # `llmserver --debug serve`, or LLMSERVER_DEBUG=1
     given = {
-        "data_dir": data_dir, "host": host, "port": port, "log_level": "debug" if debug else log_level,
-        "workers": workers,
+        "data_dir": data_dir, "server": {"host": host, "port": port, "workers": workers},
+        "observability": {"log_level": "debug" if debug else log_level},
     }  # fmt: skip
-    settings = load(config_file, **given)
+    settings = load(config_file, logged=True, **given)
     chosen = models_from_args(model_specs, settings.models)
     if chosen is not None:
-        settings = load(config_file, **given, models=chosen)
-    logs.configure(settings.log_level, settings.log_format)
+        settings = load(config_file, logged=True, **given, models=chosen)
+    configure_logs(settings)
     # The database first: a schema to migrate, or a server that cannot be reached, is one clean line.
     open_checked_store(settings)
-    if settings.role == "gateway" and not settings.redis_url:
+    if settings.role == "gateway" and not settings.state.redis_url:
         raise click.UsageError(
-            "a gateway finds the nodes' instances in Redis: set --redis-url (or LLMSERVER_REDIS_URL)"
+            "a gateway finds the nodes' instances in Redis: set --redis-url (or LLMSERVER_STATE__REDIS_URL)"
         )
     if settings.role == "all":  # a gateway of role `gateway` runs no model itself
         check_model_files(settings)
     check_catalog(settings)  # the config file's models into the catalog, or why they cannot go there
     number = worker_number()
-    if settings.workers > 1 and number is None:
+    if settings.server.workers > 1 and number is None:
         raise SystemExit(supervise(settings))
     if number is not None:  # one of --workers' processes: a gateway of its own
-        settings = settings.model_copy(update={"gateway_id": f"{settings.gateway_name}-{number}"})
+        state = settings.state.model_copy(update={"gateway_id": f"{settings.state.gateway_id}-{number}"})
+        settings = settings.model_copy(update={"state": state})
     # What would refuse to start, found before any instance starts: each one line and exit 1 (--debug:
     # its traceback too). The port first: a second gateway on a taken port must not say it is ready.
-    listening = listening_socket(settings.host, settings.port, reuse_port=number is not None)
+    listening = listening_socket(settings.server.host, settings.server.port, reuse_port=number is not None)
     check_gateway_id(settings, debug)
     # uvicorn re-raises the signal it stopped on once its shutdown is over; by default that ends the
     # process by the signal, which skips Python's exit handlers (the forkserver's socket folder would
     # stay in TMPDIR) and reports "killed by SIGTERM" to the init system. A finished stop is exit 0.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, _stopped)
-    _raise_open_files(settings.max_connections + 256)  # and the instances, the store, Redis, logs
+    _raise_open_files(settings.server.max_connections + 256)  # and the instances, the store, Redis, logs
     config = uvicorn.Config(
         create_app(settings),
         http=protocol_with(connection_limits(settings)),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.observability.log_level,
         log_config=None,  # uvicorn's lines go through ours (logs.configure): one format, with times
         access_log=False,  # ours (llmserver.access) leaves out query strings, which may carry keys
         server_header=False,  # no "server: uvicorn" on every answer: nothing a client needs, a banner for probes
         # Nothing here reads the client's address or scheme (the access log names the key): no layer
         # rewriting them from X-Forwarded-* on every request.
         proxy_headers=False,
-        timeout_graceful_shutdown=int(settings.drain_timeout),  # in-flight requests get this long
+        timeout_graceful_shutdown=int(settings.server.drain_timeout),  # in-flight requests get this long
     )
     server = QuietServer(config)
     notifier = Notifier()  # systemd's Type=notify (a worker's: its supervisor's relay)
@@ -128,9 +130,9 @@ def serve(
     def started() -> None:
         log.info(
             "llmserver %s ready on http://%s:%s (gateway %s); web console at /console",
-            __version__, settings.host, settings.port, settings.gateway_name,
+            __version__, settings.server.host, settings.server.port, settings.state.gateway_id,
         )  # fmt: skip
-        notifier.ready(f"serving on {settings.host}:{settings.port}")
+        notifier.ready(f"serving on {settings.server.host}:{settings.server.port}")
         notifier.start_watchdog()
 
     server.on_started = started
@@ -150,11 +152,11 @@ def check_gateway_id(settings: Settings, debug: bool = False) -> None:
     from llmserver.store import open_store
 
     async def check() -> None:
-        store = await open_store(settings.store_url)
+        store = await open_store(settings.state.database_url)
         try:
             lease = GatewayLease(
-                store, store, settings.gateway_name, lease=settings.gateway_lease_seconds,
-                job_ttl=settings.async_result_ttl, produced=dict,
+                store, store, settings.state.gateway_id, lease=settings.state.gateway_lease_seconds,
+                job_ttl=settings.jobs.result_ttl, produced=dict,
             )  # fmt: skip
             await lease.check_free()
         finally:
@@ -173,11 +175,11 @@ def connection_limits(settings: Settings) -> Limits:
     from llmserver.server.http_protocol import Limits
 
     return Limits(
-        read_timeout=settings.request_read_timeout,
-        max_header_bytes=settings.max_header_bytes,
-        max_header_count=settings.max_header_count,
-        min_body_rate=settings.min_request_body_rate,
-        max_connections=settings.max_connections,
+        read_timeout=settings.server.request_read_timeout,
+        max_header_bytes=settings.server.max_header_bytes,
+        max_header_count=settings.server.max_header_count,
+        min_body_rate=settings.server.min_request_body_rate,
+        max_connections=settings.server.max_connections,
     )
 
 

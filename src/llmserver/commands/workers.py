@@ -75,11 +75,13 @@ def worker_number() -> int | None:
 
 
 def supervise(settings: Settings) -> int:
-    """Run `settings.workers` workers until told to stop; the command's exit code."""
+    """Run `settings.server.workers` workers until told to stop; the command's exit code."""
     try:  # without SO_REUSEPORT: a port some other process holds is an error, not silently shared
-        bound_socket(settings.host, settings.port, reuse_port=False).close()
+        bound_socket(settings.server.host, settings.server.port, reuse_port=False).close()
     except OSError as exc:
-        raise click.UsageError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+        raise click.UsageError(
+            f"cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror}"
+        ) from None
     stopping = False
 
     def stop(signum: int, frame: object) -> None:
@@ -104,12 +106,13 @@ def supervise(settings: Settings) -> int:
             preexec_fn=on_parent_death(signal.SIGTERM),
         )
 
-    workers = {number: start(number) for number in range(1, settings.workers + 1)}
+    workers = {number: start(number) for number in range(1, settings.server.workers + 1)}
     started = dict.fromkeys(workers, time.monotonic())
     delay = dict.fromkeys(workers, 1.0)
+    server, gateway = settings.server, settings.state.gateway_id
     log.info(
         "%d gateway workers on http://%s:%s (gateways %s-1 … %s-%d)",
-        settings.workers, settings.host, settings.port, settings.gateway_name, settings.gateway_name, settings.workers,
+        server.workers, server.host, server.port, gateway, gateway, server.workers,
     )  # fmt: skip
     code = 0
     announced = False
@@ -118,7 +121,7 @@ def supervise(settings: Settings) -> int:
         if relay is not None and not announced:
             relay.read()
             if {p.pid for p in workers.values()} <= relay.ready:
-                notifier.ready(f"{settings.workers} gateway workers serving on {settings.host}:{settings.port}")
+                notifier.ready(f"{server.workers} gateway workers serving on {server.host}:{server.port}")
                 announced = True
         if notifier.watchdog_seconds is not None:
             notifier.send("WATCHDOG=1")  # every half second: within any WatchdogSec of 1 s or more
@@ -140,7 +143,7 @@ def supervise(settings: Settings) -> int:
     for process in workers.values():
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + settings.drain_timeout + 15
+    deadline = time.monotonic() + settings.server.drain_timeout + 15
     for process in workers.values():
         try:
             process.wait(max(0.1, deadline - time.monotonic()))

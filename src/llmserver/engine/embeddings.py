@@ -33,7 +33,7 @@ class EmbeddingService:
         self.admission = admission
         self.calls = calls
         self.use_models(settings.models if models is None else models)  # the configured ones unless told
-        self.max_keep_alive = settings.max_keep_alive
+        self.max_keep_alive = settings.limits.max_keep_alive
 
     def use_models(self, models: list[ModelConfig]) -> None:
         """The models served now (at start, and after each change to the model catalog)."""

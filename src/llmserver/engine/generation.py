@@ -92,11 +92,11 @@ class GenerationService:
         self.calls = calls
         self.recorder = recorder
         self.use_models(settings.models if models is None else models)  # the configured ones unless told
-        self.default_max_tokens = settings.default_max_tokens
-        self.max_tokens_limit = settings.max_tokens_limit
-        self.max_messages = settings.max_messages
-        self.max_pattern_cost = settings.max_pattern_cost
-        self.max_keep_alive = settings.max_keep_alive
+        self.default_max_tokens = settings.limits.default_max_tokens
+        self.max_tokens_limit = settings.limits.max_tokens
+        self.max_messages = settings.limits.max_messages
+        self.max_pattern_cost = settings.limits.max_pattern_cost
+        self.max_keep_alive = settings.limits.max_keep_alive
 
     def use_models(self, models: list[ModelConfig]) -> None:
         """The models served now (at start, and after each change to the model catalog)."""

@@ -16,16 +16,31 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pydantic import BaseModel, ConfigDict, Field
+
 MIB = 1024 * 1024
 
 
-@dataclass(frozen=True)
-class ArchiveLimits:
-    max_entries: int = 1000  # members in one upload, nested archives included
-    max_total_bytes: int = 100 * MIB  # uncompressed bytes in one upload, nested archives included
-    max_ratio: int = 200  # uncompressed / compressed size of one member …
-    ratio_floor: int = MIB  # … for members larger than this (small files may compress very well)
-    max_depth: int = 3  # the upload is depth 1; a ZIP in it is depth 2
+class ArchiveLimits(BaseModel):
+    """What one uploaded ZIP may hold: the settings section `limits.files.archive`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_entries: int = Field(default=1000, ge=1, description="Members in one uploaded ZIP, nested ones included (422).")
+    max_total_bytes: int = Field(
+        default=100 * MIB,
+        ge=1024,
+        description="Bytes one uploaded ZIP may unpack to, nested ones included (422 beyond).",
+    )
+    max_ratio: int = Field(
+        default=200,
+        ge=1,
+        description="Unpacked/packed size of one ZIP member larger than ratio_floor (422 beyond: a zip bomb).",
+    )
+    ratio_floor: int = Field(
+        default=MIB, ge=1, description="Members at most this large (bytes unpacked) may compress beyond max_ratio."
+    )
+    max_depth: int = Field(default=3, ge=1, le=16, description="ZIP nesting levels, the upload itself being 1 (422).")
 
 
 class ArchiveRejected(Exception):

@@ -21,7 +21,7 @@ from PIL import Image, UnidentifiedImageError
 from llmserver.errors import InvalidRequest
 from llmserver.inputs import data_uri
 from llmserver.inputs.limits import ImageLimits
-from llmserver.inputs.safe_fetch import Resolve, fetch_bytes, system_resolve
+from llmserver.inputs.safe_fetch import MAX_URL_LENGTH, Resolve, fetch_bytes, system_resolve
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class ImageService:
         timeout: float,
         limits: ImageLimits,
         allow_hosts: Collection[str] = (),
+        max_url_length: int = MAX_URL_LENGTH,
         resolve: Resolve = system_resolve,
         on_prepared: Callable[[str, float], None] = lambda source, seconds: None,
     ) -> None:
@@ -114,6 +115,7 @@ class ImageService:
         self.timeout = timeout
         self.limits = limits
         self.allow_hosts = allow_hosts
+        self.max_url_length = max_url_length  # the settings' limits.max_url_length, which webhooks share
         self.resolve = resolve
 
     async def prepare(self, url: str, param: str) -> PreparedImage:
@@ -126,7 +128,7 @@ class ImageService:
                 param=param,
                 max_bytes=self.limits.max_bytes,
                 max_redirects=self.limits.max_redirects,
-                max_url_length=self.limits.max_url_length,
+                max_url_length=self.max_url_length,
                 timeout=self.timeout,
                 allow_hosts=self.allow_hosts,
                 resolve=self.resolve,

@@ -22,7 +22,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from llmserver.errors import InvalidRequest, RequestTooLarge
 
-MAX_URL_LENGTH = 2048  # webhooks; image URLs take theirs from the settings
+MAX_URL_LENGTH = 2048  # the default of the settings' limits.max_url_length (image and webhook URLs)
 _REDIRECTS = (301, 302, 303, 307, 308)
 
 

@@ -44,15 +44,15 @@ class JobService:
         self.settings = settings
         self.store = store
         self.usage = usage
-        self.gateway_id = settings.gateway_name
+        self.gateway_id = settings.state.gateway_id
         self._outbox_store = outbox
         self.outbox = WebhookOutbox(
             outbox,
             self.gateway_id,
-            attempts=settings.webhook_max_attempts,
-            timeout=settings.webhook_timeout,
-            allow_private=settings.webhook_allow_private,
-            max_url_length=settings.max_url_length,
+            attempts=settings.jobs.webhook_max_attempts,
+            timeout=settings.jobs.webhook_timeout,
+            allow_private=settings.jobs.webhook_allow_private,
+            max_url_length=settings.limits.max_url_length,
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self.finished: collections.Counter[str] = collections.Counter()  # this gateway's jobs, by outcome
@@ -87,15 +87,19 @@ class JobService:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.job_sweep_interval)
+            await asyncio.sleep(self.settings.jobs.sweep_interval)
             try:
                 removed = await self.store.delete_expired_jobs(time.time())
                 if removed:
                     log.info("removed %d expired async results", removed)
                 # The usage ledger's retention rides on the same sweep.
-                old = await self.usage.delete_usage_before(time.time() - self.settings.usage_retention_days * 86400)
+                old = await self.usage.delete_usage_before(
+                    time.time() - self.settings.state.usage_retention_days * 86400
+                )
                 if old:
-                    log.info("removed %d usage rows older than %.0f days", old, self.settings.usage_retention_days)
+                    log.info(
+                        "removed %d usage rows older than %.0f days", old, self.settings.state.usage_retention_days
+                    )
             except APIError as exc:  # the store is away: the next sweep tries again (this one died of it)
                 log.warning("the sweep of expired async results waits for the store: %s", exc.message)
 
@@ -114,8 +118,8 @@ class JobService:
             await check_url(
                 webhook_url,
                 param="webhook_url",
-                allow_private=self.settings.webhook_allow_private,
-                max_length=self.settings.max_url_length,
+                allow_private=self.settings.jobs.webhook_allow_private,
+                max_length=self.settings.limits.max_url_length,
             )
         return await self._adopt(principal, key, webhook_url, work)
 
@@ -124,7 +128,7 @@ class JobService:
         answer with the job's payload plus a server-made `key` (the client has no other way to get it)."""
         task = asyncio.ensure_future(work())
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.settings.sync_timeout)
+            done, _ = await asyncio.wait({task}, timeout=self.settings.jobs.sync_timeout)
         except asyncio.CancelledError:
             task.cancel()
             raise
@@ -133,7 +137,9 @@ class JobService:
         key = crypto.new_key()
         payload = await self._adopt(principal, key, None, task)
         log.info(
-            "request passed sync_timeout (%.0f s): now async job %s", self.settings.sync_timeout, payload["tracking_id"]
+            "request passed sync_timeout (%.0f s): now async job %s",
+            self.settings.jobs.sync_timeout,
+            payload["tracking_id"],
         )
         return {**payload, "key": crypto.b64(key)}
 
@@ -191,7 +197,7 @@ class JobService:
     ) -> None:
         """Write the outcome, retrying while the store is unreachable (for as long as a result is kept):
         a finished job must not stay `pending`."""
-        delay, deadline = 1.0, time.monotonic() + self.settings.async_result_ttl
+        delay, deadline = 1.0, time.monotonic() + self.settings.jobs.result_ttl
         while True:
             now = time.time()
             try:
@@ -200,7 +206,7 @@ class JobService:
                     result=result,
                     error=error,
                     now=now,
-                    expires_at=now + self.settings.async_result_ttl,
+                    expires_at=now + self.settings.jobs.result_ttl,
                     webhook=webhook,
                 )
                 return

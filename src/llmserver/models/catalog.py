@@ -118,7 +118,7 @@ async def seed(store: CatalogStore, settings: Settings) -> list[CatalogEntry]:
 
 def shared_store(settings: Settings) -> bool:
     """Whether other gateways read this catalog (PostgreSQL), rather than this host alone (SQLite)."""
-    return is_postgres(settings.store_url)
+    return is_postgres(settings.state.database_url)
 
 
 def served(entries: list[CatalogEntry], settings: Settings, own: list[ModelConfig]) -> list[ModelConfig]:

@@ -466,7 +466,7 @@ class Instance:
                 except Untrusted as exc:  # waiting will not change it
                     raise InstanceStartError(
                         f"llama-server for {self.model.name!r} serves a certificate this node does not trust "
-                        f"({exc}): check instance_tls_cert and instance_tls_ca"
+                        f"({exc}): check [instances] tls_cert and tls_ca"
                     ) from None
                 if time.monotonic() > deadline:
                     raise InstanceStartError(

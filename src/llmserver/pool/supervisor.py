@@ -61,7 +61,7 @@ class Supervisor:
         self.pools: dict[str, ModelPool] = {m.name: self._new_pool(m) for m in self.lineup}
         # Called with each pool a catalog change adds (the registry hooks a gateway's pools to it).
         self.on_new_pool: Callable[[ModelPool], None] = lambda pool: None
-        budget = settings.memory_budget_mb or int(psutil.virtual_memory().total / 2**20 * 0.8)
+        budget = settings.instances.memory_budget_mb or int(psutil.virtual_memory().total / 2**20 * 0.8)
         self.memory_budget_mb = budget
         self._binary: Path | None = None
         self._files: dict[str, Path] = {}
@@ -76,29 +76,29 @@ class Supervisor:
         self.speed_of: Callable[[str], float | None] = lambda model: None
         self._last_probe = self._last_sample = 0.0
         self._stopping = False
-        self._loopback = is_loopback(settings.instance_host)  # instances there stay plain HTTP
+        self._loopback = is_loopback(settings.instances.host)  # instances there stay plain HTTP
         # Every instance demands a key, so that only this gateway can use it: any local process could
         # otherwise call its /completion past quotas and the ledger, or read /slots. Without
         # instance_api_key (shared with other gateways for a node's instances), a random one.
-        self.instance_key = settings.instance_key or secrets.token_urlsafe(32)
+        self.instance_key = settings.instances.key or secrets.token_urlsafe(32)
         self.remote: Nodes | None = None  # a gateway of role `gateway`: the nodes' instances
         # A node's: waits for the gateways' requests on a draining instance (Publisher.settle).
         self.drain_wait: Callable[[Instance, float], Awaitable[None]] | None = None
         # Conversations' prompt caches saved when an instance stops on purpose, restored by the next one.
         self.saved_prompts: SavedPrompts | None = None
-        if settings.cache_isolation == "key" and settings.prompt_cache_disk_mb > 0:
+        if settings.prompt_cache.isolation == "key" and settings.prompt_cache.disk_mb > 0:
             self.saved_prompts = SavedPrompts(
-                settings.prompt_cache_dir, settings.prompt_cache_disk_mb, settings.prompt_cache_min_tokens
+                settings.prompt_cache_dir, settings.prompt_cache.disk_mb, settings.prompt_cache.min_tokens
             )
 
     def _new_pool(self, model: ModelConfig) -> ModelPool:
         settings = self.settings
         return ModelPool(
             model,
-            queue_timeout=settings.queue_timeout,
+            queue_timeout=settings.limits.queue_timeout,
             on_pressure=self.scale_up,
             on_failure=self.unreachable,
-            affinity_margin=settings.affinity_margin if settings.routing == "affinity" else -1,
+            affinity_margin=settings.router.affinity_margin if settings.router.policy == "affinity" else -1,
         )
 
     # Lifecycle
@@ -112,7 +112,7 @@ class Supervisor:
         """Start every pool's min_instances and wait for them; raise if any cannot start."""
         if not self.local:
             return
-        self._binary = llama_server_binary(self.settings.llama_server_path)
+        self._binary = llama_server_binary(self.settings.instances.llama_server_path)
         if self.saved_prompts is not None:  # within a budget lowered since the last run, and measured
             await asyncio.to_thread(self.saved_prompts.trim)
         # Downloads (hf_repo models, first use) run in a thread: they may take minutes.
@@ -187,8 +187,8 @@ class Supervisor:
     # Starting, stopping, scaling
 
     def _next_port(self) -> int:
-        port = self.settings.instance_base_port
-        while port in self._claimed_ports or not port_is_free(self.settings.instance_host, port):
+        port = self.settings.instances.base_port
+        while port in self._claimed_ports or not port_is_free(self.settings.instances.host, port):
             port += 1
             if port > 65535:
                 raise InstanceStartError("no free port for a new instance")
@@ -200,17 +200,17 @@ class Supervisor:
         port = self._next_port()
         instance = Instance(
             model=pool.config,
-            host=self.settings.instance_host,
+            host=self.settings.instances.host,
             port=port,
             log_path=self.settings.log_dir / f"{pool.name}-{port}.log",
             api_key=self.instance_key,
-            ram_cache=self.settings.cache_isolation == "shared",
+            ram_cache=self.settings.prompt_cache.isolation == "shared",
             saved_prompts=self.saved_prompts,
         )
         settings = self.settings
-        if settings.instance_tls_cert is not None and settings.instance_tls_key is not None and not self._loopback:
-            instance.tls_files = (settings.instance_tls_cert, settings.instance_tls_key)
-            instance.tls = settings.own_instance_tls()
+        if settings.instances.tls_cert is not None and settings.instances.tls_key is not None and not self._loopback:
+            instance.tls_files = (settings.instances.tls_cert, settings.instances.tls_key)
+            instance.tls = settings.instances.own_tls()
         pool.instances.append(instance)
         return instance
 
@@ -239,7 +239,7 @@ class Supervisor:
             await instance.start(
                 self._binary,
                 self._files[instance.model.name],
-                self.settings.instance_start_timeout,
+                self.settings.instances.start_timeout,
                 self._mmproj[instance.model.name],
             )
         except InstanceStartError as exc:
@@ -251,7 +251,7 @@ class Supervisor:
         """Start one more instance of a model now (the admin API); raise if it cannot be started."""
         pool = self.pool(name)
         if self.remote is not None:
-            return await self.remote.start_instance(name, node, self.settings.instance_start_timeout + 10)
+            return await self.remote.start_instance(name, node, self.settings.instances.start_timeout + 10)
         if node is not None:
             raise InvalidRequest(
                 "This server runs its instances itself: `node` is for gateways of role gateway.", param="node"
@@ -332,7 +332,7 @@ class Supervisor:
             await self._add_instance(pool, instance)
             pool.start_backoff = 0.0
         except InstanceStartError:
-            pool.start_backoff = min(self.settings.restart_max_delay * 10, max(1.0, pool.start_backoff * 2))
+            pool.start_backoff = min(self.settings.instances.restart_max_delay * 10, max(1.0, pool.start_backoff * 2))
             pool.next_start_at = time.monotonic() + pool.start_backoff
             log.error("automatic start of a %s instance failed; next try in %.0f s", pool.name, pool.start_backoff)
 
@@ -347,7 +347,7 @@ class Supervisor:
 
     async def drain(self, instance: Instance, timeout: float | None = None, pool: ModelPool | None = None) -> None:
         """No new requests; wait for those in flight up to `timeout`; stop; leave the pool."""
-        wait = self.settings.drain_timeout if timeout is None else timeout
+        wait = self.settings.server.drain_timeout if timeout is None else timeout
         if await instance.drained_elsewhere(wait):
             return
         instance.status = Status.DRAINING
@@ -477,7 +477,7 @@ class Supervisor:
 
     async def tick(self) -> None:
         now = time.monotonic()
-        probe = now - self._last_probe >= self.settings.health_interval
+        probe = now - self._last_probe >= self.settings.instances.health_interval
         if probe:
             self._last_probe = now
         # RAM and CPU of each process (a few /proc reads): every SAMPLE_EVERY s, not every tick.
@@ -489,12 +489,18 @@ class Supervisor:
                 if instance.accepting and instance.exited:
                     assert instance.process is not None
                     self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
-                elif instance.accepting and probe and now - instance.answered_at >= self.settings.health_interval:
+                elif (
+                    instance.accepting
+                    and probe
+                    and now - instance.answered_at >= self.settings.instances.health_interval
+                ):
                     self._spawn(self._probe(instance))  # not one that answered a request since the last probe
                 # Idle ones too: a request whose client left can leave the main loop busy (a grammar that
                 # explodes) with nothing in flight, and the next key's request would wait its queue out;
                 # one that answered a request since the last probe is making progress.
-                idle_and_quiet = not instance.in_flight and now - instance.answered_at >= self.settings.health_interval
+                idle_and_quiet = (
+                    not instance.in_flight and now - instance.answered_at >= self.settings.instances.health_interval
+                )
                 if (
                     instance.accepting and probe and (instance.in_flight or idle_and_quiet)
                     and instance.id not in self._progress_probes
@@ -519,7 +525,7 @@ class Supervisor:
         or a hundred tokens' time at the model's measured speed if longer (a 2,048-token prompt batch,
         read some twenty times faster than tokens are generated, holds the loop about that long)."""
         rate = self.speed_of(model)
-        floor = self.settings.instance_stall_timeout
+        floor = self.settings.instances.stall_timeout
         return max(floor, 100 / rate) if rate else floor
 
     async def _progress(self, instance: Instance) -> None:
@@ -559,7 +565,9 @@ class Supervisor:
         log.error("instance %s (%s) %s; restarting it", instance.id, instance.model.name, why)
         instance.restarting = True
         self._spawn(
-            self._restart(instance, delay=min(self.settings.restart_max_delay, 0.5 * 2 ** (len(instance.crashes) - 1)))
+            self._restart(
+                instance, delay=min(self.settings.instances.restart_max_delay, 0.5 * 2 ** (len(instance.crashes) - 1))
+            )
         )
 
     def _give_up(self, instance: Instance, why: str) -> bool:
@@ -567,14 +575,14 @@ class Supervisor:
         then the instance is given up for `restart_window`, and tried again after it."""
         now = time.monotonic()
         instance.crashes.append(now)
-        while instance.crashes and instance.crashes[0] < now - self.settings.restart_window:
+        while instance.crashes and instance.crashes[0] < now - self.settings.instances.restart_window:
             instance.crashes.popleft()
         failures = len(instance.crashes)
-        if failures < self.settings.restart_max_failures:
+        if failures < self.settings.instances.restart_max_failures:
             return False
         log.error(
             "instance %s (%s) %s; giving up on it after %d failures within %.0f s (see %s)",
-            instance.id, instance.model.name, why, failures, self.settings.restart_window, instance.log_path,
+            instance.id, instance.model.name, why, failures, self.settings.instances.restart_window, instance.log_path,
         )  # fmt: skip
         self._spawn(self._retry_later(instance))
         return True
@@ -594,21 +602,21 @@ class Supervisor:
                     instance.status = Status.FAILED
                     if self._give_up(instance, "failed to restart"):
                         return
-                    delay = min(self.settings.restart_max_delay, delay * 2)
+                    delay = min(self.settings.instances.restart_max_delay, delay * 2)
                     log.error("restart of instance %s failed; next try in %.1f s", instance.id, delay)
         finally:
             instance.restarting = False
 
     async def _retry_later(self, instance: Instance) -> None:
         """A given-up instance, tried again once `restart_window` has passed, its crash count afresh."""
-        await asyncio.sleep(self.settings.restart_window)
+        await asyncio.sleep(self.settings.instances.restart_window)
         if self._stopping or instance.status != Status.FAILED or instance.restarting:
             return
         pool = self.pools.get(instance.model.name)
         if pool is None or instance not in pool.instances:
             return
         log.warning("instance %s (%s): trying again after %.0f s given up", instance.id, instance.model.name,
-                    self.settings.restart_window)  # fmt: skip
+                    self.settings.instances.restart_window)  # fmt: skip
         instance.crashes.clear()
         instance.restarting = True
         await self._restart(instance, delay=0.0)
@@ -622,7 +630,7 @@ class Supervisor:
         misses = self._probe_misses.get(instance.id, 0) + 1
         self._probe_misses[instance.id] = misses
         log.warning("instance %s missed a health probe (%d in a row)", instance.id, misses)
-        if misses >= self.settings.health_probe_misses:
+        if misses >= self.settings.instances.health_probe_misses:
             self._probe_misses.pop(instance.id, None)
             self.crashed(instance, f"did not answer {misses} health probes in a row")
 
