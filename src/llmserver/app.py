@@ -189,7 +189,7 @@ def create_app(settings: Settings) -> FastAPI:
         live: dict[str, Probe] = {}
         if registry is not None:
             live["registry"] = fresh_probe("the instance registry was last read", lambda: registry.read_at)
-        live["models"] = models_probe(supervisor.pools)
+        live["models"] = models_probe(supervisor.pools, settings.server.ready_models)
         app.state.readiness = Readiness(probes, live)
         metrics.registry.register(app.state.readiness)
         metrics.gateway = GatewayCollector(lease, job_service, registry)

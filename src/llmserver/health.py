@@ -1,9 +1,10 @@
 """Readiness that tells the truth: each component a process depends on, probed, for `/ready` and `/metrics`.
 
 A gateway is ready when its database answers, Redis answers (when configured), its instance registry
-has been read within `REGISTRY_FRESH` seconds (role `gateway`), and every model kept at
-`min_instances > 0` has an instance that serves; a node when Redis answers, it has published its
-instances recently, and its kept models serve. `/health` checks none of it: the process answers.
+has been read within `REGISTRY_FRESH` seconds (role `gateway`), and it can serve models: those of
+`server.ready_models` if set, else any one (`models_probe`) — one model that cannot run never takes the
+gateway out of its load balancer (its reason is in the detail); a node when Redis answers, it has
+published its instances recently, and it can serve. `/health` checks none of it: the process answers.
 
 Probes are cheap and never run per request: the states are probed at most once per `CACHE_SECONDS`,
 one probe round at a time (callers meanwhile share the round under way), each probe bounded by
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,22 +142,42 @@ class Readiness(Collector):
         yield from (up, seconds, failures, outages)
 
 
-def models_probe(pools: Mapping[str, ModelPool]) -> Probe:
-    """Every model kept at `min_instances > 0` has an instance that serves; a model started on demand
-    does not hold readiness back."""
+def models_probe(pools: Mapping[str, ModelPool], required: Collection[str] = ()) -> Probe:
+    """This process can serve models. With `required` (server.ready_models): each of those has an
+    instance that serves. Without: at least one model serves, or can be started on demand, or there is
+    no model at all. A model that cannot run is that model's problem (its detail here, /api/models, the
+    metrics), never a reason to take the whole gateway out of its load balancer."""
 
     async def probe() -> str | None:
-        missing = [name for name, pool in pools.items() if pool.config.min_instances > 0 and not pool.ready]
-        if missing:
-            problems = [
-                f"{name}: instance {i.id} {i.failure}" for name in missing for i in pools[name].instances if i.failure
-            ]
-            raise RuntimeError(
-                "no instance serves " + ", ".join(missing) + (f" ({'; '.join(problems)})" if problems else "")
-            )
-        return None
+        if required:
+            missing = [name for name in required if name not in pools or not pools[name].ready]
+            if missing:
+                raise RuntimeError("no instance serves " + ", ".join(missing) + _why(pools, missing))
+        down = [name for name, pool in pools.items() if not pool.ready and _kept_or_stuck(pool)]
+        if required or not pools:
+            return ("not serving: " + ", ".join(down) + _why(pools, down)) if down else None
+        if all(not pool.ready and _kept_or_stuck(pool) for pool in pools.values()):
+            raise RuntimeError("no model serves: " + ", ".join(down) + _why(pools, down))
+        return ("not serving: " + ", ".join(down) + _why(pools, down)) if down else None
 
     return probe
+
+
+def _kept_or_stuck(pool: ModelPool) -> bool:
+    """Whether a model without a serving instance counts as down: one kept at min_instances > 0, or one
+    that cannot be started at all (a model started on demand is otherwise merely idle)."""
+    return pool.config.min_instances > 0 or pool.unstartable is not None
+
+
+def _why(pools: Mapping[str, ModelPool], names: list[str]) -> str:
+    reasons = [
+        f"{name}: {reason}"
+        for name in names if name in pools
+        for reason in [pools[name].unstartable or pools[name].blocked]
+        + [f"instance {i.id} {i.failure}" for i in pools[name].instances if i.failure]
+        if reason
+    ]  # fmt: skip
+    return f" ({'; '.join(reasons)})" if reasons else ""
 
 
 def fresh_probe(what: str, last: Callable[[], float], bound: float = REGISTRY_FRESH) -> Probe:

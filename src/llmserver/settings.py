@@ -93,6 +93,17 @@ class FileRoots:
                 return name
         return None
 
+    def missing(self, model: ModelConfig) -> str | None:
+        """Where this host runs the instances (`resolve`): the first file field of `model` whose file is
+        not there (a gateway of role `gateway` cannot see the nodes' files: none)."""
+        if not self.resolve:
+            return None
+        for name in MODEL_FILE_FIELDS:
+            path = getattr(model, name)
+            if path is not None and not path.expanduser().is_file():
+                return name
+        return None
+
     def _forms(self, path: Path) -> list[Path]:
         if self.resolve:
             return [path.expanduser().resolve()]
@@ -302,6 +313,11 @@ class ServerSettings(Section):
         default=30.0,
         ge=0,
         description="Seconds in-flight requests (and at a stop running async jobs) get to finish when stopping.",
+    )
+    ready_models: list[str] = Field(
+        default_factory=list,
+        description="Models that must have an instance that serves for /ready to answer 200 (for a load balancer "
+        "in front of gateways that must serve those); empty: any one model serving, or able to start on demand.",
     )
 
 

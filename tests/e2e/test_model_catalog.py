@@ -5,6 +5,7 @@ config file and the catalog (models/catalog.py)."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from llmserver.models.files import embedded_model_path
 from tests.support import (
     MODEL,
     TEST_DATABASE,
@@ -20,6 +22,7 @@ from tests.support import (
     assert_error,
     cli,
     make_key,
+    metric,
     shared_servers,
     stream,
     wait_for,
@@ -165,20 +168,45 @@ def server_models(server: Server, admin: str) -> list[str]:
     return [m["name"] for m in admin_call(server, admin, "GET", "/api/models").json()["data"]]
 
 
-def test_a_model_added_with_a_file_that_is_not_there_says_why(start_server: Callable[..., Server]) -> None:
+def test_a_model_added_with_a_file_that_is_not_there_is_refused_at_once(start_server: Callable[..., Server]) -> None:
     server = start_server(FILE_MODEL)
     admin = make_key(server.data_dir, "admin", admin=True)
     missing = str(server.data_dir / "models" / "nowhere.gguf")  # in an allowed directory, but not there
-    body = {**B, "name": "missing", "path": missing}
+    answer = admin_call(server, admin, "POST", "/api/models", {**B, "name": "missing", "path": missing})
+    error = assert_error(answer, 400, "invalid_request_error")
+    assert error["param"] == "path" and missing in str(error["message"])
+    assert "missing" not in server_models(server, admin)
+
+
+def test_a_model_whose_file_went_away_never_stops_a_start(start_server: Callable[..., Server]) -> None:
+    """A catalog row that cannot run is that model's problem: the server starts and serves the others, the
+    row says why (/api/models, /ready's detail, a 503 at once), and it serves again once its file is back."""
+    server = start_server(FILE_MODEL)
+    data = server.data_dir
+    admin = make_key(data, "admin", admin=True)
+    copy = data / "models" / "copy.gguf"
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(embedded_model_path(), copy)
+    body = {**B, "name": "copy", "path": str(copy)}
     assert admin_call(server, admin, "POST", "/api/models", body).status_code == 201
-    assert wait_for(
-        lambda: missing in str(admin_call(server, admin, "GET", "/api/models/missing").json()["blocked"]), 10
-    )
+    assert wait_for(lambda: [i["status"] for i in live(server, admin, "copy")] == ["ready"], 60)
+    server.stop()
+    copy.rename(copy.with_suffix(".away"))  # gone while the server was down
+    restarted = start_server(FILE_MODEL, data_dir=data)  # ready: MODEL serves (start_server waits for /ready)
+    row = admin_call(restarted, admin, "GET", "/api/models/copy").json()
+    assert "not found" in str(row["blocked"]) and str(copy) in str(row["blocked"])
+    ready = httpx.get(restarted.url + "/ready").json()
+    assert ready["models"] == {MODEL: True, "copy": False} and str(copy) in ready["problems"]["copy"][0]
+    assert metric(restarted, admin, "llmserver_model_blocked", model="copy") == 1
     started_at = time.monotonic()
-    answer = httpx.post(server.url + "/api/generate", json={"model": "missing", "prompt": "hi", "max_tokens": 2},
+    answer = httpx.post(restarted.url + "/api/generate", json={"model": "copy", "prompt": "hi", "max_tokens": 2},
                         headers={"Authorization": f"Bearer {admin}"}, timeout=120)  # fmt: skip
     error = assert_error(answer, 503, "overloaded_error")  # at once: no instance can be started to wait for
-    assert missing in str(error["message"]) and time.monotonic() - started_at < 5
+    assert str(copy) in str(error["message"]) and time.monotonic() - started_at < 5
+    copy.with_suffix(".away").rename(copy)  # back: found again within the backoff (5 s, then doubling)
+    assert wait_for(lambda: httpx.get(restarted.url + "/ready").json()["models"].get("copy") is True, 60)
+    assert admin_call(restarted, admin, "GET", "/api/models/copy").json()["blocked"] is None
+    assert metric(restarted, admin, "llmserver_model_blocked", model="copy") == 0
 
 
 def test_gateways_of_role_all_on_one_database_keep_their_own_models(

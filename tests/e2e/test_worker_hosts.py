@@ -258,6 +258,22 @@ def load(hosts: Hosts, key: str, count: int) -> list[httpx.Response]:
         return list(pool.map(lambda i: generate(gateways[i % 2], key, f"Say the number {i}."), range(count)))
 
 
+def opened_stream(server: Server, key: str, prompt: str) -> tuple[int, list[str]]:
+    """A streamed completion: its status, and its event lines (a stream cut after its first event ends
+    with an error event; one refused before it has a status other than 200)."""
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=60) as answer:  # fmt: skip
+        return answer.status_code, [line for line in answer.iter_lines() if line]
+
+
+def streamed_load(hosts: Hosts, key: str, count: int) -> list[tuple[int, list[str]]]:
+    """`count` streamed completions, 4 at a time, alternating between the two gateways."""
+    gateways = hosts.gateways
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda i: opened_stream(gateways[i % 2], key, f"Count to {i}."), range(count)))
+
+
 def test_both_worker_hosts_serve_through_both_gateways(hosts: Hosts) -> None:
     assert hosts.gateway is not None
     key = hosts.key("spread")
@@ -295,23 +311,31 @@ def test_a_killed_node_leaves_within_its_lease_and_rejoins_as_a_new_incarnation(
     key = hosts.key("survivor")
     first = hosts.nodes[0]
     before = {i["instance_id"] for i in hosts.instances() if i["host"] == first.address}
-    with concurrent.futures.ThreadPoolExecutor(1) as background:
+    with concurrent.futures.ThreadPoolExecutor(2) as background:
         during = background.submit(load, hosts, key, 24)
+        streams = background.submit(streamed_load, hosts, key, 40)
         time.sleep(0.5)
         first.kill()
         killed_at = time.monotonic()
         assert wait_for(lambda: first.address not in hosts.hosts_seen(), 6)
         left_after = time.monotonic() - killed_at
         answers = during.result(timeout=120)
+        streamed = streams.result(timeout=120)
     assert left_after <= 3.6, left_after
     statuses = [r.status_code for r in answers]
     assert statuses == [200] * len(statuses), statuses  # nothing hangs, nothing not yet streamed is lost
+    # The other node had ready instances the whole time: no stream fails before its first byte (a retry
+    # goes to another node, and the killed node's other instance is not tried once one dropped).
+    assert [status for status, _ in streamed] == [200] * len(streamed), [s for s, _ in streamed]
+    assert all(lines[-1] == "data: [DONE]" for _, lines in streamed)
+    cut = sum('"error"' in lines[-2] for _, lines in streamed)  # cut mid-way on the killed node: said so
     assert [r.status_code for r in load(hosts, key, 6)] == [200] * 6  # the other worker serves all
     first.start()
     assert wait_for(lambda: first.address in hosts.hosts_seen(), 120)
     after = {i["instance_id"] for i in hosts.instances() if i["host"] == first.address}
     assert after and not after & before  # a new incarnation, new instances
-    print(f"killed node left the registry {left_after:.1f} s after kill -9; statuses under load {statuses}")
+    print(f"killed node left the registry {left_after:.1f} s after kill -9; statuses under load {statuses}; "
+          f"{len(streamed)} streams, 0 failed before their first byte, {cut} cut mid-way")  # fmt: skip
 
 
 def test_a_partitioned_node_is_evicted_and_rejoins_when_healed(hosts: Hosts) -> None:

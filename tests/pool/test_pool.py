@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from llmserver.cluster.remote import RemoteInstance
 from llmserver.errors import GatewayTimeout, Overloaded
+from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.affinity import Candidate, ranked
 from llmserver.pool.instance import Status, llama_server_args, slot_context
 from llmserver.pool.pool import ModelPool
@@ -208,6 +210,33 @@ def test_a_retry_avoids_the_instance_it_failed_on_while_another_accepts() -> Non
         b.status = Status.FAILED
         assert await pool.acquire("k", avoid=a) is a  # the only one accepting
         await close(a, b)
+
+    run(scenario)
+
+
+def test_a_retry_after_a_node_failed_goes_to_another_node() -> None:
+    """Two instances on node n1, one on n2: a request that failed on n1 is retried on n2 (n1's other
+    instance would likely fail the same way, a killed host's), and while n1 is suspected (its instance
+    dropped a connection: cluster/registry.py) none of its instances takes a request at all."""
+
+    async def scenario() -> None:
+        pool, _ = make_pool(parallel=4)
+        on = {}
+        for port, (name, node) in enumerate((("a", "n1"), ("b", "n1"), ("c", "n2")), 1):
+            instance = RemoteInstance(model=pool.config, host="127.0.0.1", port=port, log_path=Path("/dev/null"),
+                                      node=node)  # fmt: skip
+            instance.client, instance.status = LlamaServerClient(instance.base_url), Status.READY
+            on[name] = instance
+        pool.instances += list(on.values())
+        for _ in range(3):  # c gets busier each time, and is still chosen
+            assert await pool.acquire("k", avoid=on["a"]) is on["c"]
+        on["a"].suspect = on["b"].suspect = True
+        assert not on["b"].accepting and await pool.acquire("k") is on["c"]
+        on["c"].status = Status.FAILED
+        assert not pool.ready  # n1 suspected, n2's one failed: nothing to route to until n1 answers
+        on["a"].suspect = on["b"].suspect = False
+        assert await pool.acquire("k", avoid=on["a"]) is on["b"]  # no other node: another instance
+        await close(*on.values())
 
     run(scenario)
 

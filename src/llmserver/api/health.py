@@ -26,9 +26,11 @@ async def ready(request: Request) -> JSONResponse:
     body = readiness.body()
     pool = supervisor(request)
     body["models"] = {name: model_pool.ready for name, model_pool in pool.pools.items()}
-    # Why instances are out of service (a crash, missed probes, no progress), while they are.
+    # Why a model cannot run (its files, a failed start, no node to place it on) and why instances are
+    # out of service (a crash, missed probes, no progress), while they are.
     problems = {
-        name: [f"instance {i.id} {i.failure}" for i in model_pool.instances if i.failure]
+        name: [reason for reason in [model_pool.unstartable or model_pool.blocked] if reason]
+        + [f"instance {i.id} {i.failure}" for i in model_pool.instances if i.failure]
         for name, model_pool in pool.pools.items()
     }
     if any(problems.values()):

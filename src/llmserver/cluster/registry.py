@@ -53,6 +53,7 @@ log = logging.getLogger("llmserver.pool.registry")  # its name before the move: 
 
 CIRCUIT_FAILURES = 2  # requests in a row that cannot reach an instance open its circuit
 PROBE_FIRST, PROBE_MAX = 1.0, 8.0  # seconds between probes of an open circuit, doubling
+SUSPECT_FIRST = 0.5  # seconds before a suspected node's first probe (then doubling up to PROBE_MAX)
 
 
 class Registry:
@@ -71,6 +72,7 @@ class Registry:
         self._api_key = api_key
         self._tls = tls  # verifies the certificates of instances published with https
         self._probes: set[asyncio.Task[None]] = set()
+        self._suspected: set[str] = set()  # nodes not routed to until one of their instances answers
         self.load = LoadSharing(client, pools, gateway)
         self.commands = NodeCommands(client)
         self._tasks: list[asyncio.Task[None]] = []
@@ -144,8 +146,10 @@ class Registry:
         return {r["instance_id"]: r for r in records}, loads
 
     def unreachable(self, instance: RemoteInstance) -> None:
-        """A request could not reach a node's instance: after `CIRCUIT_FAILURES` in a row, stop
-        routing to it until a probe reaches it again."""
+        """A request could not reach a node's instance: no instance of that node is routed to until one
+        of them answers a probe (a killed host's other instances fail the same way: the retry goes to
+        another node); after `CIRCUIT_FAILURES` in a row, this instance stays out until it answers."""
+        self._suspect(instance)
         if instance.failures < CIRCUIT_FAILURES or instance.status in (Status.FAILED, Status.STOPPED):
             return
         instance.status = Status.FAILED
@@ -156,6 +160,50 @@ class Registry:
         task = background(self._probe(instance), name=f"probe-{instance.id}")
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
+
+    def _node_instances(self, node: str) -> list[RemoteInstance]:
+        return [
+            i for pool in self._pools.values() for i in pool.instances
+            if isinstance(i, RemoteInstance) and i.node == node
+        ]  # fmt: skip
+
+    def _suspect(self, instance: RemoteInstance) -> None:
+        node = instance.node
+        if node in self._suspected:
+            return
+        self._suspected.add(node)
+        others = self._node_instances(node)
+        for other in others:
+            other.suspect = True
+        log.warning(
+            "instance %s on node %s dropped a connection: the node's %d instances are not routed to until it answers",
+            instance.id, node, len(others),
+        )  # fmt: skip
+        task = background(self._confirm(node), name=f"confirm-{node}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _confirm(self, node: str) -> None:
+        """Probe a suspected node's instances until one answers (its instances routed to again), or the
+        registry no longer lists any (a dead node's records lapse within LEASE_MS)."""
+        delay, opened = SUSPECT_FIRST, time.monotonic()
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                candidates = [i for i in self._node_instances(node) if i.client is not None
+                              and i.status not in (Status.FAILED, Status.STOPPED)]  # fmt: skip
+                if not candidates:
+                    return
+                if any(await asyncio.gather(*(i.client.healthy() for i in candidates[:2] if i.client is not None))):
+                    log.info("node %s answers again after %.1f s: routed to again", node, time.monotonic() - opened)
+                    return
+                delay = min(PROBE_MAX, delay * 2)
+        finally:
+            self._suspected.discard(node)
+            for instance in self._node_instances(node):
+                instance.suspect = False
+            for pool in self._pools.values():
+                pool.dispatch()
 
     async def _probe(self, instance: RemoteInstance) -> None:
         delay = PROBE_FIRST

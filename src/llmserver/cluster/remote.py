@@ -28,6 +28,16 @@ class RemoteInstance(Instance):
     incarnation: str = ""
     remote: dict[str, Any] = field(default_factory=dict)
     registry: Home | None = None  # the gateway's registry that joined it: its circuit breaker and commands
+    # Another instance of its node just dropped a connection: not routed to until the node answers.
+    suspect: bool = False
+
+    @property
+    def accepting(self) -> bool:
+        return self.status in (Status.READY, Status.BUSY) and self.client is not None and not self.suspect
+
+    @property
+    def placed_on(self) -> str:
+        return self.node
 
     @property
     def pid(self) -> int | None:

@@ -216,6 +216,9 @@ def _validated(fields: dict[str, Any], roots: FileRoots) -> ModelConfig:
             f"({', '.join(str(root) for root in roots.dirs)}; the model_dirs setting adds more)",
             param=field,
         )
+    field = roots.missing(model)
+    if field is not None:  # checked now: once saved, a model that cannot run is only marked so
+        raise InvalidRequest(f"{field}: {getattr(model, field)} is not a file on this host", param=field)
     return model
 
 

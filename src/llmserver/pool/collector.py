@@ -54,7 +54,14 @@ class PoolCollector(Collector):
             "1 while this process does not route to a node's instance it could not reach (its circuit breaker)",
             labels=["model", "node", "instance"],
         )
+        blocked = GaugeMetricFamily(
+            "llmserver_model_blocked",
+            "1 while no instance of the model can be started here (its file, a failed start, no node to place it "
+            "on, the memory budget): the reason is in /api/models and /ready",
+            labels=["model"],
+        )
         for name, pool in self._supervisor.pools.items():
+            blocked.add_metric([name], 1.0 if (pool.unstartable or pool.blocked) else 0.0)
             depth.add_metric([name], pool.queue_depth)
             cold.add_metric([name], pool.cold_starts)
             cold_seconds.add_metric([name], pool.cold_start_seconds)
@@ -66,7 +73,7 @@ class PoolCollector(Collector):
             flight.add_metric([name], sum(i.in_flight for i in pool.instances))
             nodes: dict[str, collections.Counter[str]] = {self._node: collections.Counter()}
             for instance in pool.instances:
-                node = getattr(instance, "node", None) or self._node
+                node = instance.placed_on or self._node
                 nodes.setdefault(node, collections.Counter())[instance.status.value] += 1
                 if node != self._node:
                     broken = instance.status.value == "failed"
@@ -74,7 +81,8 @@ class PoolCollector(Collector):
             for node, counts in nodes.items():
                 for status in STATUSES:
                     instances.add_metric([name, node, status], counts[status])
-        yield from (depth, flight, instances, open_, cold, cold_seconds, evictions, crashes, stalls, stalls_by_key)
+        yield from (depth, flight, instances, open_, blocked, cold, cold_seconds, evictions, crashes, stalls)
+        yield stalls_by_key
         saved = self._supervisor.saved_prompts
         if saved is not None:
             yield CounterMetricFamily(

@@ -230,6 +230,11 @@ class Instance:
     def exited(self) -> bool:
         return self.process is not None and self.process.poll() is not None
 
+    @property
+    def placed_on(self) -> str:
+        """The node it runs on: "" for this process's own (a node's instance: that node's name)."""
+        return ""
+
     def last_activity_iso(self) -> str:
         return datetime.fromtimestamp(self.last_activity, UTC).isoformat(timespec="seconds")
 

@@ -86,6 +86,9 @@ class ModelPool:
         self.rolling = asyncio.Lock()  # held while the instances roll over to new settings (supervisor)
         # Why no instance can be started at all (its model file cannot be had): requests fail at once.
         self.unstartable: str | None = None
+        # Looking for the files again: the wait before the next try (doubling) and when that is.
+        self.files_backoff = 0.0
+        self.next_files_at = 0.0
         self.closed: APIError | None = None  # the model was removed: every request fails with this
         self.on_load: Callable[[], None] = lambda: None
         self.load_shared: Callable[[], Awaitable[None]] | None = None
@@ -118,8 +121,9 @@ class ModelPool:
         if self.share is not None and sum(i.in_flight for i in self.instances) >= self.share:
             return None  # other gateways' requests are waiting: leave them the slots this one frees
         accepting = [i for i in self.instances if i.accepting]
-        if avoid is not None and len(accepting) > 1:
-            accepting = [i for i in accepting if i is not avoid]  # a retry goes elsewhere when it can
+        if avoid is not None and len(accepting) > 1:  # a retry goes elsewhere when it can: another node's first
+            elsewhere = [i for i in accepting if i.placed_on != avoid.placed_on] if avoid.placed_on else []
+            accepting = elsewhere or [i for i in accepting if i is not avoid]
         if len(accepting) == 1:  # the usual case: nothing to choose
             only = accepting[0]
             return only if only.load < only.model.most_in_flight else None

@@ -44,6 +44,9 @@ from llmserver.settings import ModelConfig, Settings, is_loopback
 log = logging.getLogger(__name__)
 
 SAMPLE_EVERY = 2.0  # seconds between samples of each instance's RAM and CPU
+# A model whose files cannot be had is looked for again after this many seconds, doubling up to the most.
+FILES_RETRY_FIRST = 5.0
+FILES_RETRY_MAX = 300.0
 
 
 class Nodes(Protocol):
@@ -109,23 +112,24 @@ class Supervisor:
         return self.settings.role != "gateway"
 
     async def start(self) -> None:
-        """Start every pool's min_instances and wait for them; raise if any cannot start."""
+        """Start every pool's min_instances and wait for them. A model that cannot run is that model's
+        problem, never the server's: one whose files cannot be had, or whose instance fails to start, is
+        marked with the reason (`pool.unstartable`, `pool.blocked`: /api/models, /ready's detail, the
+        metrics), logged, and tried again with backoff by the watch loop while the others serve."""
         if not self.local:
             return
         self._binary = llama_server_binary(self.settings.instances.llama_server_path)
         if self.saved_prompts is not None:  # within a budget lowered since the last run, and measured
             await asyncio.to_thread(self.saved_prompts.trim)
         # Downloads (hf_repo models, first use) run in a thread: they may take minutes.
-        cache, endpoint = self.settings.model_cache_dir, self.settings.hf_endpoint
-        for model in self.lineup:
-            self._files[model.name] = await asyncio.to_thread(model_path, model, cache, endpoint)
-            self._mmproj[model.name] = await asyncio.to_thread(mmproj_path, model, cache, endpoint)
-        starts = [self._add_instance(pool) for pool in self.pools.values() for _ in range(pool.config.min_instances)]
-        results = await asyncio.gather(*starts, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await self.stop()
-            raise errors[0]
+        for pool in self.pools.values():
+            await self._find_files(pool)
+        starts = [
+            self._add_quietly(pool, self._new_instance(pool))
+            for pool in self.pools.values() if pool.name in self._files
+            for _ in range(pool.config.min_instances)
+        ]  # fmt: skip
+        await asyncio.gather(*starts)
         self._watch_task = asyncio.create_task(self._watch(), name="supervisor-watch")
 
     async def stop(self) -> None:
@@ -418,10 +422,18 @@ class Supervisor:
             self._mmproj[pool.name] = await asyncio.to_thread(mmproj_path, pool.config, cache, endpoint)
         except ModelFileError as exc:
             self._files.pop(pool.name, None)
-            pool.blocked = pool.unstartable = f"its model file cannot be had here ({exc})"
-            log.error("model %s: %s", pool.name, exc)
+            reason = f"its model file cannot be had here ({exc})"
+            if reason != pool.unstartable:  # one line per new reason, not one per retry
+                log.error("model %s cannot run: %s; other models are not affected, tried again with backoff",
+                          pool.name, exc)  # fmt: skip
+            pool.blocked = pool.unstartable = reason
+            pool.files_backoff = min(FILES_RETRY_MAX, max(FILES_RETRY_FIRST, pool.files_backoff * 2))
+            pool.next_files_at = time.monotonic() + pool.files_backoff
             return False
+        if pool.unstartable is not None:
+            log.info("model %s: its files are found now", pool.name)
         pool.blocked = pool.unstartable = None
+        pool.files_backoff = 0.0
         return True
 
     async def _roll(self, pool: ModelPool) -> None:
@@ -509,6 +521,9 @@ class Supervisor:
                     self._spawn(self._progress(instance))
                 if instance.accepting and sample:
                     instance.sample()
+            if self.local and pool.name not in self._files and pool.unstartable and now >= pool.next_files_at:
+                pool.next_files_at = float("inf")  # one search at a time: _find_files sets the next
+                self._spawn(self._find_files(pool))
             self._keep_strength(pool)
             self._reap_idle(pool)
             if pool.queue_depth and not any(i.accepting or i.status == Status.STARTING for i in pool.instances):
