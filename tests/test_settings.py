@@ -18,6 +18,7 @@ from llmserver.settings import (
     Settings,
     env_name,
     load_settings,
+    meant,
     setting_paths,
 )
 
@@ -294,3 +295,11 @@ def test_llama_server_knobs_are_checked(fields: dict[str, object], message: str)
 def test_allowed_llama_server_flags_pass_with_their_values() -> None:
     args = ["--temp", "0.2", "--top_k", "5", "--no-warmup", "-s", "-1", "--override-kv", "a=int:2", "--swa-full"]
     assert ModelConfig(name="m", llama_server_args=args).llama_server_args == args
+
+
+def test_an_unknown_name_says_what_it_may_have_meant() -> None:
+    assert meant(("models", 0, "ctx")) == ["ctx_size"]
+    assert meant(("server", "prot")) == ["port"]
+    assert meant(("limits", "images", "max_byte"))[0] == "max_bytes"
+    assert meant(("max_image_byte",))[0] == "max_image_bytes"  # an old name, still read
+    assert meant(("zzz",)) == []

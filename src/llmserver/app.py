@@ -312,8 +312,14 @@ def _record_refusal(request: Request, outcome: str) -> None:
     request.app.state.recorder.refused(principal, request.url.path, str(model)[:128], outcome)
 
 
+def _note_error(request: Request, type_: str, message: str) -> None:
+    """The error an answer carries, for its access line (server/front.py: JSON logs' error_type/_message)."""
+    request.state.error = (type_, message)
+
+
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
+    _note_error(request, exc.type, exc.message)
     _record_refusal(request, exc.type)
     app = request.scope.get("app")
     if exc.status != 499 and app is not None and (metrics := getattr(app.state, "metrics", None)) is not None:
@@ -323,6 +329,7 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    _note_error(request, "server_error", "Internal server error")
     return JSONResponse(for_path(request.url.path, error_body(500, "server_error", "Internal server error")), 500)
 
 
@@ -330,6 +337,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def request_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         error = validation_error(exc.errors())
+        _note_error(request, error.type, error.message)
         _record_refusal(request, error.type)
         return JSONResponse(for_path(request.url.path, error.body()), status_code=error.status)
 
@@ -344,6 +352,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         type_ = _STATUS_TYPES.get(
             exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"
         )
+        _note_error(request, type_, message)
         body = for_path(request.url.path, error_body(exc.status_code, type_, message))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 

@@ -9,6 +9,7 @@ generated from it (`llmserver config --markdown`).
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
 import os
@@ -884,6 +885,29 @@ def setting_paths(model: type[BaseModel] = Settings, prefix: tuple[str, ...] = (
         elif name != "models":
             paths.append((*prefix, name))
     return paths
+
+
+def meant(location: tuple[str | int, ...]) -> list[str]:
+    """The settings a name nobody knows (pydantic's `extra_forbidden` at `location`) may have meant:
+    those it begins or ends, then the closest spellings (`ctx` → ctx_size, `prot` → port)."""
+    model: type[BaseModel] = Settings
+    for part in location[:-1]:
+        if isinstance(part, int):
+            continue
+        kind = (
+            ModelConfig
+            if part == "models"
+            else model.model_fields[part].annotation
+            if part in model.model_fields
+            else None
+        )
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+            break
+        model = kind
+    name = str(location[-1])
+    known = [*model.model_fields, *(RENAMED if model is Settings else ())]
+    starts = [k for k in known if len(name) >= 3 and (k.startswith(name) or name.startswith(k))]
+    return list(dict.fromkeys([*starts, *difflib.get_close_matches(name, known, n=3, cutoff=0.6)]))[:3]
 
 
 def share_threads(models: list[ModelConfig]) -> None:

@@ -116,3 +116,9 @@ def test_a_node_on_the_network_needs_a_key_and_tls_unless_told_the_network_is_tr
     one_line(llmserver(*node, env=keyed), 2, "in clear", "tls_cert and tls_key in [instances]", "plain_http")
     half = {**keyed, "LLMSERVER_INSTANCES__TLS_CERT": str(tmp_path / "cert.pem")}
     one_line(llmserver(*node, env=half), 2, "instances: Value error, tls_cert and tls_key go together")
+
+
+def test_an_unknown_setting_names_the_one_it_may_mean(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nname = "a"\nctx = 1024\n')
+    one_line(llmserver("config", "--config", str(config)), 2, "models.0.ctx", "did you mean ctx_size?")

@@ -195,6 +195,11 @@ def test_json_logs_carry_the_request_id_the_client_sent_or_one_made(json_server:
     # An id that could not go into a header or a log line as it is gets replaced.
     odd = httpx.get(json_server.url + "/health", headers={"X-Request-Id": "a b\tc"})
     assert odd.headers["x-request-id"] != "a b\tc"
+    refused = httpx.post(
+        json_server.url + "/api/generate", json={"prompt": "Hi", "max_tokens": 2, "model": "no-such-model"},
+        headers={"Authorization": f"Bearer {key}", "X-Request-Id": "refused-1"}, timeout=60,
+    )  # fmt: skip
+    refusal = refused.json()["error"]
 
     def lines() -> list[dict[str, object]]:
         return [json.loads(line) for line in json_server.log().splitlines() if line.strip()]
@@ -208,6 +213,10 @@ def test_json_logs_carry_the_request_id_the_client_sent_or_one_made(json_server:
     assert line["path"] == "/api/generate" and line["status"] == 200 and line["model"] == MODEL
     assert line["key"] and isinstance(line["duration_ms"], float) and line["completion_tokens"] == 2
     assert any(r["logger"].startswith("uvicorn") for r in records)  # uvicorn's lines: the same format
+    (refused_line,) = [r for r in records if r["logger"] == "llmserver.access" and r.get("request_id") == "refused-1"]
+    assert refused_line["status"] == refused.status_code == 404  # an error's line says which, and what it said
+    assert (refused_line["error_type"], refused_line["error_message"]) == (refusal["type"], refusal["message"])
+    assert "error_type" not in line
 
 
 def test_a_gateway_refused_at_start_says_why_in_one_line_and_never_ready(json_server: Server, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from llmserver import logs
 from llmserver.models.files import BUILTIN, known_model
-from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings
+from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings, meant
 
 if TYPE_CHECKING:
     from llmserver.store import Store
@@ -73,13 +73,21 @@ def load(config_file: Path | None, *, logged: bool = False, **overrides: Any) ->
         raise click.UsageError(f"config file {config_file} is not valid TOML: {exc}") from None
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in error['loc']) or 'settings'}: {error['msg']}" for error in exc.errors()
+            f"{'.'.join(str(p) for p in error['loc']) or 'settings'}: {error['msg']}{_did_you_mean(error)}"
+            for error in exc.errors()
         )
         raise click.UsageError(f"invalid settings: {problems}") from None
     if not logged:
         for line in settings.deprecations:
             click.echo(f"warning: {line}", err=True)
     return settings
+
+
+def _did_you_mean(error: Any) -> str:
+    if error.get("type") != "extra_forbidden" or not error.get("loc"):
+        return ""
+    close = meant(tuple(error["loc"]))
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def configure_logs(settings: Settings) -> None:

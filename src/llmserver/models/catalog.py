@@ -36,7 +36,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from llmserver.errors import Conflict, InvalidRequest, NotFound, validation_error
-from llmserver.settings import FileRoots, ModelConfig, Settings, share_threads
+from llmserver.settings import FileRoots, ModelConfig, Settings, meant, share_threads
 from llmserver.store import CatalogEntry, CatalogStore, is_postgres
 
 log = logging.getLogger("llmserver.model_catalog")  # its name before the move: log_levels name it
@@ -208,7 +208,11 @@ def _validated(fields: dict[str, Any], roots: FileRoots) -> ModelConfig:
     try:
         model = ModelConfig.model_validate(fields)
     except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
+        error = validation_error(exc.errors())
+        first = exc.errors()[0]
+        if first["type"] == "extra_forbidden" and (close := meant(("models", 0, *first["loc"]))):
+            error.message += f" (did you mean {' or '.join(close)}?)"
+        raise error from None
     field = roots.outside(model)
     if field is not None:
         raise InvalidRequest(

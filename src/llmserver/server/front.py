@@ -177,6 +177,8 @@ def _log_access(scope: Scope, status: int, started: float) -> None:
     fields: dict[str, object] = {
         "method": scope["method"], "path": scope["path"], "status": status or 500, "duration_ms": round(duration, 1)
     }  # fmt: skip
+    if (error := state.get("error")) is not None:  # an error's answer: which, and what it said
+        fields["error_type"], fields["error_message"] = error[0], error[1][:500]
     who = ""
     if principal is not None:
         who = f" key={principal.fingerprint}"
