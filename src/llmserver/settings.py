@@ -135,7 +135,11 @@ class ModelConfig(BaseModel):
     )
     min_instances: int = Field(default=1, ge=0, le=64, description="Instances kept running at all times.")
     max_instances: int = Field(
-        default=1, ge=1, le=64, description="Most instances; more than min start while requests queue."
+        default=1,
+        ge=0,
+        le=64,
+        description="Most instances; more than min start while requests queue. 0: the model is stopped (its "
+        "instances drain now, its requests are answered 503 at once; `llmserver models stop`).",
     )
     idle_timeout: float = Field(
         default=300.0, gt=0, description="Seconds an instance above min_instances may sit idle before it stops."

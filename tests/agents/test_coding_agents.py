@@ -30,7 +30,7 @@ import pytest
 from tests.agents.gate import Exchange, Gate
 from tests.support import MODEL, Server, create_key
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "agents"

@@ -239,3 +239,31 @@ def test_gateways_of_role_all_on_one_database_keep_their_own_models(
     assert wait_for(lambda: serves(first) == {"first", "shared"}, 10), serves(first)
     assert serves(second) == {"second", "shared"}
     assert [i["model"] for i in live(first, admin, "first")] == ["first"]  # still running: the other's start left it
+
+
+def test_a_model_stops_now_and_starts_again(start_server: Callable[..., Server]) -> None:
+    """`llmserver models stop` (another process: the gateway follows the catalog) stops a model's instances
+    now and keeps its row; its requests are answered 503 at once; the API starts it again. Lowering
+    min_instances to 0 stops an idle instance at once, not after its idle_timeout (300 s)."""
+    server = start_server(FILE_MODEL)
+    admin = make_key(server.data_dir, "admin", admin=True)
+    assert admin_call(server, admin, "POST", "/api/models", {**B, "name": "b"}).status_code == 201
+    assert wait_for(lambda: [i["status"] for i in live(server, admin, "b")] == ["ready"], 60)
+    stopped_at = time.monotonic()
+    stopped = cli(server.data_dir, "models", "stop", "b")
+    assert stopped.returncode == 0 and stopped.stdout.startswith("stopped b"), stopped.stderr
+    assert wait_for(lambda: live(server, admin, "b") == [], 30)
+    took = time.monotonic() - stopped_at
+    row = admin_call(server, admin, "GET", "/api/models/b").json()
+    assert (row["min_instances"], row["max_instances"], row["instances"]) == (0, 0, 0)
+    answer = httpx.post(server.url + "/api/generate", json={"model": "b", "prompt": "hi", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {admin}"}, timeout=30)  # fmt: skip
+    assert "is stopped" in str(assert_error(answer, 503, "overloaded_error")["message"])
+    started = admin_call(server, admin, "POST", "/api/models/b/start")
+    assert started.status_code == 200 and (started.json()["min_instances"], started.json()["max_instances"]) == (1, 1)
+    assert wait_for(lambda: [i["status"] for i in live(server, admin, "b")] == ["ready"], 60)
+    lowered_at = time.monotonic()
+    assert admin_call(server, admin, "PATCH", "/api/models/b", {"min_instances": 0}).status_code == 200
+    assert wait_for(lambda: live(server, admin, "b") == [], 10)  # idle, above the new minimum: stopped now
+    print(f"\nmodels stop → no instance in {took:.1f} s; min_instances 0 → idle instance gone in "
+          f"{time.monotonic() - lowered_at:.1f} s")  # fmt: skip

@@ -45,8 +45,8 @@ DOCUMENTED_REDIS = "redis://cache.internal:6379/0"
 # container and Kubernetes commands (no runtime here: tests/test_deploy.py validates their files), and the
 # coding agents (tests/agents/ runs them, with the settings their pages give).
 NOT_HERE = re.compile(
-    r"scripts/setup\.sh|scripts/test\.sh|llmserver serve|llmserver node|-m pytest|-m bench|-m fuzz|ruff check|mypy"
-    r"|promtool|CMAKE_ARGS="
+    r"scripts/setup\.sh|llmserver serve|llmserver node|-m pytest|-m bench|-m fuzz|ruff check|mypy|promtool"
+    r"|CMAKE_ARGS="
     r"|useradd|systemctl|/etc/llmserver|/etc/systemd|runuser|/opt/llmserver/\.venv"
     r"|buildah |docker |kubectl |cd deploy/compose|container_wheels|^(claude|codex|aider) "
 )

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from llmserver.api.access import Access, body_of, caller, router
 from llmserver.api.deps import lineup, settings, speed, store, supervisor
 from llmserver.auth.keys import may_use
-from llmserver.errors import NotFound
+from llmserver.errors import InvalidRequest, NotFound
 from llmserver.models import catalog as model_catalog
 
 keyed = router(Access.KEY)
@@ -85,6 +85,25 @@ async def add_model(request: Request) -> JSONResponse:
 async def update_model(request: Request, name: str) -> dict[str, Any]:
     """Change a model's settings: those an instance must restart for roll its instances over one by one."""
     entry = await model_catalog.update(store(request), name, body_of(request), settings(request).model_file_roots())
+    await _catalog(request).refresh()
+    return model_catalog.entry_body(entry, _status(request, name))
+
+
+@admin.post("/api/models/{name}/stop")
+async def stop_model(request: Request, name: str) -> dict[str, Any]:
+    """Stop a model now and keep its row (max_instances 0): its instances drain, its requests are answered
+    503 at once, until POST /api/models/{name}/start."""
+    entry = await model_catalog.stop(store(request), name, settings(request).model_file_roots())
+    await _catalog(request).refresh()
+    return model_catalog.entry_body(entry, _status(request, name))
+
+
+@admin.post("/api/models/{name}/start")
+async def start_model(request: Request, name: str, instances: int = 1) -> dict[str, Any]:
+    """Start a model again: `instances` kept running (min_instances, default 1), max_instances at least that."""
+    if not 0 <= instances <= 64:
+        raise InvalidRequest("instances is 0 to 64.", param="instances")
+    entry = await model_catalog.start(store(request), name, instances, settings(request).model_file_roots())
     await _catalog(request).refresh()
     return model_catalog.entry_body(entry, _status(request, name))
 

@@ -147,6 +147,27 @@ def update(
 @models.command()
 @settings_options
 @click.argument("name")
+def stop(config_file: Path | None, data_dir: Path | None, name: str) -> None:
+    """Stop a model now and keep it in the catalog (max_instances 0): its instances drain, its requests are
+    answered 503 at once, until `llmserver models start`."""
+    entry = _catalog(config_file, data_dir, lambda store, roots: model_catalog.stop(store, name, roots))
+    click.echo(f"stopped {entry.name} (revision {entry.revision}): its instances drain")
+
+
+@models.command()
+@settings_options
+@click.argument("name")
+@click.option("--instances", type=click.IntRange(0, 64), default=1, show_default=True,
+              help="Instances kept running (min_instances); 0: started on demand.")  # fmt: skip
+def start(config_file: Path | None, data_dir: Path | None, name: str, instances: int) -> None:
+    """Start a model again (or keep more of it running): min_instances INSTANCES, max_instances at least that."""
+    entry = _catalog(config_file, data_dir, lambda store, roots: model_catalog.start(store, name, instances, roots))
+    click.echo(_show(entry))
+
+
+@models.command()
+@settings_options
+@click.argument("name")
 def remove(config_file: Path | None, data_dir: Path | None, name: str) -> None:
     """Remove a model from the catalog: its instances drain, and its requests are answered 404."""
     entry = _catalog(config_file, data_dir, lambda store, _: model_catalog.remove(store, name))

@@ -268,6 +268,20 @@ async def update(store: CatalogStore, name: str, changes: dict[str, Any], roots:
     return written
 
 
+async def stop(store: CatalogStore, name: str, roots: FileRoots) -> CatalogEntry:
+    """Stop a model now and keep its row: max_instances 0 (its instances drain, its requests are answered
+    503 at once) until `start`."""
+    return await update(store, name, {"min_instances": 0, "max_instances": 0}, roots)
+
+
+async def start(store: CatalogStore, name: str, instances: int, roots: FileRoots) -> CatalogEntry:
+    """Keep `instances` of a model running (min_instances), max_instances raised to that if below it (a
+    stopped model's 0 included)."""
+    entry = _owned(await find(store, name), name, "start")
+    most = max(instances, 1, ModelConfig.model_validate(entry.settings()).max_instances)
+    return await update(store, name, {"min_instances": instances, "max_instances": most}, roots)
+
+
 async def remove(store: CatalogStore, name: str) -> CatalogEntry:
     entry = _owned(await find(store, name), name, "remove")
     if not await store.catalog_delete(name):

@@ -143,6 +143,11 @@ class ModelPool:
         `avoid` (the instance a retried request just failed on) while another one is accepting."""
         if self.closed is not None:
             raise type(self.closed)(self.closed.message, param=self.closed.param)
+        if self.config.max_instances == 0:
+            raise _because("no_instance", Overloaded(
+                f"The model {self.name!r} is stopped (max_instances 0): an admin starts it again "
+                f"(`llmserver models start {self.name}`, or PATCH /api/models/{self.name}).", retry_after=60
+            ))  # fmt: skip
         if self.unstartable is not None and not self.instances:
             raise _because("no_instance", Overloaded(
                 f"No instance of {self.name!r} can be started: {self.unstartable}.", retry_after=30

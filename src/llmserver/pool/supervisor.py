@@ -402,8 +402,13 @@ class Supervisor:
                 continue
             pool = existing
             if restart_settings(pool.config) == restart_settings(model):
+                min_lowered = model.min_instances < pool.config.min_instances
                 for setting in LIVE_SETTINGS:  # in place: the instances share this object
                     setattr(pool.config, setting, getattr(model, setting))
+                self._shed(pool, min_lowered)
+                continue
+            if model.max_instances == 0:  # stopped as well: nothing to roll over to
+                pool.config = model
                 self._shed(pool)
                 continue
             log.info("model %s changed (%s): rolling its instances over", name,
@@ -456,15 +461,27 @@ class Supervisor:
                 await self.drain(retiring)
             log.info("rolling update of %s done: every instance runs its new settings", pool.name)
 
-    def _shed(self, pool: ModelPool) -> None:
-        """Instances beyond a lowered max_instances drain, the least busy first."""
+    def _shed(self, pool: ModelPool, min_lowered: bool = False) -> None:
+        """After the catalog changed a model's counts: instances beyond a lowered max_instances drain, the
+        least busy first (0: all of them, the model stopped); idle ones beyond a lowered min_instances stop
+        now rather than after their idle_timeout (busy ones idle out as usual)."""
         live = [i for i in pool.live() if i.status != Status.DRAINING]
         surplus = max(0, len(live) - pool.config.max_instances)
-        for instance in sorted(live, key=lambda i: (i.in_flight, i.last_activity))[:surplus]:
+        ordered = sorted(live, key=lambda i: (i.in_flight, i.last_activity))
+        for instance in ordered[:surplus]:
             log.info("instance %s (%s): beyond max_instances (%d), draining it", instance.id, pool.name,
                      pool.config.max_instances)  # fmt: skip
             instance.status = Status.DRAINING
             self._spawn(self.drain(instance))
+        kept = ordered[surplus:]
+        if not min_lowered or pool.queue_depth:
+            return
+        idle = [i for i in kept if i.status == Status.READY and i.in_flight == 0 and i.keep_until < time.time()]
+        for instance in idle[: max(0, len(kept) - pool.config.min_instances)]:
+            log.info("instance %s (%s): idle beyond min_instances (%d), stopping it", instance.id, pool.name,
+                     pool.config.min_instances)  # fmt: skip
+            instance.status = Status.DRAINING
+            self._spawn(self.drain(instance, timeout=0))
 
     async def _retire(self, pool: ModelPool, instance: Instance) -> None:
         """Drain an instance of a pool that is no longer served."""
