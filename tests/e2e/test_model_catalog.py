@@ -255,12 +255,13 @@ def test_a_model_stops_now_and_starts_again(start_server: Callable[..., Server])
     assert wait_for(lambda: live(server, admin, "b") == [], 30)
     took = time.monotonic() - stopped_at
     row = admin_call(server, admin, "GET", "/api/models/b").json()
-    assert (row["min_instances"], row["max_instances"], row["instances"]) == (0, 0, 0)
+    assert (row["settings"]["min_instances"], row["settings"]["max_instances"], row["instances"]) == (0, 0, 0)
     answer = httpx.post(server.url + "/api/generate", json={"model": "b", "prompt": "hi", "max_tokens": 2},
                         headers={"Authorization": f"Bearer {admin}"}, timeout=30)  # fmt: skip
     assert "is stopped" in str(assert_error(answer, 503, "overloaded_error")["message"])
     started = admin_call(server, admin, "POST", "/api/models/b/start")
-    assert started.status_code == 200 and (started.json()["min_instances"], started.json()["max_instances"]) == (1, 1)
+    counts = started.json()["settings"]
+    assert started.status_code == 200 and (counts["min_instances"], counts["max_instances"]) == (1, 1)
     assert wait_for(lambda: [i["status"] for i in live(server, admin, "b")] == ["ready"], 60)
     lowered_at = time.monotonic()
     assert admin_call(server, admin, "PATCH", "/api/models/b", {"min_instances": 0}).status_code == 200
