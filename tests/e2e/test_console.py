@@ -741,6 +741,17 @@ def test_the_models_page_adds_scales_edits_and_removes_a_model_with_problems_at_
         1,
         3,
     )
+    # Minus to no instance kept: the idle one stops now (not after its idle_timeout); minus again stops it.
+    row_says = (
+        "(text) => document.querySelector(\"#catalog-table tr[data-model='console-added']\").textContent.includes(text)"
+    )
+    page.wait_for_function(row_says, arg="1 ready of 1")
+    added.get_by_role("button", name="Keep one instance fewer of console-added running").click()
+    page.wait_for_function(row_says, arg="0 ready of 0", timeout=15_000)
+    added.get_by_role("button", name="Stop console-added").click()
+    page.wait_for_function("() => document.querySelector('#catalog-status').textContent.includes('stopped')")
+    assert browser.dialogs[-1].startswith("Stop console-added?")
+    assert catalog(browser.server, "console-added").json()["settings"]["max_instances"] == 0
     added.get_by_role("button", name="Remove console-added").click()
     page.wait_for_function("() => !document.querySelector(\"#catalog-table tr[data-model='console-added']\")")
     assert browser.dialogs[-1].startswith("Remove the model console-added?")

@@ -257,7 +257,7 @@ function drainInstance(id) {
 
 // ---- Models -----------------------------------------------------------------------------------
 
-const MODEL_NUMBERS = { min_instances: [0, 64], max_instances: [1, 64], parallel: [1, 256], ctx_size: [128, 1048576], idle_timeout: [1, null] };
+const MODEL_NUMBERS = { min_instances: [0, 64], max_instances: [0, 64], parallel: [1, 256], ctx_size: [128, 1048576], idle_timeout: [1, null] };
 const MODEL_TEXTS = ["path", "hf_repo", "hf_file"];
 
 function startModels() {
@@ -297,7 +297,7 @@ function catalogRow(m, instances) {
     el("td", { class: "name" }, m.name, s.embedding ? " (embedding)" : ""), el("td", { class: "source" }, source), el("td", {}, m.origin),
     el("td", { class: "num" }, m.revision ?? "–"),
     el("td", {}, el("span", { class: "scale" },
-      el("button", { type: "button", class: "small", disabled: fixed || s.min_instances <= 0, title: because, onclick: () => scaleModel(m, -1), "aria-label": `Keep one instance fewer of ${m.name} running` }, "−"),
+      el("button", { type: "button", class: "small", disabled: fixed || s.max_instances <= 0, title: because, onclick: () => scaleModel(m, -1), "aria-label": s.min_instances > 0 ? `Keep one instance fewer of ${m.name} running` : `Stop ${m.name}` }, "−"),
       ` ${m.ready_instances ?? 0} ready of ${m.instances ?? 0}${bounds} `,
       el("button", { type: "button", class: "small", disabled: fixed || s.min_instances >= 64, title: because, onclick: () => scaleModel(m, 1), "aria-label": `Keep one instance more of ${m.name} running` }, "+"))),
     el("td", {}, instances.length ? el("ul", { class: "plain" }, ...instances.map((i) => el("li", {}, `${i.node ? `${i.node} ` : ""}${i.host}:${i.port} `, el("span", { class: `badge ${i.status}` }, i.status)))) : "none"),
@@ -397,11 +397,24 @@ async function submitModel(event) {
 }
 
 async function scaleModel(m, step) {
+  // − below no instance kept running stops the model (max_instances 0: its instances drain now); idle
+  // instances above a lowered minimum stop at once on the server, busy ones once idle.
+  if (step < 0 && m.settings.min_instances <= 0) {
+    if (!confirm(`Stop ${m.name}? Its instances drain now, and requests for it are answered 503 until it is started again (+).`)) return;
+    try {
+      await api(`/api/models/${encodeURIComponent(m.name)}/stop`, { method: "POST" });
+      tell("catalog-status", `${m.name} stopped: its instances drain.`);
+      loadCatalog();
+    } catch (error) {
+      tell("catalog-status", error.message, true);
+    }
+    return;
+  }
   const min = m.settings.min_instances + step;
   const body = { min_instances: min, ...(min > m.settings.max_instances ? { max_instances: min } : {}) };
   try {
     await api(`/api/models/${encodeURIComponent(m.name)}`, { method: "PATCH", body });
-    tell("catalog-status", `${m.name}: ${min} instance${min === 1 ? "" : "s"} kept running.`);
+    tell("catalog-status", `${m.name}: ${min} instance${min === 1 ? "" : "s"} kept running${step < 0 ? " (idle ones above that stop now)" : ""}.`);
     loadCatalog();
   } catch (error) {
     tell("catalog-status", error.message, true);
