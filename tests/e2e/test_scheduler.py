@@ -33,6 +33,7 @@ from tests.support import (
     cli,
     compose_service,
     free_port_range,
+    metric,
     shared_servers,
     spawn,
     stream,
@@ -204,6 +205,10 @@ def test_a_model_at_zero_starts_on_its_first_request_through_the_other_gateway(c
                         headers={"Authorization": f"Bearer {key}"}, timeout=120)  # fmt: skip
     took = time.monotonic() - began
     assert answer.status_code == 200, answer.text
+    # Counted by the gateway whose request waited for it, not by the one that did not see it.
+    assert metric(second, ADMIN, "llmserver_cold_starts_total", model="cold") == 1
+    assert 0 < metric(second, ADMIN, "llmserver_cold_start_seconds_total", model="cold") <= took
+    assert metric(first, ADMIN, "llmserver_cold_starts_total", model="cold") == 0
     assert wait_for(lambda: cluster.instances(second, "cold") == [], 30)  # idle 4 s: stopped
     print(f"cold start across hosts: first request answered in {took:.1f} s")
 

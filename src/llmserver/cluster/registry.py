@@ -14,10 +14,11 @@ circuit breakers), the records' keys (cluster/records.py), the load it shares wi
 gateways (cluster/sharing.py) and the commands it sends the nodes (cluster/commands.py); a node's
 side is cluster/publisher.py, the instances it joins cluster/remote.py.
 
-Each gateway keeps a circuit breaker per node instance: `CIRCUIT_FAILURES` requests in a row that
-cannot reach it (a link down between this gateway and that host while the node still publishes)
-take it out of this gateway's routing; a /health probe, after 1 s and then doubling up to 8 s,
-puts it back.
+Each gateway keeps a circuit breaker per node instance: a request that cannot reach it (a host
+killed, a link down between this gateway and that host while the node still publishes) takes it out
+of this gateway's routing, and pauses the node's other instances too until one of them answers (a
+dead host's instances all fail alike); a /health probe, after 1 s (0.5 s for the node's others) and
+then doubling up to 8 s, puts each back.
 
 """
 
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmserver.pool.registry")  # its name before the move: log_levels name it
 
-CIRCUIT_FAILURES = 2  # requests in a row that cannot reach an instance open its circuit
 PROBE_FIRST, PROBE_MAX = 1.0, 8.0  # seconds between probes of an open circuit, doubling
 SUSPECT_FIRST = 0.5  # seconds before a suspected node's first probe (then doubling up to PROBE_MAX)
 
@@ -146,11 +146,12 @@ class Registry:
         return {r["instance_id"]: r for r in records}, loads
 
     def unreachable(self, instance: RemoteInstance) -> None:
-        """A request could not reach a node's instance: no instance of that node is routed to until one
-        of them answers a probe (a killed host's other instances fail the same way: the retry goes to
-        another node); after `CIRCUIT_FAILURES` in a row, this instance stays out until it answers."""
+        """A request could not reach a node's instance: its circuit opens (out of this gateway's routing
+        until a probe reaches it), and no other instance of that node is routed to until one of them
+        answers a probe either (a killed host's other instances fail the same way: the retry goes to
+        another node)."""
         self._suspect(instance)
-        if instance.failures < CIRCUIT_FAILURES or instance.status in (Status.FAILED, Status.STOPPED):
+        if instance.status in (Status.FAILED, Status.STOPPED):
             return
         instance.status = Status.FAILED
         log.warning(
@@ -276,11 +277,18 @@ class Registry:
         joined = await asyncio.gather(*(self._join(pool, published) for pool, published in joining))
         for (pool, published), instance in zip(joining, joined, strict=True):
             self._update(instance, published)
+            cold = not pool.ready and pool.queue_depth > 0
             pool.instances.append(instance)
             log.info(
                 "instance %s (%s) on node %s at %s joined",
                 instance.id, pool.name, instance.node, instance.base_url,
             )  # fmt: skip
+            if cold and instance.accepting:  # requests here waited for it: a cold start, as this gateway saw it
+                waited = pool.longest_wait()
+                pool.cold_starts += 1
+                pool.cold_start_seconds += waited
+                log.info("cold start of %s on node %s: ready after %.1f s for %d waiting requests",
+                         pool.name, instance.node, waited, pool.queue_depth)  # fmt: skip
         self.load.heard(others, complete=True)  # and slots to waiters: on instances that joined too
 
     @staticmethod

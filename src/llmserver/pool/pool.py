@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmserver.errors import APIError, GatewayTimeout, Overloaded
 from llmserver.pool.affinity import Candidate, choose
@@ -41,6 +42,7 @@ class _Waiter:
     # A retry waits for a slot elsewhere: the instance it failed on may be dead and not yet reaped
     # (its sockets close a moment before its process can be waited for).
     avoid: Instance | None = None
+    since: float = field(default_factory=time.monotonic)  # when it began to wait
 
 
 class ModelPool:
@@ -96,6 +98,10 @@ class ModelPool:
     @property
     def name(self) -> str:
         return self.config.name
+
+    def longest_wait(self) -> float:
+        """Seconds the longest-waiting request has waited (0 with none waiting)."""
+        return time.monotonic() - self._waiters[0].since if self._waiters else 0.0
 
     @property
     def queue_depth(self) -> int:
