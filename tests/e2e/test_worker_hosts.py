@@ -337,7 +337,7 @@ def check_the_survivors(
 ) -> None:
     assert left_after <= 3.6, left_after
     statuses = [r.status_code for r in answers]
-    assert statuses == [200] * len(statuses), statuses  # nothing hangs, nothing not yet streamed is lost
+    assert statuses == [200] * len(statuses), [r.text for r in answers if r.status_code != 200]
     # The other node had ready instances the whole time: no stream fails before its first byte (a retry
     # goes to another node, and the killed node's other instance is not tried once one dropped).
     assert [status for status, _ in streamed] == [200] * len(streamed), [s for s, _ in streamed]
@@ -639,7 +639,11 @@ def test_workers_serve_one_port_each_a_gateway_of_its_own(hosts: Hosts) -> None:
         code = server.stop()
         client.close()
     assert code == 0, server.log()[-2000:]
-    assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("LLMSERVER_WORKER")]
+    # Nothing of the workers is left (their extraction forkservers go a moment after them).
+    assert wait_for(
+        lambda: not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("LLMSERVER_WORKER")],
+        10,
+    )
 
 
 def test_prometheus_scrapes_every_gateway_and_node_and_alerts_when_a_node_is_gone(hosts: Hosts, tmp_path: Path) -> None:

@@ -14,11 +14,12 @@ circuit breakers), the records' keys (cluster/records.py), the load it shares wi
 gateways (cluster/sharing.py) and the commands it sends the nodes (cluster/commands.py); a node's
 side is cluster/publisher.py, the instances it joins cluster/remote.py.
 
-Each gateway keeps a circuit breaker per node instance: a request that cannot reach it (a host
-killed, a link down between this gateway and that host while the node still publishes) takes it out
-of this gateway's routing, and pauses the node's other instances too until one of them answers (a
-dead host's instances all fail alike); a /health probe, after 1 s (0.5 s for the node's others) and
-then doubling up to 8 s, puts each back.
+Each gateway keeps a circuit breaker per node instance: `CIRCUIT_FAILURES` requests in a row that
+cannot reach it (a host killed, a link down between this gateway and that host while the node still
+publishes) take it out of this gateway's routing, and pause the node's other instances too until one
+of them answers (a dead host's instances all fail alike); a /health probe, after 1 s (0.5 s for the
+node's others) and then doubling up to 8 s, puts each back. A failed request's retry goes to another
+node's instance when there is one (pool.py).
 
 """
 
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmserver.pool.registry")  # its name before the move: log_levels name it
 
+CIRCUIT_FAILURES = 2  # requests in a row that cannot reach an instance open its circuit
 PROBE_FIRST, PROBE_MAX = 1.0, 8.0  # seconds between probes of an open circuit, doubling
 SUSPECT_FIRST = 0.5  # seconds before a suspected node's first probe (then doubling up to PROBE_MAX)
 
@@ -146,13 +148,14 @@ class Registry:
         return {r["instance_id"]: r for r in records}, loads
 
     def unreachable(self, instance: RemoteInstance) -> None:
-        """A request could not reach a node's instance: its circuit opens (out of this gateway's routing
-        until a probe reaches it), and no other instance of that node is routed to until one of them
-        answers a probe either (a killed host's other instances fail the same way: the retry goes to
-        another node)."""
-        self._suspect(instance)
-        if instance.status in (Status.FAILED, Status.STOPPED):
+        """A request could not reach a node's instance (its retry goes to another node: pool.py). After
+        `CIRCUIT_FAILURES` in a row its circuit opens (out of this gateway's routing until a probe
+        reaches it), and no other instance of that node is routed to until one of them answers a probe
+        either: a dead host's instances all fail alike. One failure alone may be a kept-alive connection
+        the instance had just closed, which the retry's fresh connection gets past."""
+        if instance.failures < CIRCUIT_FAILURES or instance.status in (Status.FAILED, Status.STOPPED):
             return
+        self._suspect(instance)
         instance.status = Status.FAILED
         log.warning(
             "instance %s on node %s at %s could not be reached %d times in a row: not routed to until it answers",
@@ -177,8 +180,9 @@ class Registry:
         for other in others:
             other.suspect = True
         log.warning(
-            "instance %s on node %s dropped a connection: the node's %d instances are not routed to until it answers",
-            instance.id, node, len(others),
+            "instance %s on node %s could not be reached %d times in a row: the node's %d instances are not routed "
+            "to until one answers",
+            instance.id, node, instance.failures, len(others),
         )  # fmt: skip
         task = background(self._confirm(node), name=f"confirm-{node}")
         self._probes.add(task)
