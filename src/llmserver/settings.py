@@ -929,7 +929,7 @@ def _pruned(given: dict[str, Any]) -> dict[str, Any]:
     """`given` without its None values, in sections too (a flag not given sets nothing)."""
     out = {}
     for key, value in given.items():
-        if isinstance(value, dict) and key not in ("node_labels", "labels"):
+        if isinstance(value, dict):
             value = _pruned(value)
             if not value:
                 continue

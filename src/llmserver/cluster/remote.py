@@ -33,7 +33,7 @@ class RemoteInstance(Instance):
 
     @property
     def accepting(self) -> bool:
-        return self.status in (Status.READY, Status.BUSY) and self.client is not None and not self.suspect
+        return super().accepting and not self.suspect
 
     @property
     def placed_on(self) -> str:
