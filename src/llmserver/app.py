@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from llmserver import __version__, console, tracing
-from llmserver.api import anthropic, embeddings, health, instances, jobs, keys, metrics, models, native, openai
+from llmserver.api import anthropic, embeddings, health, instances, jobs, keys, metrics, models, native, nodes, openai
 from llmserver.api import responses as responses_api
 from llmserver.api.access import check_routes
 from llmserver.api.deps import direct_routes
@@ -167,7 +167,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.lineup = lineup
         app.state.jobs = job_service
         app.state.started_at = time.time()
-        registry = supervisor.remote = _registry(settings, supervisor)
+        registry = app.state.registry = supervisor.remote = _registry(settings, supervisor)
 
         async def use_models(catalog_entries: list[CatalogEntry]) -> None:
             models = model_catalog.served(catalog_entries, settings, own)
@@ -242,7 +242,20 @@ def create_app(settings: Settings) -> FastAPI:
         title="llmserver", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )  # fmt: skip
-    modules = (native, openai, responses_api, anthropic, embeddings, models, jobs, instances, keys, metrics, health)
+    modules = (
+        native,
+        openai,
+        responses_api,
+        anthropic,
+        embeddings,
+        models,
+        jobs,
+        instances,
+        nodes,
+        keys,
+        metrics,
+        health,
+    )
     routers = [router for module in modules for router in module.routers]
     for router in routers:
         app.include_router(router)

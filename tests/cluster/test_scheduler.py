@@ -1,12 +1,12 @@
 """The scheduler's rules (cluster/scheduler.py `plan`), on states written out: placement by room and
 spread, labels, a node that cannot run a model, on demand, eviction of idle instances only, idling
-down, a node that is gone."""
+down, a node that is gone, cordoned and draining nodes, moves started before they stop, rebalancing."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from llmserver.cluster.scheduler import InstanceView, Model, NodeView, plan
+from llmserver.cluster.scheduler import InstanceView, Model, NodeView, Plan, plan
 
 
 def model(name: str, revision: int = 1, **config: Any) -> Model:
@@ -124,3 +124,93 @@ def test_a_model_that_offloads_layers_goes_where_gpu_memory_has_room() -> None:
     assert decided.assignments == {"gpu-a": {"big": 1}, "gpu-b": {"big": 1}}  # 5 GiB each: one per 8 GiB GPU
     assert "no node has GPU memory" in decided.blocked["big"] and "gpu-a 3000 MiB" in decided.blocked["big"]
     assert plan([model("big", n_gpu_layers=0)], [cpu], [], {}, {}).assignments == {"cpu-only": {"big": 1}}
+
+
+def running(assignments: dict[str, dict[str, int]], **busy: int) -> list[InstanceView]:
+    """The instances the nodes publish once every assigned one is up (`busy`: in flight per model)."""
+    return [
+        InstanceView(f"{node_id}-{name}-{n}", node_id, name, ram_mb=300, in_flight=busy.get(name, 0), idle_seconds=1)
+        for node_id, counts in assignments.items() for name, count in counts.items() for n in range(count)
+    ]  # fmt: skip
+
+
+def rounds(models: list[Model], nodes: list[NodeView], decided: Plan, up: bool, **busy: int) -> Plan:
+    """The next round, the instances started (`up`) or still starting (what the last round had up)."""
+    shown = decided.assignments if up else {n: c for n, c in decided.assignments.items() if n not in decided.leaving}
+    instances = running(decided.assignments if up else shown, **busy)
+    return plan(models, nodes, instances, {}, decided.assignments, leaving=decided.leaving)
+
+
+def test_a_cordoned_node_gets_nothing_new_and_keeps_what_it_runs() -> None:
+    chat = model("a", min_instances=2, max_instances=2)
+    nodes = [node("n1", checks=sized("a")), node("n2", state="cordoned", checks=sized("a")), node("n3", 0)]
+    decided = plan([chat], nodes, [], {}, {})
+    assert decided.assignments == {"n1": {"a": 2}}  # n2 cordoned, n3 full: both on n1
+    kept = plan([chat], nodes, running({"n2": {"a": 2}}), {}, {"n2": {"a": 2}})
+    assert kept.assignments == {"n2": {"a": 2}}  # a cordon moves nothing off
+    assert "no node" in plan([chat], [nodes[1]], [], {}, {}).blocked["a"]
+
+
+def test_a_draining_node_s_instances_start_elsewhere_before_they_stop_one_at_a_time() -> None:
+    chat = model("a", min_instances=2, max_instances=2)
+    nodes = [node("n1", state="draining", checks=sized("a")), node("n2", checks=sized("a"))]
+    current = {"n1": {"a": 2}}
+    first = plan([chat], nodes, running(current, a=1), {}, current)
+    # min_instances 2 and none stays: rule 2 starts two on n2 at once; n1's two run until they are up.
+    assert first.assignments == {"n1": {"a": 2}, "n2": {"a": 2}}
+    assert first.leaving == {"n1": {"a": 2}} and first.draining["n1"] == ["a: waiting for its replacement to start"]
+    starting = rounds([chat], nodes, first, up=False, a=1)
+    assert starting.assignments == first.assignments  # nothing stops while its replacement starts
+    done = rounds([chat], nodes, starting, up=True, a=1)
+    assert done.assignments == {"n2": {"a": 2}} and done.leaving == {} and done.draining == {"n1": []}
+
+
+def test_a_busy_instance_above_min_instances_is_moved_and_an_idle_one_just_stops() -> None:
+    spare = model("b", min_instances=0, max_instances=3, idle_timeout=60)
+    nodes = [node("n1", state="draining", checks=sized("b")), node("n2", checks=sized("b"))]
+    current = {"n1": {"b": 2}}
+    moving = plan([spare], nodes, running(current, b=1), {}, current)
+    assert moving.assignments == {"n1": {"b": 2}, "n2": {"b": 1}}  # one move at a time
+    assert moving.leaving == {"n1": {"b": 1}}
+    still = rounds([spare], nodes, moving, up=False, b=1)
+    assert still.assignments == moving.assignments and still.leaving == moving.leaving
+    second = rounds([spare], nodes, still, up=True, b=1)
+    assert second.assignments == {"n1": {"b": 1}, "n2": {"b": 1}}  # the first moved: the next one starts
+    third = plan([spare], nodes, running(second.assignments, b=1), {}, second.assignments, leaving=second.leaving)
+    assert third.assignments == {"n1": {"b": 1}, "n2": {"b": 2}} and third.leaving == {"n1": {"b": 1}}
+    # An idle instance (past idle_timeout) on a draining node, not needed: it stops, nothing replaces it.
+    idle = [InstanceView("x", "n1", "b", ram_mb=300, idle_seconds=90), InstanceView("y", "n2", "b", ram_mb=300)]
+    gone = plan([spare], nodes, idle, {}, {"n1": {"b": 1}, "n2": {"b": 1}})
+    assert gone.assignments == {"n2": {"b": 1}} and gone.leaving == {}
+
+
+def test_a_drain_with_nowhere_to_go_waits_and_says_why() -> None:
+    chat = model("a", min_instances=1, max_instances=1)
+    nodes = [node("n1", state="draining", checks=sized("a")), node("n2", 100, checks=sized("a"))]
+    current = {"n1": {"a": 1}}
+    decided = plan([chat], nodes, running(current), {}, current)
+    assert decided.assignments == current  # kept serving: never stopped with no replacement
+    assert "a" in decided.blocked and "no node has room" in decided.blocked["a"]
+
+
+def test_a_node_that_joins_gets_its_share_one_move_per_model_at_a_time() -> None:
+    chat = model("a", min_instances=4, max_instances=4)
+    one = [node("n1", 2000, checks=sized("a"))]
+    alone = plan([chat], one, [], {}, {})
+    assert alone.assignments == {"n1": {"a": 4}}
+    both = [*one, node("n2", 2000, checks=sized("a"))]
+    decided = plan([chat], both, running(alone.assignments), {}, alone.assignments)
+    assert decided.assignments == {"n1": {"a": 4}, "n2": {"a": 1}} and decided.leaving == {"n1": {"a": 1}}
+    waited = rounds([chat], both, decided, up=False)
+    assert waited.assignments == decided.assignments  # one move at a time: nothing more while it starts
+    moved = rounds([chat], both, waited, up=True)
+    # The first move done (n1's one stopped), the next begins in the same round.
+    assert moved.assignments == {"n1": {"a": 3}, "n2": {"a": 2}} and moved.leaving == {"n1": {"a": 1}}
+    moved = rounds([chat], both, moved, up=True)
+    assert moved.assignments == {"n1": {"a": 2}, "n2": {"a": 2}} and moved.leaving == {}  # even, and it stays so
+    assert rounds([chat], both, moved, up=True).assignments == moved.assignments
+    # One apart is even enough: a model of three stays two and one.
+    three = model("c", min_instances=3, max_instances=3)
+    two_one = {"n1": {"c": 2}, "n2": {"c": 1}}
+    checked = [node("n1", 2000, checks=sized("c")), node("n2", 2000, checks=sized("c"))]
+    assert plan([three], checked, running(two_one), {}, two_one).assignments == two_one

@@ -254,3 +254,23 @@ def test_a_named_lease_has_one_holder_until_it_lapses(database_url: str) -> None
         assert await store.lease_take("scheduler", "gw-1", 30) is True
 
     run(database_url, test)
+
+
+def test_a_node_mark_is_set_kept_changed_and_lifted(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        assert await store.node_marks() == []
+        cordoned = await store.node_mark("worker-1", "cordoned")
+        assert cordoned is not None and cordoned.state == "cordoned"
+        again = await store.node_mark("worker-1", "cordoned")
+        assert again == cordoned  # set again: the same mark, its time kept
+        draining = await store.node_mark("worker-1", "draining")
+        assert draining is not None and draining.state == "draining" and draining.since >= cordoned.since
+        await store.node_mark("worker-2", "cordoned")
+        assert [(m.node, m.state) for m in await store.node_marks()] == [
+            ("worker-1", "draining"), ("worker-2", "cordoned"),
+        ]  # fmt: skip
+        assert await store.node_mark("worker-1", None) is None
+        assert await store.node_mark("absent", None) is None  # lifting no mark is no error
+        assert [m.node for m in await store.node_marks()] == ["worker-2"]
+
+    run(database_url, test)

@@ -22,9 +22,16 @@ The rules, in order, each tick (`plan`, a pure function):
    never a busy one. Restoring `min_instances` never stops anything.
 4. An instance idle for its model's `idle_timeout` goes, down to `min_instances`, one per tick.
 5. A node is chosen among those whose labels hold the model's `node_selector` and whose file check
-   passed: the fewest instances of that model first (spreading them), then the most free memory.
-   Memory is the node's budget less what its assignment is expected to take: each model's largest
-   measured RSS, else the node's estimate from the GGUF file (catalog.estimate_mb).
+   passed and that no operator cordoned or drains: the fewest instances of that model first
+   (spreading them), then the most free memory. Memory is the node's budget less what its assignment
+   is expected to take: each model's largest measured RSS, else the node's estimate from the GGUF
+   file (catalog.estimate_mb).
+6. Moves, one per model at a time, always started before stopped: an instance on a draining node
+   (`llmserver nodes drain`) that is in use or needed for `min_instances` gets a replacement on another
+   node, and goes once its model has nothing starting (an idle one goes at once); and when a model's
+   instances are uneven over the nodes that may run it (a node joined, came back or was uncordoned:
+   one has two more than another with room), one of the fuller node's is moved there the same way.
+   The instances being replaced are written in their node's assignment (`leaving`) for the next round.
 What could not be placed, and why, is written to `llmserver:schedule` for every gateway: a request
 that waits for such a model ends in 503 with that reason (pool.blocked).
 """
@@ -91,6 +98,7 @@ class NodeView:
     budget_mb: int
     labels: dict[str, str] = field(default_factory=dict)
     gpu_budget_mb: int = 0
+    state: str = "ready"  # or an operator's mark: `cordoned` (no new placements), `draining` (moved off)
     # Per catalog model (name → revision checked, and an estimate in MiB or why it cannot run there).
     checks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -123,6 +131,10 @@ class Plan:
     assignments: dict[str, dict[str, int]]
     blocked: dict[str, str]
     events: list[str]
+    # Per node, per model: how many of its instances have a replacement starting elsewhere (rule 6).
+    leaving: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Per draining node: what its drain waits for (nothing: drained once its assignment is empty).
+    draining: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,7 +178,15 @@ class _Ledger:
         """Whether `node` may run `model` at all: its labels, its file check, GPU memory for an offloading one."""
         labels_hold = all(node.labels.get(k) == v for k, v in model.node_selector.items())
         gpu_room = not model.gpu or node.gpu_budget_mb - self.planned_gpu[node.id] >= self.gpu_sizes[model.name]
-        return labels_hold and gpu_room and node.cannot_run(model) is None
+        return node.state == "ready" and labels_hold and gpu_room and node.cannot_run(model) is None
+
+    def room_for(self, model: Model, but: str | None = None) -> list[NodeView]:
+        """The nodes where one more instance of `model` may start now (`but` one)."""
+        need = self.sizes[model.name]
+        return [n for n in self.nodes.values() if n.id != but and self.fits(model, n) and self.free(n) >= need]
+
+    def emptiest(self, model: Model, candidates: list[NodeView]) -> NodeView:
+        return min(candidates, key=lambda n: (self.count(n.id, model.name), -self.free(n), n.id))
 
 
 def plan(
@@ -176,10 +196,12 @@ def plan(
     queued: dict[str, int],
     current: dict[str, dict[str, int]],
     unscheduled: dict[str, int] | None = None,
+    leaving: dict[str, dict[str, int]] | None = None,
 ) -> Plan:
     """The assignments that follow from the state given, by the rules in this module's docstring.
     `unscheduled`: instances per model that nodes run from their own [[models]] (they count toward
-    min_instances and max_instances; the scheduler neither places nor stops them)."""
+    min_instances and max_instances; the scheduler neither places nor stops them). `leaving`: the last
+    round's `Plan.leaving` (moves under way)."""
     unscheduled = unscheduled or {}
     by_name = {m.name: m for m in models}
     live = {n.id: n for n in nodes}
@@ -214,11 +236,12 @@ def plan(
         for m in models if m.gpu
     }  # fmt: skip
     ledger = _Ledger(live, assign, sizes, gpu_sizes)
+    moves = _Moves(ledger, instances, leaving or {}, events)
 
     published: Counter[tuple[str, str]] = Counter((i.node, i.model) for i in instances)
     for model in sorted(models, key=lambda m: m.name):
-        total = ledger.total(model.name)
         starting = sum(max(0, ledger.count(n, model.name) - published[(n, model.name)]) for n in assign)
+        total = ledger.total(model.name) - moves.going(model)  # the instances that stay
         static = unscheduled.get(model.name, 0)
         want = max(total, model.min_instances - static)
         waiting = queued.get(model.name, 0)
@@ -230,31 +253,141 @@ def plan(
             idle = [
                 i for i in instances
                 if i.model == model.name and i.in_flight == 0 and i.idle_seconds >= model.idle_timeout
-                and ledger.count(i.node, model.name) > 0
+                and ledger.count(i.node, model.name) > moves.replaced(i.node, model)
             ]  # fmt: skip
             if idle:
                 longest = max(idle, key=lambda i: i.idle_seconds)
                 ledger.take(longest.node, model.name)
                 events.append(f"{model.name} on {longest.node} idle for {longest.idle_seconds:.0f} s: stopping one")
+                moves.settle(model, starting, want, total - 1, 0)
                 continue
         while total > want:  # max_instances lowered: from the node with the most of it
-            ledger.take(max(assign, key=lambda n: (ledger.count(n, model.name), n)), model.name)
+            node_id = max(
+                (n for n in assign if not moves.draining(n) and ledger.count(n, model.name) > moves.replaced(n, model)),
+                key=lambda n: (ledger.count(n, model.name), n),
+            )
+            ledger.take(node_id, model.name)
             total -= 1
+        placed = 0
         while total < want:
-            need = sizes[model.name]
-            candidates = [n for n in live.values() if ledger.fits(model, n) and ledger.free(n) >= need]
+            candidates = ledger.room_for(model)
             if candidates:
-                chosen = min(candidates, key=lambda n: (ledger.count(n.id, model.name), -ledger.free(n), n.id))
+                chosen = ledger.emptiest(model, candidates)
                 ledger.give(chosen.id, model.name)
                 events.append(f"{model.name}: one more instance on {chosen.id} ({total + 1} of {want})")
-                total += 1
+                total, placed = total + 1, placed + 1
                 continue
             if waiting and _evict(model, ledger, instances, queued, events):
-                total += 1
+                total, placed = total + 1, placed + 1
                 continue
             blocked[model.name] = _why_not(model, ledger)
             break
-    return Plan({n: counts for n, counts in assign.items() if counts}, blocked, events)
+        moves.settle(model, starting, want, total, placed)
+    return Plan(
+        {n: counts for n, counts in assign.items() if counts}, blocked, events, moves.leaving_now(), moves.waits
+    )
+
+
+class _Moves:
+    """Rule 6: instances that leave a node — all of a draining node's, and one of a node with too many of
+    a model — each replaced elsewhere first where it is worth it, and stopped once the replacement is up."""
+
+    def __init__(
+        self, ledger: _Ledger, instances: list[InstanceView], leaving: dict[str, dict[str, int]], events: list[str]
+    ) -> None:
+        self.ledger = ledger
+        self.instances = instances
+        self.events = events
+        # Per node and model: replacements placed (in earlier rounds or this one) for instances there.
+        self._replaced = {
+            (node_id, name): count for node_id, counts in leaving.items() for name, count in counts.items()
+            if node_id in ledger.nodes and count > 0
+        }  # fmt: skip
+        self.waits: dict[str, list[str]] = {n.id: [] for n in ledger.nodes.values() if n.state == "draining"}
+
+    def draining(self, node_id: str) -> bool:
+        return self.ledger.nodes[node_id].state == "draining"
+
+    def replaced(self, node_id: str, model: Model) -> int:
+        return min(self._replaced.get((node_id, model.name), 0), self.ledger.count(node_id, model.name))
+
+    def going(self, model: Model) -> int:
+        """The instances of `model` that leave their node: a draining node's all, elsewhere those replaced."""
+        return sum(
+            self.ledger.count(n, model.name) if self.draining(n) else self.replaced(n, model)
+            for n in self.ledger.assign
+        )
+
+    def settle(self, model: Model, starting: int, want: int, staying: int, placed: int) -> None:
+        """After the round's other rules (which placed `placed` more of `model`, `staying` of it now
+        staying): stop what was replaced once nothing of the model starts, then start at most one
+        replacement while nothing of it starts. What rule 2 just placed replaces a draining node's first."""
+        ledger, name = self.ledger, model.name
+        starting += placed
+        for node_id in ledger.assign:
+            while placed and self.draining(node_id) and ledger.count(node_id, name) > self.replaced(node_id, model):
+                self._replaced[(node_id, name)] = self._replaced.get((node_id, name), 0) + 1
+                placed -= 1
+        for node_id in list(ledger.assign):
+            count, replaced = ledger.count(node_id, name), self.replaced(node_id, model)
+            if not count:
+                self._replaced.pop((node_id, name), None)
+                continue
+            if replaced and starting == 0:
+                for _ in range(replaced):
+                    ledger.take(node_id, name)
+                self._replaced.pop((node_id, name), None)
+                self.events.append(f"{name}: {replaced} on {node_id} replaced elsewhere, stopping")
+                continue
+            if not self.draining(node_id):
+                continue
+            if count <= replaced:
+                self.waits[node_id].append(f"{name}: waiting for its replacement to start")
+                continue
+            # A draining node's instances not replaced yet: an idle one that is not needed goes at once.
+            idle = [
+                i for i in self.instances
+                if i.node == node_id and i.model == name and i.in_flight == 0 and i.idle_seconds >= model.idle_timeout
+            ]  # fmt: skip
+            if idle and staying >= max(want, model.min_instances):
+                ledger.take(node_id, name)
+                self.events.append(f"{name} on draining {node_id}: idle and not needed, stopping")
+                continue
+            if starting:
+                self.waits[node_id].append(f"{name}: waiting for its replacement to start")
+                return
+            candidates = ledger.room_for(model, but=node_id)
+            if not candidates:
+                self.waits[node_id].append(f"{name}: no other node has room for it ({_why_not(model, ledger)})")
+                continue
+            self._move(model, node_id, ledger.emptiest(model, candidates))
+            return
+        if starting or any(self.draining(n) and ledger.count(n, name) for n in ledger.assign):
+            return
+        # Uneven: a node (not cordoned) with two more than a node with room gives it one.
+        sources = [
+            n for n in ledger.assign
+            if ledger.nodes[n].state == "ready" and ledger.count(n, name) > self.replaced(n, model)
+        ]  # fmt: skip
+        candidates = ledger.room_for(model)
+        if not sources or not candidates:
+            return
+        source = max(sources, key=lambda n: (ledger.count(n, name), n))
+        target = ledger.emptiest(model, [c for c in candidates if c.id != source] or candidates)
+        if ledger.count(source, name) - ledger.count(target.id, name) >= 2:
+            self._move(model, source, target)
+
+    def _move(self, model: Model, source: str, target: NodeView) -> None:
+        self.ledger.give(target.id, model.name)
+        self._replaced[(source, model.name)] = self._replaced.get((source, model.name), 0) + 1
+        self.events.append(f"{model.name}: moving one from {source} to {target.id} (started there first)")
+
+    def leaving_now(self) -> dict[str, dict[str, int]]:
+        leaving: dict[str, dict[str, int]] = {}
+        for (node_id, name), count in self._replaced.items():
+            if count > 0 and self.ledger.count(node_id, name):
+                leaving.setdefault(node_id, {})[name] = count
+        return leaving
 
 
 def _evict(
@@ -381,10 +514,12 @@ class Scheduler:
         models = [Model.of(entry) for entry in entries]
         catalog = {m.name: {"config": m.config, "revision": m.revision} for m in models}
         nodes_raw = [n for n in await scan_json(self._redis, NODE_KEY) if n.get("scheduled")]
+        marks = {mark.node: mark.state for mark in await self._store.node_marks()}
         nodes = [
             NodeView(
                 id=n["node"], budget_mb=int(n.get("memory_budget_mb") or 0), labels=dict(n.get("labels") or {}),
                 checks=dict(n.get("checks") or {}), gpu_budget_mb=int(n.get("gpu_budget_mb") or 0),
+                state=marks.get(n["node"], "ready"),
             )
             for n in nodes_raw
         ]  # fmt: skip
@@ -402,24 +537,34 @@ class Scheduler:
         for load in await scan_json(self._redis, LOAD_KEY):
             queued.update(load.get("queued") or {})
         current: dict[str, dict[str, int]] = {}
+        leaving: dict[str, dict[str, int]] = {}
         keys = [k async for k in self._redis.scan_iter(match=ASSIGN_KEY + "*", count=500)]
         for key, value in zip(keys, await self._redis.mget(keys) if keys else [], strict=True):
             node_id = (key.decode() if isinstance(key, bytes) else key).removeprefix(ASSIGN_KEY)
             if value:
-                current[node_id] = {name: int(a["count"]) for name, a in json.loads(value)["models"].items()}
-        decided = plan(models, nodes, instances, dict(queued), current, dict(unscheduled))
+                assigned = json.loads(value)["models"].items()
+                current[node_id] = {name: int(a["count"]) for name, a in assigned}
+                leaving[node_id] = {name: int(a["leaving"]) for name, a in assigned if a.get("leaving")}
+        decided = plan(models, nodes, instances, dict(queued), current, dict(unscheduled), leaving)
         for event in decided.events:
             log.info("scheduler: %s", event)
         pipe = self._redis.pipeline(transaction=False)
         for node_id in current.keys() - decided.assignments.keys():
             pipe.delete(ASSIGN_KEY + node_id)
         for node_id, counts in decided.assignments.items():
+            going = decided.leaving.get(node_id, {})
             assignment = {
-                "models": {name: {"count": count, **catalog[name]} for name, count in sorted(counts.items())},
+                "models": {
+                    name: {"count": count, **catalog[name], **({"leaving": going[name]} if name in going else {})}
+                    for name, count in sorted(counts.items())
+                },
                 "leader": self._gateway,
             }
             pipe.set(ASSIGN_KEY + node_id, json.dumps(assignment, sort_keys=True))
-        status = {"leader": self._gateway, "at": time.time(), "catalog": catalog, "blocked": decided.blocked}
+        status = {
+            "leader": self._gateway, "at": time.time(), "catalog": catalog, "blocked": decided.blocked,
+            "draining": decided.draining,
+        }  # fmt: skip
         pipe.set(STATUS_KEY, json.dumps(status), px=int(max(10.0, self._lease * 2) * 1000))
         await pipe.execute()
         for name, why in decided.blocked.items():

@@ -30,12 +30,12 @@ COLUMNS = [
 ]
 
 
-def fetch_instances(url: str, key: str) -> list[dict[str, Any]]:
-    request = urllib.request.Request(url.rstrip("/") + "/api/instances", headers={"Authorization": f"Bearer {key}"})
+def admin_call(url: str, key: str, path: str, method: str = "GET") -> Any:
+    """One call to the running server's admin API; its JSON answer, or a CLI error with the envelope's message."""
+    request = urllib.request.Request(url.rstrip("/") + path, method=method, headers={"Authorization": f"Bearer {key}"})
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            data: list[dict[str, Any]] = json.load(response)["data"]
-            return data
+            return json.load(response)
     except urllib.error.HTTPError as exc:
         try:
             error = json.load(exc)["error"]
@@ -47,6 +47,18 @@ def fetch_instances(url: str, key: str) -> list[dict[str, Any]]:
         raise click.ClickException(unreachable(url, exc)) from None
 
 
+def admin_key(key: str | None) -> str:
+    key = key or os.environ.get("LLMSERVER_API_KEY") or os.environ.get("LLMSERVER_ADMIN_KEY")
+    if not key:
+        raise click.UsageError("give an admin key with --key or $LLMSERVER_API_KEY")
+    return key
+
+
+def fetch_instances(url: str, key: str) -> list[dict[str, Any]]:
+    data: list[dict[str, Any]] = admin_call(url, key, "/api/instances")["data"]
+    return data
+
+
 def table(records: list[dict[str, Any]]) -> str:
     lines = [" ".join(f"{title:<{width}}" for _, title, width in COLUMNS).rstrip()]
     for record in records:
@@ -55,16 +67,18 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+url_option = click.option("--url", default=None, help="The server (default: http://HOST:PORT from the settings).")
+key_option = click.option(
+    "--key", default=None, help="An admin key (default: $LLMSERVER_API_KEY, else $LLMSERVER_ADMIN_KEY)."
+)
+
+
 @click.command()
 @settings_options
-@click.option("--url", default=None, help="The server (default: http://HOST:PORT from the settings).")
-@click.option("--key", default=None, help="An admin key (default: $LLMSERVER_API_KEY, else $LLMSERVER_ADMIN_KEY).")
+@url_option
+@key_option
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
 def instances(config_file: Path | None, data_dir: Path | None, url: str | None, key: str | None, as_json: bool) -> None:
     """List the running server's model instances."""
-    url = server_url(config_file, data_dir, url)
-    key = key or os.environ.get("LLMSERVER_API_KEY") or os.environ.get("LLMSERVER_ADMIN_KEY")
-    if not key:
-        raise click.UsageError("give an admin key with --key or $LLMSERVER_API_KEY")
-    records = fetch_instances(url, key)
+    records = fetch_instances(server_url(config_file, data_dir, url), admin_key(key))
     click.echo(json.dumps(records, indent=2) if as_json else table(records))

@@ -326,8 +326,19 @@ class CatalogEntry:
         return loaded
 
 
+@dataclass(frozen=True)
+class NodeMark:
+    """An operator's mark on a worker node: `cordoned` (no new placements) or `draining` (no new
+    placements, and its instances move to other nodes), since `since` (the store's clock)."""
+
+    node: str
+    state: str
+    since: float
+
+
 class CatalogStore(Protocol):
-    """The model catalog, and named leases (one holder at a time, on the store's clock)."""
+    """The model catalog, named leases (one holder at a time, on the store's clock), and the operator's
+    marks on nodes."""
 
     async def catalog(self) -> list[CatalogEntry]: ...
 
@@ -343,6 +354,12 @@ class CatalogStore(Protocol):
         ...
 
     async def lease_release(self, name: str, holder: str) -> None: ...
+
+    async def node_marks(self) -> list[NodeMark]: ...
+
+    async def node_mark(self, node: str, state: str | None) -> NodeMark | None:
+        """Mark `node` (`cordoned`, `draining`), or lift its mark (None); the mark now in force."""
+        ...
 
 
 class Store(KeyStore, QuotaStore, UsageStore, JobStore, OutboxStore, GatewayStore, CatalogStore, Protocol):

@@ -142,6 +142,14 @@ MIGRATIONS: list[str] = [
         lease_until REAL NOT NULL
     );
     """,
+    # 9: operators' marks on worker nodes (cordoned, draining), which the scheduler reads.
+    """
+    CREATE TABLE node_marks (
+        node  TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        since REAL NOT NULL
+    );
+    """,
 ]
 
 POSTGRES: list[str] = [
@@ -250,6 +258,14 @@ POSTGRES: list[str] = [
         name        TEXT PRIMARY KEY,
         holder      TEXT NOT NULL,
         lease_until DOUBLE PRECISION NOT NULL
+    );
+    """,
+    # 4: as SQLite's 9: operators' marks on worker nodes.
+    """
+    CREATE TABLE node_marks (
+        node  TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        since DOUBLE PRECISION NOT NULL
     );
     """,
 ]

@@ -26,6 +26,7 @@ from llmserver.store.interfaces import (
     KeyLimits,
     KeyRecord,
     LedgerQuery,
+    NodeMark,
     OutboxItem,
     QuotaGrant,
     SchemaError,
@@ -522,6 +523,24 @@ class PostgresStore:
 
     async def lease_release(self, name: str, holder: str) -> None:
         await self._execute("DELETE FROM leases WHERE name = $1 AND holder = $2", name, holder)
+
+    async def node_marks(self) -> list[NodeMark]:
+        rows = await self._fetch("SELECT node, state, since FROM node_marks ORDER BY node")
+        return [NodeMark(r["node"], r["state"], r["since"]) for r in rows]
+
+    async def node_mark(self, node: str, state: str | None) -> NodeMark | None:
+        if state is None:
+            await self._execute("DELETE FROM node_marks WHERE node = $1", node)
+            return None
+        row = await self._fetchrow(  # a mark set again keeps its time
+            f"INSERT INTO node_marks (node, state, since) VALUES ($1, $2, {NOW})"
+            " ON CONFLICT (node) DO UPDATE SET state = excluded.state,"
+            " since = CASE WHEN node_marks.state = excluded.state THEN node_marks.since ELSE excluded.since END"
+            " RETURNING since",
+            node, state,
+        )  # fmt: skip
+        assert row is not None
+        return NodeMark(node, state, row["since"])
 
 
 LEDGER_COLUMNS = [

@@ -25,6 +25,7 @@ from llmserver.store.interfaces import (
     KeyLimits,
     KeyRecord,
     LedgerQuery,
+    NodeMark,
     OutboxItem,
     QuotaGrant,
     SchemaError,
@@ -491,3 +492,25 @@ class SQLiteStore:
     @_in_thread
     def lease_release(self, name: str, holder: str) -> None:
         self._db.execute("DELETE FROM leases WHERE name = ? AND holder = ?", (name, holder))
+
+    @_in_thread
+    def node_marks(self) -> list[NodeMark]:
+        rows = self._db.execute("SELECT node, state, since FROM node_marks ORDER BY node").fetchall()
+        return [NodeMark(r["node"], r["state"], r["since"]) for r in rows]
+
+    @_in_thread
+    def node_mark(self, node: str, state: str | None) -> NodeMark | None:
+        if state is None:
+            self._db.execute("DELETE FROM node_marks WHERE node = ?", (node,))
+            return None
+        with self._transaction() as db:
+            row = db.execute("SELECT state, since FROM node_marks WHERE node = ?", (node,)).fetchone()
+            if row is not None and row["state"] == state:
+                return NodeMark(node, state, row["since"])
+            now = time.time()
+            db.execute(
+                "INSERT INTO node_marks (node, state, since) VALUES (?, ?, ?)"
+                " ON CONFLICT (node) DO UPDATE SET state = excluded.state, since = excluded.since",
+                (node, state, now),
+            )
+        return NodeMark(node, state, now)
