@@ -1,5 +1,6 @@
 """The documentation site: it builds with no broken link, missing page or anchor (mkdocs --strict),
-every page is in its navigation, and the settings tables are the ones the settings generate."""
+every page is in its navigation, the settings tables are the ones the settings generate, and every
+command, option, setting, environment variable and file a page names exists."""
 
 from __future__ import annotations
 
@@ -116,3 +117,91 @@ def undocumented(served: set[str]) -> set[str]:
     """Families served that the metrics page does not list; a counter's or a histogram's `_created`
     gauge (prometheus_client's, the time it was created, once it has a sample) goes with its family."""
     return {name for name in served if not name.endswith("_created")} - documented_metrics()
+
+
+# Names the pages may give that are not ours to check: the CLI's and tests' own variables, a peer's file.
+NOT_SETTINGS = {"LLMSERVER_API_KEY", "LLMSERVER_DEBUG", "LLMSERVER_TEST_DATABASE"}
+FILE_TYPES = {"py", "yaml", "yml", "toml", "md", "json", "sh", "gguf", "txt", "service", "pem", "db"}
+OTHER_PROJECTS_FILES = {"tests/protocols/test_http.py"}  # uvicorn's, run by tests/peer/
+COMMAND_LINE = re.compile(
+    r"^\s*(?:\$ )?(?:\.venv/bin/|sudo -u \S+ )?llmserver((?: +(?:[a-z][a-z0-9-]*|--?[a-z][a-z-]*))*)"
+)
+
+
+def code_of(text: str) -> list[str]:
+    """Each line of a page's fenced blocks, and each inline code span."""
+    fenced = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
+    lines = [line for block in fenced for line in block.splitlines()]
+    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.S | re.M)
+    return lines + re.findall(r"`([^`\n]+)`", prose)
+
+
+def wrong_names(page: Path) -> list[str]:
+    """The commands, options, settings, environment variables and files a page names that do not exist."""
+    import click
+
+    from llmserver.cli import cli
+    from llmserver.settings import RENAMED, env_name, setting_paths
+
+    paths = setting_paths()
+    dotted = {".".join(path) for path in paths}
+    sections = {path[0] for path in paths if len(path) > 1}
+    variables = {env_name(path) for path in paths} | {"LLMSERVER_" + old.upper() for old in RENAMED} | NOT_SETTINGS
+    text = page.read_text()
+    wrong: list[str] = []
+    for code in code_of(text):
+        for segment in re.split(r"&&|\|\||;|\|", code):
+            found = COMMAND_LINE.match(segment)
+            if found is None:
+                continue
+            command: click.Command = cli
+            for word in found.group(1).split():
+                if word.startswith("-"):
+                    options = {o for p in command.params for o in getattr(p, "opts", [])} | {"--help", "--debug"}
+                    if word not in options:
+                        wrong.append(f"option {word} of `llmserver {found.group(1).strip()}`")
+                elif isinstance(command, click.Group):
+                    if word not in command.commands:
+                        wrong.append(f"command `llmserver {found.group(1).strip()}`")
+                        break
+                    command = command.commands[word]
+                else:
+                    break
+        for name in re.findall(r"^([a-z_]+\.[a-z_.]+)$", code):
+            if name.rsplit(".", 1)[1] in FILE_TYPES:
+                continue  # a file's name (`node.yaml`), not a setting
+            if (
+                name.split(".")[0] in sections
+                and name not in dotted
+                and not any(d.startswith(name + ".") for d in dotted)
+            ):
+                wrong.append(f"setting `{name}`")
+        for path in re.findall(r"^((?:scripts|deploy|bench|src|tests|docs|fuzz|\.ci)/[\w./-]+)$", code):
+            path = path.rstrip(".")
+            if path not in OTHER_PROJECTS_FILES and not (ROOT / path).exists():
+                wrong.append(f"file `{path}`")
+    for name in re.findall(r"\bLLMSERVER_[A-Z0-9_]*[A-Z0-9]", text):
+        if name not in variables:
+            wrong.append(f"environment variable {name}")
+    return wrong
+
+
+def test_every_command_setting_variable_and_file_a_page_names_exists() -> None:
+    pages = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
+    wrong = {str(page.relative_to(ROOT)): found for page in pages if (found := wrong_names(page))}
+    assert wrong == {}
+
+
+def test_the_name_check_finds_what_does_not_exist(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `llmserver nodes evict worker-1` or `llmserver serve --no-such-flag`, set `server.prot` or\n"
+        "LLMSERVER_SERVER__PROT, see `scripts/no_such_script.py`:\n\n```sh\nllmserver modles list\n```\n"
+        "But `llmserver nodes drain worker-1`, `server.port`, LLMSERVER_SERVER__PORT, LLMSERVER_PORT (its old name)\n"
+        "and `scripts/setup.sh` are fine, as is prose: llmserver keeps its promises.\n"
+    )
+    assert wrong_names(page) == [
+        "command `llmserver modles list`", "command `llmserver nodes evict worker-1`",
+        "option --no-such-flag of `llmserver serve --no-such-flag`", "setting `server.prot`",
+        "file `scripts/no_such_script.py`", "environment variable LLMSERVER_SERVER__PROT",
+    ]  # fmt: skip
