@@ -214,3 +214,19 @@ def test_a_node_that_joins_gets_its_share_one_move_per_model_at_a_time() -> None
     two_one = {"n1": {"c": 2}, "n2": {"c": 1}}
     checked = [node("n1", 2000, checks=sized("c")), node("n2", 2000, checks=sized("c"))]
     assert plan([three], checked, running(two_one), {}, two_one).assignments == two_one
+
+
+def test_min_instances_lowered_stops_the_idle_ones_above_it_at_once_never_a_busy_one() -> None:
+    nodes = [node("n1", checks=sized("a")), node("n2", checks=sized("a")), node("n3", checks=sized("a"))]
+    lowered = model("a", min_instances=0, max_instances=3, idle_timeout=300)
+    current = {"n1": {"a": 1}, "n2": {"a": 1}, "n3": {"a": 1}}
+    instances = [InstanceView("x", "n1", "a", ram_mb=300, idle_seconds=2),
+                 InstanceView("y", "n2", "a", ram_mb=300, in_flight=1),
+                 InstanceView("z", "n3", "a", ram_mb=300, idle_seconds=5)]  # fmt: skip
+    decided = plan([lowered], nodes, instances, {}, current, assigned_min={"a": 3})
+    assert decided.assignments == {"n2": {"a": 1}}  # the two idle ones at once (not after idle_timeout)
+    # The round after (the nodes assigned the new minimum): the busy one stays until its idle_timeout.
+    later = plan([lowered], nodes, instances[1:2], {}, decided.assignments, assigned_min={"a": 0})
+    assert later.assignments == {"n2": {"a": 1}}
+    # Without a change of min_instances, idle instances above it wait for their idle_timeout as before.
+    assert plan([lowered], nodes, instances, {}, current, assigned_min={"a": 0}).assignments == current

@@ -20,7 +20,8 @@ The rules, in order, each tick (`plan`, a pure function):
 3. Where no node has room for a model with requests waiting, the least recently used idle instances
    of other models (nothing in flight, nothing waiting for them) on one node are stopped to make it;
    never a busy one. Restoring `min_instances` never stops anything.
-4. An instance idle for its model's `idle_timeout` goes, down to `min_instances`, one per tick.
+4. An instance idle for its model's `idle_timeout` goes, down to `min_instances`, one per tick; in the
+   round that sees `min_instances` lowered, every instance above it with nothing in flight goes at once.
 5. A node is chosen among those whose labels hold the model's `node_selector` and whose file check
    passed and that no operator cordoned or drains: the fewest instances of that model first
    (spreading them), then the most free memory. Memory is the node's budget less what its assignment
@@ -197,11 +198,13 @@ def plan(
     current: dict[str, dict[str, int]],
     unscheduled: dict[str, int] | None = None,
     leaving: dict[str, dict[str, int]] | None = None,
+    assigned_min: dict[str, int] | None = None,
 ) -> Plan:
     """The assignments that follow from the state given, by the rules in this module's docstring.
     `unscheduled`: instances per model that nodes run from their own [[models]] (they count toward
     min_instances and max_instances; the scheduler neither places nor stops them). `leaving`: the last
-    round's `Plan.leaving` (moves under way)."""
+    round's `Plan.leaving` (moves under way). `assigned_min`: each model's min_instances as its nodes
+    were last assigned (a lower one in the catalog now stops idle instances above it at once)."""
     unscheduled = unscheduled or {}
     by_name = {m.name: m for m in models}
     live = {n.id: n for n in nodes}
@@ -248,7 +251,23 @@ def plan(
         if waiting and starting == 0 and total + static < model.max_instances:
             want = max(want, total + 1)
         want = max(0, min(want, model.max_instances - static))
-        # Rule 4: idle instances above min_instances go, the longest idle first, one per tick.
+        # Rule 4: idle instances above min_instances go, the longest idle first, one per tick; all those
+        # with nothing in flight at once when min_instances was just lowered.
+        if (assigned_min or {}).get(model.name, 0) > model.min_instances and want == total and not waiting:
+            unused = sorted(
+                (
+                    i for i in instances
+                    if i.model == model.name and i.in_flight == 0 and ledger.count(i.node, model.name) > 0
+                ),
+                key=lambda i: -i.idle_seconds,
+            )  # fmt: skip
+            for instance in unused[: max(0, total + static - model.min_instances)]:
+                ledger.take(instance.node, model.name)
+                events.append(f"{model.name}: min_instances lowered to {model.min_instances}: idle one on "
+                              f"{instance.node} stops now")  # fmt: skip
+                total -= 1
+            moves.settle(model, starting, total, total, 0)
+            continue
         if want == total and total + static > model.min_instances and not waiting:
             idle = [
                 i for i in instances
@@ -538,6 +557,7 @@ class Scheduler:
             queued.update(load.get("queued") or {})
         current: dict[str, dict[str, int]] = {}
         leaving: dict[str, dict[str, int]] = {}
+        assigned_min: dict[str, int] = {}
         keys = [k async for k in self._redis.scan_iter(match=ASSIGN_KEY + "*", count=500)]
         for key, value in zip(keys, await self._redis.mget(keys) if keys else [], strict=True):
             node_id = (key.decode() if isinstance(key, bytes) else key).removeprefix(ASSIGN_KEY)
@@ -545,7 +565,9 @@ class Scheduler:
                 assigned = json.loads(value)["models"].items()
                 current[node_id] = {name: int(a["count"]) for name, a in assigned}
                 leaving[node_id] = {name: int(a["leaving"]) for name, a in assigned if a.get("leaving")}
-        decided = plan(models, nodes, instances, dict(queued), current, dict(unscheduled), leaving)
+                for name, a in assigned:
+                    assigned_min[name] = max(assigned_min.get(name, 0), int(a["config"].get("min_instances", 1)))
+        decided = plan(models, nodes, instances, dict(queued), current, dict(unscheduled), leaving, assigned_min)
         for event in decided.events:
             log.info("scheduler: %s", event)
         pipe = self._redis.pipeline(transaction=False)
