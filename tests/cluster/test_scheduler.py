@@ -230,3 +230,15 @@ def test_min_instances_lowered_stops_the_idle_ones_above_it_at_once_never_a_busy
     assert later.assignments == {"n2": {"a": 1}}
     # Without a change of min_instances, idle instances above it wait for their idle_timeout as before.
     assert plan([lowered], nodes, instances, {}, current, assigned_min={"a": 0}).assignments == current
+
+
+def test_a_node_that_holds_the_file_already_is_preferred_once_the_spread_is_even() -> None:
+    fetched = {"a": {"revision": 1}}  # a Hugging Face model not downloaded there: fetched before it starts
+    held = {"a": {"revision": 1, "held": True, "estimate_mb": 300}}
+    nodes = [node("n1", 4000, checks=fetched), node("n2", 1000, checks=held), node("n3", 4000, checks=fetched)]
+    one = plan([model("a", min_instances=1)], nodes, [], {}, {})
+    assert one.assignments == {"n2": {"a": 1}}  # not n1 or n3, which have more room but no file
+    two = plan([model("a", min_instances=2, max_instances=2)], nodes, [], {}, {})
+    assert two.assignments == {"n2": {"a": 1}, "n1": {"a": 1}}  # spread first: the second goes where it must fetch
+    stale = {"a": {"revision": 0, "held": True}}  # checked for an older revision: not known to hold this one
+    assert plan([model("a")], [node("n1", checks=stale), node("n2", 2000)], [], {}, {}).assignments == {"n2": {"a": 1}}

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from llmserver.models.files import embedded_model_path
-from tests.support import Server, cli, make_key
+from tests.support import Server, cli, make_key, wait_for
 from tests.support.hub import StandInHub
 
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
@@ -94,3 +94,32 @@ def test_builtin_catalog_names_the_seeds_model(tmp_path: Path, hub: StandInHub, 
     )
     assert pulled.returncode == 0, pulled.stderr
     assert "Qwen2.5-1.5B-Instruct-Q2_K: " in pulled.stdout and "qwen2.5-1.5b-instruct-q2_k.gguf" in pulled.stdout
+
+
+def test_a_download_s_progress_is_in_the_model_s_record(
+    tmp_path: Path, hub: StandInHub, gguf: bytes, start_server: Callable[..., Server]
+) -> None:
+    """A model added to the catalog with hf_repo is fetched by the host that will run it; while its file
+    downloads, GET /api/models says how far it is (and the instance starts once it is whole)."""
+    hub.seconds_per_download = 4.0
+    server = start_server(env={"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
+    admin = make_key(tmp_path, "admin", admin=True)
+    headers = {"Authorization": f"Bearer {admin}"}
+    tiny = {"name": "tiny", "hf_repo": REPO, "hf_file": FILE, "parallel": 1, "ctx_size": 512}
+    added = httpx.post(server.url + "/api/models", json=tiny, headers=headers, timeout=60)
+    assert added.status_code == 201, added.text
+    seen: list[dict[str, object]] = []
+
+    def fetching() -> bool:
+        progress = httpx.get(server.url + "/api/models/tiny", headers=headers).json()["fetching"]
+        seen.extend(progress)
+        return any(0 < int(str(p["bytes"])) < len(gguf) for p in progress)
+
+    assert wait_for(fetching, 30), (seen, server.log()[-2000:])
+    assert seen[-1]["node"] is None and seen[-1]["total"] == len(gguf)  # this host, the file's whole size
+
+    def ready() -> bool:
+        record = httpx.get(server.url + "/api/models/tiny", headers=headers).json()
+        return record["fetching"] == [] and record["ready_instances"] == 1
+
+    assert wait_for(ready, 60), server.log()[-2000:]

@@ -7,6 +7,7 @@ ETag, Content-Length), honours `Range`, and can cut its first download short to 
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 from tests.support.local_http import LocalHTTPServer, QuietHandler
@@ -18,6 +19,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 class StandInHub:
     files: dict[str, bytes]  # "org/repo/file" → content
     cut_first_download_at: int | None = None
+    seconds_per_download: float = 0.0  # a slow link: each body written in 20 parts over this long
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     http: LocalHTTPServer = field(default_factory=LocalHTTPServer)
 
@@ -70,7 +72,15 @@ class StandInHub:
                     self.wfile.flush()
                     self.close_connection = True
                     return
-                self.wfile.write(content[start:])
+                rest = content[start:]
+                if not hub.seconds_per_download:
+                    self.wfile.write(rest)
+                    return
+                part = len(rest) // 20 + 1
+                for offset in range(0, len(rest), part):
+                    self.wfile.write(rest[offset : offset + part])
+                    self.wfile.flush()
+                    time.sleep(hub.seconds_per_download / 20)
 
         self.http.serve(Handler)
         return self

@@ -46,23 +46,35 @@ def _catalog(request: Request) -> model_catalog.CatalogFollower:
     return follower
 
 
-def _status(request: Request, name: str) -> dict[str, Any]:
-    """How a model runs, as this gateway sees it."""
+def _status(request: Request, name: str, nodes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """How a model runs, as this gateway sees it; `fetching`: where its file is being downloaded (this
+    host, node null, and the worker nodes whose records (`nodes`) say so), bytes so far of total."""
     pool = supervisor(request).pools.get(name)
+    fetching = [{"node": None, **pool.fetching}] if pool is not None and pool.fetching else []
+    fetching += [{"node": n["node"], **n["fetching"][name]} for n in nodes or [] if name in (n.get("fetching") or {})]
     if pool is None:
-        return {"instances": 0, "ready_instances": 0, "queue_depth": 0, "blocked": None}
+        return {"instances": 0, "ready_instances": 0, "queue_depth": 0, "blocked": None, "fetching": fetching}
     return {
         "instances": len(pool.live()),
         "ready_instances": sum(1 for i in pool.instances if i.accepting),
         "queue_depth": pool.queue_depth,
         "blocked": pool.blocked,
+        "fetching": fetching,
     }
+
+
+async def _nodes(request: Request) -> list[dict[str, Any]]:
+    """The worker nodes' records (none on a server that runs its instances itself)."""
+    registry = request.app.state.registry
+    nodes: list[dict[str, Any]] = await registry.commands.nodes() if registry is not None else []
+    return nodes
 
 
 @admin.get("/api/models")
 async def list_catalog(request: Request) -> dict[str, Any]:
-    entries = await store(request).catalog()
-    return {"object": "list", "data": [model_catalog.entry_body(e, _status(request, e.name)) for e in entries]}
+    entries, nodes = await store(request).catalog(), await _nodes(request)
+    data = [model_catalog.entry_body(entry, _status(request, entry.name, nodes)) for entry in entries]
+    return {"object": "list", "data": data}
 
 
 @admin.get("/api/models/{name}")
@@ -70,7 +82,7 @@ async def get_model(request: Request, name: str) -> dict[str, Any]:
     entry = await model_catalog.find(store(request), name)
     if entry is None:
         raise NotFound(f"The model catalog has no model {name!r}.", param="name")
-    return model_catalog.entry_body(entry, _status(request, name))
+    return model_catalog.entry_body(entry, _status(request, name, await _nodes(request)))
 
 
 @admin.post("/api/models", status_code=201, response_model=None)

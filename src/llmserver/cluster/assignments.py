@@ -55,6 +55,7 @@ class Assignments:
         return {
             "scheduled": True, "labels": self._settings.node.labels, "checks": self.checks,
             "gpus": [g.record() for g in self.gpus], "gpu_budget_mb": self.gpu_budget_mb,
+            "fetching": {name: pool.fetching for name, pool in self._supervisor.pools.items() if pool.fetching},
         }  # fmt: skip
 
     async def run(self) -> None:
@@ -117,7 +118,10 @@ class Assignments:
             if model.hf_repo is not None or model.path is None:
                 return {"revision": revision}  # not downloaded (installed) yet: fetched when an instance starts
             return {"revision": revision, "unavailable": str(exc)}
-        return {"revision": revision, "estimate_mb": estimate_mb(model, path), "gpu_mb": estimate_gpu_mb(model, path)}
+        return {
+            "revision": revision, "held": True,  # its file is here: placement prefers this node
+            "estimate_mb": estimate_mb(model, path), "gpu_mb": estimate_gpu_mb(model, path),
+        }  # fmt: skip
 
     def _note_failures(self) -> None:
         """A model whose instances cannot start here (its file, a failing start) is reported, so that the

@@ -24,9 +24,10 @@ The rules, in order, each tick (`plan`, a pure function):
    round that sees `min_instances` lowered, every instance above it with nothing in flight goes at once.
 5. A node is chosen among those whose labels hold the model's `node_selector` and whose file check
    passed and that no operator cordoned or drains: the fewest instances of that model first
-   (spreading them), then the most free memory. Memory is the node's budget less what its assignment
-   is expected to take: each model's largest measured RSS, else the node's estimate from the GGUF
-   file (catalog.estimate_mb).
+   (spreading them), then one that holds the file already (a Hugging Face model not downloaded there
+   is fetched before its instance starts), then the most free memory. Memory is the node's budget
+   less what its assignment is expected to take: each model's largest measured RSS, else the node's
+   estimate from the GGUF file (catalog.estimate_mb).
 6. Moves, one per model at a time, always started before stopped: an instance on a draining node
    (`llmserver nodes drain`) that is in use or needed for `min_instances` gets a replacement on another
    node, and goes once its model has nothing starting (an idle one goes at once); and when a model's
@@ -110,6 +111,11 @@ class NodeView:
         unavailable = check.get("unavailable")
         return str(unavailable) if unavailable else None
 
+    def holds(self, model: Model) -> bool:
+        """Whether its file for `model` is here already (nothing to download before an instance starts)."""
+        check = self.checks.get(model.name) or {}
+        return bool(check.get("held")) and check.get("revision") == model.revision
+
     def estimate(self, model: Model, what: str = "estimate_mb") -> int | None:
         check = self.checks.get(model.name) or {}
         value = check.get(what)
@@ -187,7 +193,7 @@ class _Ledger:
         return [n for n in self.nodes.values() if n.id != but and self.fits(model, n) and self.free(n) >= need]
 
     def emptiest(self, model: Model, candidates: list[NodeView]) -> NodeView:
-        return min(candidates, key=lambda n: (self.count(n.id, model.name), -self.free(n), n.id))
+        return min(candidates, key=lambda n: (self.count(n.id, model.name), not n.holds(model), -self.free(n), n.id))
 
 
 def plan(

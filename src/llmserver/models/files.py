@@ -18,6 +18,7 @@ import logging
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -99,8 +100,20 @@ def embedded_model_path(install: bool = False) -> Path:
     raise ModelFileError(f"{EMBEDDED_DISTRIBUTION} is installed but holds no .gguf file")
 
 
-def fetch(model: ModelConfig, cache_dir: Path, endpoint: str | None = None, *, offline: bool = False) -> Path:
-    """The local copy of an hf_repo model, downloaded (or resumed) unless `offline`."""
+Progress = Callable[[int, int | None], None]  # bytes so far, of how many (None: not known yet)
+PROGRESS_LOG_EVERY = 5.0  # seconds between a download's progress lines
+
+
+def fetch(
+    model: ModelConfig,
+    cache_dir: Path,
+    endpoint: str | None = None,
+    *,
+    offline: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """The local copy of an hf_repo model, downloaded (or resumed) unless `offline`; a download's progress
+    is logged every few seconds and given to `progress` as it comes."""
     assert model.hf_repo is not None and model.hf_file is not None
     from huggingface_hub import hf_hub_download  # lazily: only hf_repo models need it
 
@@ -113,6 +126,7 @@ def fetch(model: ModelConfig, cache_dir: Path, endpoint: str | None = None, *, o
             cache_dir=cache_dir,
             endpoint=endpoint,
             local_files_only=offline,
+            tqdm_class=None if offline else _progress_bar(model.name, source, progress),
         )
     except Exception as exc:  # huggingface_hub's errors share no base class worth naming here
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -132,6 +146,35 @@ def fetch(model: ModelConfig, cache_dir: Path, endpoint: str | None = None, *, o
     return Path(str(local))
 
 
+def _progress_bar(name: str, source: str, progress: Progress | None) -> type[Any]:
+    """huggingface_hub's progress bar (still drawn on stderr), which also logs a line every few seconds
+    and reports each step to `progress`."""
+    from huggingface_hub.utils.tqdm import tqdm as hub_tqdm
+
+    class Bar(hub_tqdm):
+        logged_at = time.monotonic()
+        received = 0  # counted here: a bar that is not drawn (no terminal) counts nothing itself
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+            self.received = int(kwargs.get("initial") or 0)  # a resumed download starts where it was cut
+
+        def update(self, n: float | None = 1) -> bool | None:
+            shown: bool | None = super().update(n)
+            self.received += int(n or 0)
+            done, total = self.received, int(self.total) if self.total else None
+            if progress is not None:
+                progress(done, total)
+            now = time.monotonic()
+            if now - self.logged_at >= PROGRESS_LOG_EVERY or (total is not None and done >= total):
+                self.logged_at = now
+                of = f" of {total / 2**20:.1f} MiB ({100 * done / total:.0f}%)" if total else " MiB"
+                log.info("model %s: downloading %s: %.1f%s", name, source, done / 2**20, of)
+            return shown
+
+    return Bar
+
+
 def _hub_offline() -> bool:
     from huggingface_hub import constants
 
@@ -139,13 +182,18 @@ def _hub_offline() -> bool:
 
 
 def model_path(
-    model: ModelConfig, cache_dir: Path | None = None, endpoint: str | None = None, *, download: bool = True
+    model: ModelConfig,
+    cache_dir: Path | None = None,
+    endpoint: str | None = None,
+    *,
+    download: bool = True,
+    progress: Progress | None = None,
 ) -> Path:
     """The model's GGUF file, checked; hf_repo models are downloaded when `download` allows."""
     if model.hf_repo is not None:
         if cache_dir is None:
             raise ModelFileError(f"model {model.name!r}: no cache folder to download it into")
-        path = fetch(model, cache_dir, endpoint, offline=not download)
+        path = fetch(model, cache_dir, endpoint, offline=not download, progress=progress)
     else:
         path = model.path.expanduser() if model.path is not None else embedded_model_path(install=download)
     return _checked_gguf(path, model, "GGUF file")

@@ -91,6 +91,8 @@ class ModelPool:
         # Looking for the files again: the wait before the next try (doubling) and when that is.
         self.files_backoff = 0.0
         self.next_files_at = 0.0
+        # While its GGUF file downloads here: {"bytes": so far, "total": of how many (None: not known yet)}.
+        self.fetching: dict[str, int | None] | None = None
         self.closed: APIError | None = None  # the model was removed: every request fails with this
         self.on_load: Callable[[], None] = lambda: None
         self.load_shared: Callable[[], Awaitable[None]] | None = None

@@ -422,8 +422,14 @@ class Supervisor:
         """A model's GGUF files (downloaded if need be); False, with the reason in `pool.blocked`, if they
         cannot be had here."""
         cache, endpoint = self.settings.model_cache_dir, self.settings.hf_endpoint
+
+        def progress(done: int, total: int | None) -> None:
+            pool.fetching = {"bytes": done, "total": total}
+
         try:
-            self._files[pool.name] = await asyncio.to_thread(model_path, pool.config, cache, endpoint)
+            self._files[pool.name] = await asyncio.to_thread(
+                model_path, pool.config, cache, endpoint, progress=progress
+            )
             self._mmproj[pool.name] = await asyncio.to_thread(mmproj_path, pool.config, cache, endpoint)
         except ModelFileError as exc:
             self._files.pop(pool.name, None)
@@ -435,6 +441,8 @@ class Supervisor:
             pool.files_backoff = min(FILES_RETRY_MAX, max(FILES_RETRY_FIRST, pool.files_backoff * 2))
             pool.next_files_at = time.monotonic() + pool.files_backoff
             return False
+        finally:
+            pool.fetching = None
         if pool.unstartable is not None:
             log.info("model %s: its files are found now", pool.name)
         pool.blocked = pool.unstartable = None
