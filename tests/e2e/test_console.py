@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -758,6 +759,32 @@ def test_the_models_page_adds_scales_edits_and_removes_a_model_with_problems_at_
     assert catalog(browser.server, "console-added").status_code == 404
     names = httpx.get(browser.server.url + "/v1/models", headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
     assert [m["id"] for m in names] == [MODEL]
+
+
+def test_a_model_that_cannot_start_says_why_at_its_row_and_its_log_is_a_click_away(browser: Browser) -> None:
+    """A catalog model whose GGUF llama-server cannot load (its header reads, it holds no tensor): the
+    row shows why its instance failed, and its llama-server log's last lines open under it."""
+    empty = browser.server.data_dir / "models" / "empty.gguf"
+    empty.parent.mkdir(parents=True, exist_ok=True)
+    empty.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))
+    body = {"name": "cannot-load", "path": str(empty), "ctx_size": 512, "parallel": 1}
+    added = httpx.post(browser.server.url + "/api/models", json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert added.status_code == 201, added.text
+    try:
+        page = browser.open(ADMIN)
+        page.click("#tabs button[data-tab=models]")
+        row = page.locator("#catalog-table tr[data-model='cannot-load']")
+        row.locator(".start-failure summary").wait_for(timeout=60_000)  # the page refreshes every 3 s
+        failure = catalog(browser.server, "cannot-load").json()["last_start_failure"]
+        assert failure["message"] in row.locator(".start-failure .problem").text_content()
+        assert not row.locator(".start-failure pre").is_visible()  # a click away
+        row.locator(".start-failure summary").click()
+        log_shown = str(row.locator(".start-failure pre").text_content())
+        assert row.locator(".start-failure pre").is_visible() and failure["log"][-1] in log_shown
+        assert "failed to load model" in log_shown  # llama-server's own words
+        browser.shoot("models-start-failure")
+    finally:
+        httpx.delete(browser.server.url + "/api/models/cannot-load", headers={"Authorization": f"Bearer {ADMIN}"})
 
 
 def test_the_usage_page_shows_each_key_and_model_the_quota_and_pages_the_request_log(browser: Browser) -> None:

@@ -6,6 +6,7 @@ config file and the catalog (models/catalog.py)."""
 from __future__ import annotations
 
 import shutil
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -207,6 +208,42 @@ def test_a_model_whose_file_went_away_never_stops_a_start(start_server: Callable
     assert wait_for(lambda: httpx.get(restarted.url + "/ready").json()["models"].get("copy") is True, 60)
     assert admin_call(restarted, admin, "GET", "/api/models/copy").json()["blocked"] is None
     assert metric(restarted, admin, "llmserver_model_blocked", model="copy") == 0
+
+
+def test_a_start_that_fails_says_why_with_the_instance_s_last_log_lines(start_server: Callable[..., Server]) -> None:
+    """A GGUF whose header is damaged is that model's problem at once (blocked, saying so; the server's
+    other models serve on). One whose header reads but that llama-server cannot load (no tensors): its
+    instance fails to start, and the model's record and /api/instances say when, why, and what
+    llama-server wrote last."""
+    server = start_server(FILE_MODEL)
+    admin = make_key(server.data_dir, "admin", admin=True)
+    folder = server.data_dir / "models"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "damaged.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 64)  # a string "longer" than the file
+    (folder / "empty.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))  # version 3, nothing in it
+    for name in ("damaged", "empty"):
+        body = {**B, "name": name, "path": str(folder / f"{name}.gguf")}
+        assert admin_call(server, admin, "POST", "/api/models", body).status_code == 201
+
+    def blocked() -> str:
+        return str(admin_call(server, admin, "GET", "/api/models/damaged").json()["blocked"] or "")
+
+    assert wait_for(lambda: "not a readable GGUF file" in blocked(), 30), server.log()[-3000:]
+    assert "damaged" in blocked()
+
+    def failed() -> dict[str, Any] | None:
+        record: dict[str, Any] = admin_call(server, admin, "GET", "/api/models/empty").json()
+        return record["last_start_failure"]  # type: ignore[no-any-return]
+
+    assert wait_for(failed, 60), server.log()[-3000:]
+    failure = failed()
+    assert failure is not None and failure["node"] is None and "exited with code" in failure["message"]
+    assert any("gguf" in line.lower() or "model" in line.lower() for line in failure["log"]), failure["log"]
+    assert abs(failure["at"] - time.time()) < 120
+    listed = admin_call(server, admin, "GET", "/api/instances").json()["models"]
+    summary = next(m for m in listed if m["model"] == "empty")
+    assert summary["last_start_failure"]["instance_id"] == failure["instance_id"]
+    assert stream(server, admin, MODEL) is None  # the other model serves throughout
 
 
 def test_gateways_of_role_all_on_one_database_keep_their_own_models(

@@ -32,6 +32,7 @@ async def list_instances(request: Request) -> dict[str, Any]:
             "queue_depth": pool.queue_depth,
             "tokens_per_second_5m": rate.recent(name),
             "avg_tokens_per_second": rate.average(name),
+            "last_start_failure": pool.last_start_failure,  # on this host (a node's: GET /api/models/{name})
         }
         for name, pool in running.pools.items()
     ]

@@ -48,18 +48,27 @@ def _catalog(request: Request) -> model_catalog.CatalogFollower:
 
 def _status(request: Request, name: str, nodes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """How a model runs, as this gateway sees it; `fetching`: where its file is being downloaded (this
-    host, node null, and the worker nodes whose records (`nodes`) say so), bytes so far of total."""
+    host, node null, and the worker nodes whose records (`nodes`) say so), bytes so far of total;
+    `last_start_failure`: the latest instance of it that failed to start, here or on a node, with why
+    and the last lines of its llama-server log."""
     pool = supervisor(request).pools.get(name)
     fetching = [{"node": None, **pool.fetching}] if pool is not None and pool.fetching else []
     fetching += [{"node": n["node"], **n["fetching"][name]} for n in nodes or [] if name in (n.get("fetching") or {})]
+    failures = [{"node": None, **pool.last_start_failure}] if pool is not None and pool.last_start_failure else []
+    failures += [{"node": n["node"], **n["failures"][name]} for n in nodes or [] if name in (n.get("failures") or {})]
+    last_failure = max(failures, key=lambda f: float(str(f["at"]))) if failures else None
     if pool is None:
-        return {"instances": 0, "ready_instances": 0, "queue_depth": 0, "blocked": None, "fetching": fetching}
+        return {
+            "instances": 0, "ready_instances": 0, "queue_depth": 0, "blocked": None, "fetching": fetching,
+            "last_start_failure": last_failure,
+        }  # fmt: skip
     return {
         "instances": len(pool.live()),
         "ready_instances": sum(1 for i in pool.instances if i.accepting),
         "queue_depth": pool.queue_depth,
         "blocked": pool.blocked,
         "fetching": fetching,
+        "last_start_failure": last_failure,
     }
 
 

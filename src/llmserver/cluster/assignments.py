@@ -55,7 +55,6 @@ class Assignments:
         return {
             "scheduled": True, "labels": self._settings.node.labels, "checks": self.checks,
             "gpus": [g.record() for g in self.gpus], "gpu_budget_mb": self.gpu_budget_mb,
-            "fetching": {name: pool.fetching for name, pool in self._supervisor.pools.items() if pool.fetching},
         }  # fmt: skip
 
     async def run(self) -> None:

@@ -93,6 +93,7 @@ class Publisher:
                 instance.last_activity = active[instance.id]
             if in_flight[instance.id]:
                 instance.last_activity = max(instance.last_activity, time.time())
+        pools = self._supervisor.pools.items()
         pipe = self._redis.pipeline(transaction=False)
         node = {
             "node": self.node_id,
@@ -101,6 +102,9 @@ class Publisher:
             "instances": len(live),
             "memory_used_mb": self._supervisor.memory_used_mb(),
             "memory_budget_mb": self._supervisor.memory_budget_mb,
+            # Per model: its file downloading here, and the last instance that failed to start here.
+            "fetching": {name: pool.fetching for name, pool in pools if pool.fetching},
+            "failures": {name: pool.last_start_failure for name, pool in pools if pool.last_start_failure},
             **self.extra(),
         }
         pipe.set(NODE_KEY + self.node_id, json.dumps(node), px=LEASE_MS)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import io
 import logging
+import os
 import struct
 import subprocess
 import sys
@@ -205,6 +206,11 @@ def _checked_gguf(path: Path, model: ModelConfig, what: str) -> Path:
     with path.open("rb") as file:
         if file.read(4) != GGUF_MAGIC:
             raise ModelFileError(f"model {model.name!r}: {path} is not a GGUF file")
+    try:  # its header read whole: a damaged one is this model's problem, found before an instance starts
+        gguf_metadata(path, lambda key: False)
+    except ModelFileError as exc:
+        reason = str(exc).removeprefix(f"{path}: ")
+        raise ModelFileError(f"model {model.name!r}: {path} is not a readable GGUF file: {reason}") from None
     return path
 
 
@@ -263,7 +269,10 @@ def _unpack(file: BinaryIO, form: str) -> Any:
 
 
 def _gguf_string(file: BinaryIO) -> str:
-    return file.read(_unpack(file, "<Q")).decode("utf-8", "replace")
+    length, here = _unpack(file, "<Q"), file.tell()
+    if length > os.fstat(file.fileno()).st_size - here:  # never read what a damaged length says is there
+        raise ModelFileError(f"{getattr(file, 'name', 'the file')}: its GGUF header is damaged (a string past its end)")
+    return file.read(length).decode("utf-8", "replace")
 
 
 def mmproj_path(

@@ -373,6 +373,15 @@ class Instance:
             "last_activity": self.last_activity_iso(),
         }
 
+    def log_tail(self, lines: int = 20) -> list[str]:
+        """The last lines llama-server wrote to its log (what it said before it failed)."""
+        try:
+            with self.log_path.open("rb") as file:
+                file.seek(max(0, file.seek(0, 2) - 16384))
+                return file.read().decode(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return []
+
     async def start(self, binary: Path, model_file: Path, timeout: float, mmproj: Path | None = None) -> None:
         """Spawn llama-server and wait until it answers /health; InstanceStartError otherwise."""
         self.status = Status.STARTING

@@ -93,6 +93,10 @@ class ModelPool:
         self.next_files_at = 0.0
         # While its GGUF file downloads here: {"bytes": so far, "total": of how many (None: not known yet)}.
         self.fetching: dict[str, int | None] | None = None
+        # min_instances was lowered while an instance started: idle ones above it stop once it is up.
+        self.shed_when_started = False
+        # The last instance that failed to start here: when, which, why, and the last lines of its log.
+        self.last_start_failure: dict[str, object] | None = None
         self.closed: APIError | None = None  # the model was removed: every request fails with this
         self.on_load: Callable[[], None] = lambda: None
         self.load_shared: Callable[[], Awaitable[None]] | None = None

@@ -229,6 +229,9 @@ class Supervisor:
             pool.blocked = f"its instance failed to start ({exc})"
             raise
         pool.blocked = None
+        if pool.shed_when_started and not any(i.status == Status.STARTING for i in pool.instances):
+            pool.shed_when_started = False
+            self._shed(pool, min_lowered=True)  # min_instances was lowered while it started
         if cold:
             took = time.time() - instance.started_at
             pool.cold_starts += 1
@@ -248,6 +251,12 @@ class Supervisor:
             )
         except InstanceStartError as exc:
             log.error("instance %s (%s) failed to start: %s", instance.id, instance.model.name, exc)
+            pool = self.pools.get(instance.model.name)
+            if pool is not None:
+                pool.last_start_failure = {
+                    "at": time.time(), "instance_id": instance.id, "message": str(exc),
+                    "log": await asyncio.to_thread(instance.log_tail),
+                }  # fmt: skip
             raise
         instance.failure, instance.stalled = None, False
 
@@ -484,6 +493,8 @@ class Supervisor:
         kept = ordered[surplus:]
         if not min_lowered or pool.queue_depth:
             return
+        # One still starting (a roll's replacement, a cold start) is judged once it is up.
+        pool.shed_when_started = any(i.status == Status.STARTING for i in kept)
         idle = [i for i in kept if i.status == Status.READY and i.in_flight == 0 and i.keep_until < time.time()]
         for instance in idle[: max(0, len(kept) - pool.config.min_instances)]:
             log.info("instance %s (%s): idle beyond min_instances (%d), stopping it", instance.id, pool.name,

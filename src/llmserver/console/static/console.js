@@ -299,7 +299,8 @@ function catalogRow(m, instances) {
     el("td", {}, el("span", { class: "scale" },
       el("button", { type: "button", class: "small", disabled: fixed || s.max_instances <= 0, title: because, onclick: () => scaleModel(m, -1), "aria-label": s.min_instances > 0 ? `Keep one instance fewer of ${m.name} running` : `Stop ${m.name}` }, "−"),
       ` ${m.ready_instances ?? 0} ready of ${m.instances ?? 0}${bounds} `,
-      el("button", { type: "button", class: "small", disabled: fixed || s.min_instances >= 64, title: because, onclick: () => scaleModel(m, 1), "aria-label": `Keep one instance more of ${m.name} running` }, "+"))),
+      el("button", { type: "button", class: "small", disabled: fixed || s.min_instances >= 64, title: because, onclick: () => scaleModel(m, 1), "aria-label": `Keep one instance more of ${m.name} running` }, "+")),
+      ...modelProblems(m)),
     el("td", {}, instances.length ? el("ul", { class: "plain" }, ...instances.map((i) => el("li", {}, `${i.node ? `${i.node} ` : ""}${i.host}:${i.port} `, el("span", { class: `badge ${i.status}` }, i.status)))) : "none"),
     el("td", { class: "num" }, m.queue_depth ?? 0),
     el("td", {}, localTime(m.updated_at)),
@@ -307,6 +308,25 @@ function catalogRow(m, instances) {
       el("button", { type: "button", disabled: fixed, title: because, onclick: () => editModel(m), "aria-label": `Edit ${m.name}` }, "Edit"), " ",
       el("button", { type: "button", disabled: fixed, title: because, onclick: () => removeModel(m), "aria-label": `Remove ${m.name}` }, "Remove"))),
   );
+}
+
+// What keeps a model from serving, at its row: why it is blocked, its file downloading, and (while it has
+// no ready instance or is blocked) its last failed start, the instance's last log lines a click away.
+function modelProblems(m) {
+  const shown = [];
+  if (m.blocked) shown.push(el("div", { class: "problem" }, m.blocked));
+  for (const f of m.fetching ?? []) {
+    const part = f.total ? ` ${Math.floor((100 * f.bytes) / f.total)}% of ${number(f.total / 2 ** 20, 1)} MiB` : ` ${number(f.bytes / 2 ** 20, 1)} MiB`;
+    shown.push(el("div", { class: "hint fetching" }, `downloading its file${f.node ? ` on ${f.node}` : ""}:${part}`));
+  }
+  const failed = m.last_start_failure;
+  if (failed && (m.blocked || !m.ready_instances)) {
+    shown.push(el("details", { class: "start-failure" },
+      el("summary", {}, `last start failed ${localTime(failed.at)}${failed.node ? ` on ${failed.node}` : ""}`),
+      el("div", { class: "problem" }, failed.message),
+      el("pre", {}, (failed.log ?? []).join("\n") || "(its log is empty)")));
+  }
+  return shown;
 }
 
 function modelForm(reset = false) {
