@@ -10,7 +10,14 @@ import gguf
 import numpy as np
 import pytest
 
-from llmserver.models.files import ModelFileError, embedded_model_path, gguf_metadata, gguf_pooling
+from llmserver.models.files import (
+    ModelFileError,
+    embedded_model_path,
+    estimate_mb,
+    gguf_metadata,
+    gguf_pooling,
+    model_path,
+)
 from llmserver.pool.instance import llama_server_args
 from llmserver.settings import ModelConfig
 
@@ -79,3 +86,17 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     (tmp_path / "short.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x00")
     with pytest.raises(ModelFileError):
         gguf_metadata(tmp_path / "short.gguf", lambda key: True)
+
+
+def test_a_damaged_header_is_refused_without_reading_what_it_claims(tmp_path: Path) -> None:
+    """A string length past the file's end (garbage after the magic): a clear error, never a read of
+    that many bytes (it was a MemoryError in every supervisor tick), and the size estimate falls back."""
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    with pytest.raises(ModelFileError, match="header is damaged"):
+        gguf_metadata(damaged, lambda key: True)
+    model = ModelConfig(name="damaged", path=damaged)
+    with pytest.raises(ModelFileError, match="not a readable GGUF file: its GGUF header is damaged"):
+        model_path(model)
+    assert estimate_mb(model, damaged) == int(damaged.stat().st_size / 2**20 * 1.1 + 64)  # from its size alone
+    assert model_path(ModelConfig(name="whole", path=embedded_model_path())) == embedded_model_path()
