@@ -578,6 +578,12 @@ class NodeSettings(Section):
         default=8081, ge=0, le=65535, description="Port of the node's /health, /ready and /metrics; 0: none."
     )
     host: str = Field(default="127.0.0.1", description="Address the node's /health, /ready and /metrics listen on.")
+    gateway_url: str | None = Field(
+        default=None,
+        description="A gateway (http://gateway:8000) this node fetches a catalog model's GGUF from when the model's "
+        "path is not a file here: authenticated with instances.api_key, resumed when cut, its SHA-256 checked, kept "
+        "in DATA_DIR/models/from-gateway. Unset: such a model cannot run on this node.",
+    )
 
 
 class JobSettings(Section):

@@ -3,6 +3,8 @@
 Every router is made by `router(access)`:
 - `Access.ADMIN`: the router carries `admin_key` as a dependency, so none of its routes can forget it;
 - `Access.KEY`: the router carries `any_key`; the endpoint reads the caller with `caller(request)`;
+- `Access.NODE`: a worker node's key (`instances.api_key`, which nodes and gateways share) or an admin
+  key: what nodes fetch from a gateway (a catalog model's file);
 - `Access.PUBLIC`: no key, and only for the paths in `PUBLIC` below;
 - `Access.OWN`: the endpoint authenticates itself first thing: the generating endpoints, which take
   a key in their body and gate a large body before reading it (`deps.parse`, with the fast lane of
@@ -16,6 +18,7 @@ without a key, with a user key and with a revoked key.
 from __future__ import annotations
 
 import enum
+import hmac
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,7 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute, Mount
 
-from llmserver.api.deps import authenticate, json_body
+from llmserver.api.deps import authenticate, header_key, json_body, settings
 from llmserver.auth.keys import Principal
 from llmserver.errors import APIError, InvalidRequest, PermissionDenied
 
@@ -32,6 +35,7 @@ class Access(enum.Enum):
     PUBLIC = "public"
     KEY = "key"
     ADMIN = "admin"
+    NODE = "node"
     OWN = "own"
 
 
@@ -70,7 +74,19 @@ async def any_key(request: Request) -> Principal:
     return await _caller(request, admin=False)
 
 
-_DEPENDENCY = {Access.ADMIN: admin_key, Access.KEY: any_key}
+NODE_PRINCIPAL = Principal(key_id="node", name="a worker node", fingerprint="instances.api_key", is_admin=False)
+
+
+async def node_key(request: Request) -> Principal:
+    """A worker node, by the instance key it shares with the gateways; else an admin key."""
+    expected, presented = settings(request).instances.key, header_key(request)
+    if expected and presented and hmac.compare_digest(presented.encode(), expected.encode()):
+        request.state.principal = NODE_PRINCIPAL
+        return NODE_PRINCIPAL
+    return await _caller(request, admin=True)
+
+
+_DEPENDENCY = {Access.ADMIN: admin_key, Access.KEY: any_key, Access.NODE: node_key}
 
 
 def router(access: Access) -> APIRouter:

@@ -1,22 +1,26 @@
 """GET /v1/models: the seed's model list, with each model's 30-day average speed once it has one; and
-the model catalog's admin API, GET/POST/PATCH/DELETE /api/models."""
+the model catalog's admin API, GET/POST/PATCH/DELETE /api/models; a model's file for the nodes that lack it."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 
 from llmserver.api.access import Access, body_of, caller, router
 from llmserver.api.deps import lineup, settings, speed, store, supervisor
 from llmserver.auth.keys import may_use
 from llmserver.errors import InvalidRequest, NotFound
 from llmserver.models import catalog as model_catalog
+from llmserver.models.files import CHECKSUM_HEADER, file_checksum
 
 keyed = router(Access.KEY)
 admin = router(Access.ADMIN)
-routers = (keyed, admin)
+node = router(Access.NODE)
+routers = (keyed, admin, node)
 
 
 @keyed.get("/v1/models")
@@ -77,6 +81,32 @@ async def _nodes(request: Request) -> list[dict[str, Any]]:
     registry = request.app.state.registry
     nodes: list[dict[str, Any]] = await registry.commands.nodes() if registry is not None else []
     return nodes
+
+
+@node.get("/api/models/{name}/file", response_model=None)
+async def model_file(request: Request, name: str) -> FileResponse:
+    """A catalog model's GGUF as this gateway's host has it, for a worker node that lacks it
+    (`node.gateway_url`): its SHA-256 in X-Checksum-SHA256, ranges honoured (a cut download resumes)."""
+    entry = await model_catalog.find(store(request), name)
+    if entry is None:
+        raise NotFound(f"The model catalog has no model {name!r}.", param="name")
+    given = entry.settings().get("path")
+    found = await asyncio.to_thread(_file_here, str(given)) if given else None
+    if found is None:
+        raise NotFound(f"This gateway has no file for the model {name!r} (its path: {given or 'none'}).", param="name")
+    path, checksum = found
+    return FileResponse(path, media_type="application/octet-stream", headers={CHECKSUM_HEADER: checksum})
+
+
+@node.head("/api/models/{name}/file", response_model=None)
+async def model_file_head(request: Request, name: str) -> FileResponse:
+    """Its size and SHA-256, without the file."""
+    return await model_file(request, name)
+
+
+def _file_here(given: str) -> tuple[Path, str] | None:
+    path = Path(given).expanduser()
+    return (path, file_checksum(path)) if path.is_file() else None
 
 
 @admin.get("/api/models")

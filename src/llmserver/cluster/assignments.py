@@ -116,6 +116,8 @@ class Assignments:
         except ModelFileError as exc:
             if model.hf_repo is not None or model.path is None:
                 return {"revision": revision}  # not downloaded (installed) yet: fetched when an instance starts
+            if settings.node.gateway_url:
+                return {"revision": revision}  # not here: fetched from the gateway when an instance starts
             return {"revision": revision, "unavailable": str(exc)}
         return {
             "revision": revision, "held": True,  # its file is here: placement prefers this node

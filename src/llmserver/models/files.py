@@ -12,6 +12,7 @@ Every file must start with the GGUF magic bytes.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import io
 import logging
@@ -20,6 +21,9 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -174,6 +178,92 @@ def _progress_bar(name: str, source: str, progress: Progress | None) -> type[Any
             return shown
 
     return Bar
+
+
+CHECKSUM_HEADER = "X-Checksum-SHA256"
+GATEWAY_CHUNK = 1 << 20
+
+
+def fetch_from_gateway(
+    model: ModelConfig, gateway_url: str, key: str | None, cache_dir: Path, progress: Progress | None = None
+) -> Path:
+    """A catalog model's GGUF, as a gateway serves it (`GET /api/models/{name}/file`, with the instance
+    key): kept under `cache_dir/from-gateway/<its SHA-256>/`, a cut download resumed from what was
+    written (HTTP Range), the whole file's SHA-256 checked against the gateway's before it is used."""
+    base = gateway_url.rstrip("/") + f"/api/models/{urllib.parse.quote(model.name, safe='')}/file"
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(base, method="HEAD", headers=headers), timeout=30) as head:
+            checksum, total = str(head.headers.get(CHECKSUM_HEADER, "")), int(head.headers["Content-Length"])
+    except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
+        raise ModelFileError(f"model {model.name!r}: its file is not here and the gateway {gateway_url} does not "
+                             f"serve it ({_why(exc)})") from None  # fmt: skip
+    if len(checksum) != 64:
+        raise ModelFileError(f"model {model.name!r}: the gateway {gateway_url} gave no SHA-256 for its file")
+    name = Path(model.path).name if model.path is not None else f"{model.name}.gguf"
+    final = cache_dir / "from-gateway" / checksum[:32] / name
+    if final.is_file() and final.stat().st_size == total:
+        return final  # checked when it was written
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.with_name(final.name + ".part")
+    digest, done = hashlib.sha256(), partial.stat().st_size if partial.exists() else 0
+    if done > total:
+        partial.unlink()
+        done = 0
+    with partial.open("ab") as out:
+        if done:  # resumed: what was written counts toward the checksum
+            with partial.open("rb") as written:
+                while chunk := written.read(GATEWAY_CHUNK):
+                    digest.update(chunk)
+            log.info("model %s: resuming its download from %s at %.1f MiB", model.name, gateway_url, done / 2**20)
+        asked = {**headers, "Range": f"bytes={done}-"} if done else headers
+        logged_at = time.monotonic()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(base, headers=asked), timeout=60) as body:
+                if done and body.status != 206:
+                    raise ModelFileError(f"model {model.name!r}: the gateway {gateway_url} does not resume downloads")
+                while chunk := body.read(GATEWAY_CHUNK):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done, total)
+                    if time.monotonic() - logged_at >= PROGRESS_LOG_EVERY or done >= total:
+                        logged_at = time.monotonic()
+                        log.info("model %s: downloading from %s: %.1f of %.1f MiB (%.0f%%)", model.name, gateway_url,
+                                 done / 2**20, total / 2**20, 100 * done / max(1, total))  # fmt: skip
+        except (urllib.error.URLError, OSError) as exc:  # what was written stays: the next try resumes
+            raise ModelFileError(f"model {model.name!r}: its download from {gateway_url} was cut at "
+                                 f"{done / 2**20:.1f} of {total / 2**20:.1f} MiB ({_why(exc)})") from None  # fmt: skip
+    if done != total or digest.hexdigest() != checksum:
+        partial.unlink()
+        raise ModelFileError(f"model {model.name!r}: the file from {gateway_url} does not match its SHA-256 "
+                             f"({done} of {total} bytes): removed, fetched again on the next try")  # fmt: skip
+    partial.rename(final)
+    return _checked_gguf(final, model, "GGUF file from the gateway")
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code}"
+    return str(getattr(exc, "reason", exc)) or type(exc).__name__
+
+
+def file_checksum(path: Path) -> str:
+    """A file's SHA-256, read once per size and modification time (a GGUF of gigabytes takes seconds)."""
+    stat = path.stat()
+    known = _CHECKSUMS.get(path)
+    if known is not None and known[:2] == (stat.st_size, stat.st_mtime_ns):
+        return known[2]
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(GATEWAY_CHUNK):
+            digest.update(chunk)
+    _CHECKSUMS[path] = (stat.st_size, stat.st_mtime_ns, digest.hexdigest())
+    return digest.hexdigest()
+
+
+_CHECKSUMS: dict[Path, tuple[int, int, str]] = {}
 
 
 def _hub_offline() -> bool:

@@ -34,7 +34,15 @@ from typing import Protocol
 import psutil
 
 from llmserver.errors import InvalidRequest, ModelNotFound, NotFound, UpstreamError
-from llmserver.models.files import ModelFileError, estimate_mb, llama_server_binary, mmproj_path, model_path
+from llmserver.models.files import (
+    ModelFileError,
+    Progress,
+    estimate_mb,
+    fetch_from_gateway,
+    llama_server_binary,
+    mmproj_path,
+    model_path,
+)
 from llmserver.models.lineup import Lineup
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
 from llmserver.pool.pool import ModelPool
@@ -436,9 +444,7 @@ class Supervisor:
             pool.fetching = {"bytes": done, "total": total}
 
         try:
-            self._files[pool.name] = await asyncio.to_thread(
-                model_path, pool.config, cache, endpoint, progress=progress
-            )
+            self._files[pool.name] = await asyncio.to_thread(self._model_file, pool.config, progress)
             self._mmproj[pool.name] = await asyncio.to_thread(mmproj_path, pool.config, cache, endpoint)
         except ModelFileError as exc:
             self._files.pop(pool.name, None)
@@ -457,6 +463,19 @@ class Supervisor:
         pool.blocked = pool.unstartable = None
         pool.files_backoff = 0.0
         return True
+
+    def _model_file(self, model: ModelConfig, progress: Progress) -> Path:
+        """The model's GGUF here: its path, its Hugging Face download, or (a node with `node.gateway_url`,
+        a path not here) the gateway's copy, fetched."""
+        settings = self.settings
+        try:
+            return model_path(model, settings.model_cache_dir, settings.hf_endpoint, progress=progress)
+        except ModelFileError:
+            if model.path is None or not settings.node.gateway_url or model.path.expanduser().is_file():
+                raise
+        return fetch_from_gateway(
+            model, settings.node.gateway_url, settings.instances.key, settings.model_cache_dir, progress
+        )
 
     async def _roll(self, pool: ModelPool) -> None:
         """Replace the instances that run older settings than their pool's, one at a time, each after its
