@@ -62,6 +62,8 @@ class ScheduledNode(Node):
     """A worker host whose node has no [[models]]: it runs what the scheduler assigns it, its instances
     on plain HTTP (a private test network), its home folder its own (a model path `~/…` is per host)."""
 
+    extra_env: dict[str, str] = {}  # noqa: RUF012 (replaced per node, never changed in place)
+
     @property
     def namespace(self) -> str:
         return WORKERS[self.index]
@@ -85,7 +87,8 @@ class ScheduledNode(Node):
         args, given = compose_service("node-1", COMPOSE_VALUES)
         args = [self.address if arg == "node-1" else arg for arg in args]
         env = {**os.environ, **given, "HOME": str(self.home), "LLMSERVER_NODE__ID": self.name,
-               "LLMSERVER_STATE__REDIS_URL": self.redis_url, "LLMSERVER_STATE__DATABASE_URL": ""}  # fmt: skip
+               "LLMSERVER_STATE__REDIS_URL": self.redis_url, "LLMSERVER_STATE__DATABASE_URL": "",
+               **self.extra_env}  # fmt: skip
         self.process = spawn(
             ["ip", "netns", "exec", self.namespace, sys.executable, "-m", "llmserver", *args,
              "--data-dir", str(self.home)],
@@ -115,8 +118,10 @@ class Cluster:
         args, given = compose_service(f"gateway-{number}", COMPOSE_VALUES)
         assert args[:1] == ["serve"] and args[-2:] == ["--host", "0.0.0.0"], args
         # The nodes' model folder, as they see it: a gateway of role `gateway` takes catalog paths only there.
+        home = self.root / "gateway-home"  # the gateways' host: its own home, as each node has
+        (home / "models").mkdir(parents=True, exist_ok=True)
         env = {**given, "LLMSERVER_STATE__REDIS_URL": self.redis.url,
-               "LLMSERVER_STATE__DATABASE_URL": self.database_url,
+               "LLMSERVER_STATE__DATABASE_URL": self.database_url, "HOME": str(home),
                "LLMSERVER_STATE__SCHEDULER_LEASE_SECONDS": "3", "LLMSERVER_MODEL_DIRS": '["~/models"]'}  # fmt: skip
         gateway = Server(data_dir=self.root / f"gw-{number}", env=env, host=f"{NET}.{10 + index}",
                          namespace=GATEWAYS[index], extra_args=args[1:-2])  # fmt: skip
@@ -342,6 +347,34 @@ def test_a_drained_node_s_instances_move_before_they_stop_and_an_uncordoned_node
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "action", wrong.text
     print(f"node drained under load in {took:.1f} s: 0 of {load.done} requests failed; min_instances 2 → 0: "
           f"idle instances gone in {lowered:.1f} s")  # fmt: skip
+
+
+def test_a_node_that_lacks_a_model_s_file_fetches_it_from_a_gateway(cluster: Cluster) -> None:
+    """The model's file only on the gateways' host (`~/models/served.gguf` there, on no node): the node given
+    `node.gateway_url` fetches it from a gateway over the instance key, checks it and runs the model; the
+    nodes without it say the file is missing and get none."""
+    first, second = cluster.gateways
+    shutil.copy(embedded_model_path(), cluster.root / "gateway-home" / "models" / "served.gguf")
+    fetcher = cluster.nodes[2]
+    fetcher.stop()
+    fetcher.extra_env = {"LLMSERVER_NODE__GATEWAY_URL": first.url}
+    fetcher.start()
+    assert wait_for(lambda: fetcher.name in {n["node"] for n in cluster.call(first, "GET", "/api/nodes").json()["data"]
+                                             if n["up"]}, 30)  # fmt: skip
+    served = {**CHAT, "name": "served", "path": "~/models/served.gguf", "min_instances": 1, "max_instances": 1}
+    began = time.monotonic()
+    assert cluster.call(first, "POST", "/api/models", served).status_code == 201
+    assert wait_for(lambda: [i["node"] for i in cluster.instances(second, "served")] == [fetcher.name], 90), (
+        cluster.call(second, "GET", "/api/models/served").json(), fetcher.log.read_text()[-3000:],
+    )  # fmt: skip
+    took = time.monotonic() - began
+    (copy,) = (fetcher.home / "models" / "from-gateway").rglob("served.gguf")
+    assert copy.read_bytes() == embedded_model_path().read_bytes()
+    key = cluster.key("served")
+    assert stream(second, key, "served") is None
+    assert cluster.call(first, "DELETE", "/api/models/served").status_code == 200
+    size = copy.stat().st_size / 2**20
+    print(f"a node fetched a {size:.0f} MiB model from a gateway and served it {took:.1f} s after it was added")
 
 
 def test_the_other_gateway_schedules_once_the_leader_is_killed(cluster: Cluster) -> None:
