@@ -243,6 +243,11 @@ def test_a_start_that_fails_says_why_with_the_instance_s_last_log_lines(start_se
     listed = admin_call(server, admin, "GET", "/api/instances").json()["models"]
     summary = next(m for m in listed if m["model"] == "empty")
     assert summary["last_start_failure"]["instance_id"] == failure["instance_id"]
+    listed_cli = cli(server.data_dir, "models", "list", "--status", "--url", server.url, "--key", admin)
+    assert listed_cli.returncode == 0, listed_cli.stderr
+    shown = listed_cli.stdout
+    assert "blocked: " in shown and "not a readable GGUF file" in shown  # damaged's row
+    assert "last start failed at " in shown and failure["message"] in shown and failure["log"][-1] in shown
     assert stream(server, admin, MODEL) is None  # the other model serves throughout
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import tomllib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Any, TypeVar
 
 import click
 
-from llmserver.commands import load, models_from_args, settings_options, with_store
+from llmserver.commands import load, models_from_args, server_url, settings_options, with_store
+from llmserver.commands.instances import admin_call, admin_key, key_option, url_option
 from llmserver.errors import APIError
 from llmserver.models import catalog as model_catalog
 from llmserver.models.files import BUILTIN, ModelFileError, mmproj_path, model_path
@@ -91,13 +93,44 @@ def _show(entry: CatalogEntry) -> str:
 
 @models.command("list")
 @settings_options
-def list_catalog(config_file: Path | None, data_dir: Path | None) -> None:
-    """The model catalog: every model the gateways serve, with its settings (those not at their default)."""
+@click.option("--status", is_flag=True, help="Also how each model runs, from the running server's admin API.")
+@url_option
+@key_option
+def list_catalog(
+    config_file: Path | None, data_dir: Path | None, status: bool, url: str | None, key: str | None
+) -> None:
+    """The model catalog: every model the gateways serve, with its settings (those not at their default);
+    with --status, also its instances, why it cannot run (blocked), its file downloading and its last
+    failed start, as the running server sees them."""
     entries = _catalog(config_file, data_dir, lambda store, _: store.catalog())
+    running: dict[str, dict[str, Any]] = {}
+    if status:
+        answer = admin_call(server_url(config_file, data_dir, url), admin_key(key), "/api/models")
+        running = {row["name"]: row for row in answer["data"]}
     for entry in entries:
         click.echo(_show(entry))
+        if entry.name in running:
+            for line in _how_it_runs(running[entry.name]):
+                click.echo(f"    {line}")
     if not entries:
         click.echo("the model catalog is empty: add a model with `llmserver models add NAME`", err=True)
+
+
+def _how_it_runs(row: dict[str, Any]) -> list[str]:
+    lines = [f"{row.get('ready_instances', 0)} ready of {row.get('instances', 0)}, {row.get('queue_depth', 0)} waiting"]
+    if row.get("blocked"):
+        lines.append(f"blocked: {row['blocked']}")
+    for fetch in row.get("fetching") or []:
+        where = f" on {fetch['node']}" if fetch.get("node") else ""
+        total = f" of {fetch['total'] / 2**20:.1f}" if fetch.get("total") else ""
+        lines.append(f"downloading its file{where}: {fetch['bytes'] / 2**20:.1f}{total} MiB")
+    failed = row.get("last_start_failure")
+    if failed:
+        where = f" on {failed['node']}" if failed.get("node") else ""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(failed["at"]))
+        lines.append(f"last start failed{where} at {when}: {failed['message']}")
+        lines += [f"  | {line}" for line in failed.get("log") or []]
+    return lines
 
 
 set_option = click.option(
