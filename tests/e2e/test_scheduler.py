@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,6 +348,42 @@ def test_a_drained_node_s_instances_move_before_they_stop_and_an_uncordoned_node
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "action", wrong.text
     print(f"node drained under load in {took:.1f} s: 0 of {load.done} requests failed; min_instances 2 → 0: "
           f"idle instances gone in {lowered:.1f} s")  # fmt: skip
+
+
+def test_a_node_killed_with_two_instances_of_a_model_fails_no_request_before_its_first_byte(cluster: Cluster) -> None:
+    """The issue's case: two instances of a model on the node that dies, a third on another node. Before,
+    a request's two attempts could both go to the dead node's instances (4 of 80 streams failed with 502
+    before their first byte); now a retry goes to another node's instance and the dead node's others are
+    paused at once. Mid-stream cuts stay possible for the streams in flight on it."""
+    first, second = cluster.gateways
+    spare = cluster.nodes[2]
+    assert cluster.call(first, "POST", f"/api/nodes/{spare.name}/cordon").status_code == 200
+    twin = {**CHAT, "name": "twin", "min_instances": 3, "max_instances": 3, "parallel": 1}
+    assert cluster.call(first, "POST", "/api/models", twin).status_code == 201
+    victim: ScheduledNode | None = None
+    try:
+        assert wait_for(lambda: len(cluster.instances(second, "twin")) == 3, 90), first.log()[-3000:]
+        counts = Counter(i["node"] for i in cluster.instances(second, "twin"))
+        ((crowded, two),) = [(node, n) for node, n in counts.items() if n == 2]
+        victim = next(n for n in cluster.nodes if n.name == crowded)
+        key = cluster.key("twin")
+        with SteadyStreams([first, second, first, second], key, "twin") as load:
+            assert load.reach(8)
+            victim.kill()
+            killed = time.monotonic()
+            assert wait_for(lambda: crowded not in {i["node"] for i in cluster.instances(second, "twin")}, 30)
+            gone = time.monotonic() - killed
+            assert load.reach(load.done + 12)
+        before_first_byte = [f for f in load.failures if f[:3].isdigit()]  # an HTTP error instead of a stream
+        assert before_first_byte == [], before_first_byte
+        assert len(load.failures) <= 4, load.failures  # cut mid-way: at most those in flight on the dead node
+        print(f"node with {two} of 3 instances killed -9 under 4 streams at a time: {len(load.failures)} of "
+              f"{load.done} cut mid-stream, 0 before their first byte; left the registry in {gone:.1f} s")  # fmt: skip
+    finally:
+        if victim is not None and (victim.process is None or victim.process.poll() is not None):
+            victim.start()
+        cluster.call(first, "POST", f"/api/nodes/{spare.name}/uncordon")
+        cluster.call(first, "DELETE", "/api/models/twin")
 
 
 def test_a_node_that_lacks_a_model_s_file_fetches_it_from_a_gateway(cluster: Cluster) -> None:
