@@ -284,7 +284,19 @@ def test_a_model_whose_file_only_one_node_has_runs_there(cluster: Cluster) -> No
         return "no node can run it" in blocked and "absent.gguf" in blocked
 
     assert wait_for(said_why, 30), cluster.call(second, "GET", "/api/models/nowhere").json()
-    assert cluster.call(first, "DELETE", "/api/models/nowhere").status_code == 200
+    # One model no node can place keeps no gateway out of its load balancer (before: /ready 503 on both
+    # within 4 s): 200, the model named among the problems.
+    unplaceable = {**local, "name": "unplaceable", "node_selector": {"gpu": "none-has-this"}}
+    assert cluster.call(first, "POST", "/api/models", unplaceable).status_code == 201
+    for gateway in (first, second):
+
+        def named(gateway: Server = gateway) -> bool:
+            ready = httpx.get(gateway.url + "/ready")
+            return ready.status_code == 200 and "unplaceable" in json.dumps(ready.json().get("problems") or {})
+
+        assert wait_for(named, 30), httpx.get(gateway.url + "/ready").text
+    for name in ("nowhere", "unplaceable"):
+        assert cluster.call(first, "DELETE", f"/api/models/{name}").status_code == 200
 
 
 def test_a_drained_node_s_instances_move_before_they_stop_and_an_uncordoned_node_gets_its_share(
