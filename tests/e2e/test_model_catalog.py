@@ -310,3 +310,12 @@ def test_a_model_stops_now_and_starts_again(start_server: Callable[..., Server])
     assert wait_for(lambda: live(server, admin, "b") == [], 10)  # idle, above the new minimum: stopped now
     print(f"\nmodels stop → no instance in {took:.1f} s; min_instances 0 → idle instance gone in "
           f"{time.monotonic() - lowered_at:.1f} s")  # fmt: skip
+
+
+def test_a_server_that_runs_its_instances_itself_has_no_nodes(start_server: Callable[..., Server]) -> None:
+    server = start_server(FILE_MODEL)
+    admin = make_key(server.data_dir, "admin", admin=True)
+    assert admin_call(server, admin, "GET", "/api/nodes").json() == {"object": "list", "data": []}
+    assert_error(admin_call(server, admin, "POST", "/api/nodes/worker-1/drain"), 404, "not_found_error", "node")
+    listed = cli(server.data_dir, "nodes", "list", "--url", server.url, "--key", admin)
+    assert listed.returncode == 0 and "no worker node" in listed.stderr, listed.stdout + listed.stderr
