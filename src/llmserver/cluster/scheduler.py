@@ -462,6 +462,9 @@ def _why_not(model: Model, ledger: _Ledger) -> str:
         return f"no node has the labels its node_selector asks for ({_counts(model.node_selector)})"
     if len(unable) == len(labelled):
         return "no node can run it: " + "; ".join(f"{node}: {why}" for node, why in sorted(unable.items()))
+    if all(n.state != "ready" for n in labelled):
+        marked = ", ".join(f"{n.id} {n.state}" for n in sorted(labelled, key=lambda n: n.id))
+        return f"every node that may run it is cordoned or draining ({marked}): `llmserver nodes uncordon NODE`"
     if model.gpu and not [n for n in labelled if ledger.fits(model, n)]:
         room = ", ".join(f"{n.id} {max(0, n.gpu_budget_mb - ledger.planned_gpu[n.id])} MiB" for n in labelled)
         return f"no node has GPU memory for an instance (~{ledger.gpu_sizes[model.name]} MiB; free: {room})"
