@@ -245,3 +245,23 @@ def test_a_node_that_holds_the_file_already_is_preferred_once_the_spread_is_even
     assert two.assignments == {"n2": {"a": 1}, "n1": {"a": 1}}  # spread first: the second goes where it must fetch
     stale = {"a": {"revision": 0, "held": True}}  # checked for an older revision: not known to hold this one
     assert plan([model("a")], [node("n1", checks=stale), node("n2", 2000)], [], {}, {}).assignments == {"n2": {"a": 1}}
+
+
+def test_an_instance_an_admin_drained_is_placed_again_on_another_node() -> None:
+    """DELETE /api/instances/ID of a scheduled node's instance: the node runs one fewer and says so
+    (`released`); its replacement goes to another node, not back to the busy one it left (before: the
+    node started it again itself)."""
+    nodes = [node("n1", 2000, checks=sized("a")), node("n2", 2000, checks=sized("a"))]
+    chat = model("a", min_instances=3, max_instances=3)
+    current = {"n1": {"a": 1}, "n2": {"a": 2}}
+    drained = {"n2": {"a": {"count_was": 2, "n": 1}}}
+    decided = plan([chat], nodes, running(current), {}, current, released=drained)
+    assert decided.assignments == {"n1": {"a": 2}, "n2": {"a": 1}}  # n1 and n2 both had one: not n2 again
+    # The node's release is taken once: the next round (its count now what the release left) keeps it.
+    later = plan([chat], nodes, running(decided.assignments), {}, decided.assignments, released=drained)
+    assert later.assignments == decided.assignments
+    # A model above its minimum is not replaced: one fewer is what the admin asked for.
+    spare = model("b", min_instances=0, max_instances=3)
+    only = [node("n1", checks=sized("b"))]
+    fewer = plan([spare], only, [], {}, {"n1": {"b": 2}}, released={"n1": {"b": {"count_was": 2, "n": 1}}})
+    assert fewer.assignments == {"n1": {"b": 1}}

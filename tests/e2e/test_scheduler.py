@@ -362,6 +362,21 @@ def test_a_drained_node_s_instances_move_before_they_stop_and_an_uncordoned_node
           f"idle instances gone in {lowered:.1f} s")  # fmt: skip
 
 
+def test_an_instance_an_admin_drains_is_replaced_on_another_node(cluster: Cluster) -> None:
+    """DELETE /api/instances/ID on a node the scheduler runs: before, the node started the replacement
+    itself, on the same node; now the node runs one fewer and the scheduler places it elsewhere."""
+    first, second = cluster.gateways
+    (chosen, *_) = cluster.instances(first, "chat")
+    drained = cluster.call(second, "DELETE", f"/api/instances/{chosen['instance_id']}")
+    assert drained.status_code == 200, drained.text
+
+    def elsewhere() -> bool:
+        now = cluster.instances(second, "chat")
+        return len(now) == 2 and chosen["node"] not in {i["node"] for i in now}
+
+    assert wait_for(elsewhere, 60), (cluster.instances(second, "chat"), first.log()[-3000:])
+
+
 def test_a_node_killed_with_two_instances_of_a_model_fails_no_request_before_its_first_byte(cluster: Cluster) -> None:
     """The issue's case: two instances of a model on the node that dies, a third on another node. Before,
     a request's two attempts could both go to the dead node's instances (4 of 80 streams failed with 502

@@ -49,13 +49,27 @@ class Assignments:
             log.info("GPUs: %s; %d MiB of their memory for instances", found, self.gpu_budget_mb)
         self._applied: bytes | str | None = None  # the assignment last applied, as read
         self._revisions: dict[str, int] = {}
+        # Instances an admin drained here (DELETE /api/instances/ID), per model: run one fewer each until the
+        # scheduler's assignment says so itself ({"count_was": the count then, "n": how many}).
+        self.released: dict[str, dict[str, int]] = {}
+        self._counts: dict[str, int] = {}  # per model, the count last assigned
 
     def record(self) -> dict[str, Any]:
         """What the node's record carries for the scheduler."""
         return {
             "scheduled": True, "labels": self._settings.node.labels, "checks": self.checks,
             "gpus": [g.record() for g in self.gpus], "gpu_budget_mb": self.gpu_budget_mb,
+            "released": self.released,
         }  # fmt: skip
+
+    def release(self, name: str) -> None:
+        """An admin drains one of `name`'s instances here: not started again here; the scheduler places
+        its replacement (elsewhere when it can) and lowers this node's count."""
+        given = self._counts.get(name, 0)
+        held = self.released.get(name)
+        kept = held["n"] if held is not None and held["count_was"] == given else 0
+        self.released[name] = {"count_was": given, "n": min(given, kept + 1)}
+        self._applied = None  # applied again at the next step, one fewer
 
     async def run(self) -> None:
         while True:
@@ -75,9 +89,13 @@ class Assignments:
         if assignment == self._applied:
             return
         assigned = json.loads(assignment)["models"] if assignment else {}
+        self._counts = {name: int(given["count"]) for name, given in assigned.items()}
+        for name in list(self.released):  # the scheduler took a release into its count: it is done
+            if self.released[name]["count_was"] != self._counts.get(name, 0):
+                del self.released[name]
         models: list[ModelConfig] = []
         for name, given in assigned.items():
-            count = int(given["count"])
+            count = int(given["count"]) - (self.released[name]["n"] if name in self.released else 0)
             try:
                 model = ModelConfig.model_validate(
                     {**given["config"], "min_instances": count, "max_instances": max(1, count)}

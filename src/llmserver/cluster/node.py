@@ -41,7 +41,7 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
     supervisor.drain_wait = publisher.settle  # a drain waits for the gateways' requests on the instance
     assignments = Assignments(client, supervisor, settings, node_id) if not models else None
     if assignments is not None:
-        publisher.extra, publisher.scheduled = assignments.record, True
+        publisher.extra, publisher.scheduled, publisher.on_release = assignments.record, True, assignments.release
     live: dict[str, Probe] = {
         "publishing": fresh_probe("the instances were last published", lambda: publisher.published_at),
         "models": models_probe(supervisor.pools),

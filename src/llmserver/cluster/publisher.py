@@ -55,6 +55,7 @@ class Publisher:
         # More of the node's record: a node that takes assignments adds its labels and model checks.
         self.extra: Callable[[], dict[str, Any]] = dict
         self.scheduled = False  # it runs the scheduler's assignments: no start by command
+        self.on_release: Callable[[str], None] = lambda name: None  # an admin drained one of a model's
         self._in_flight: collections.Counter[str] = collections.Counter()  # per instance, every gateway's
 
     async def claim(self) -> None:
@@ -178,6 +179,9 @@ class Publisher:
                 instance = await self._supervisor.start_instance(command["model"])
             elif command["op"] == "drain":
                 instance = self._supervisor.find(command["instance_id"])
+                if self.scheduled:  # not started again here: the scheduler places its replacement
+                    instance.status = Status.DRAINING
+                    self.on_release(instance.model.name)
                 await self._supervisor.drain(instance)
             else:
                 raise InvalidRequest(f"unknown command {command['op']!r}")

@@ -154,6 +154,7 @@ class _Ledger:
     gpu_sizes: dict[str, int]  # GPU memory one instance takes, per model that offloads layers
     planned: dict[str, int] = field(default_factory=dict)
     planned_gpu: dict[str, int] = field(default_factory=dict)
+    avoid: set[tuple[str, str]] = field(default_factory=set)  # (node, model): an admin just drained one there
 
     def __post_init__(self) -> None:
         for node_id, counts in self.assign.items():
@@ -193,7 +194,12 @@ class _Ledger:
         return [n for n in self.nodes.values() if n.id != but and self.fits(model, n) and self.free(n) >= need]
 
     def emptiest(self, model: Model, candidates: list[NodeView]) -> NodeView:
-        return min(candidates, key=lambda n: (self.count(n.id, model.name), not n.holds(model), -self.free(n), n.id))
+        return min(
+            candidates,
+            key=lambda n: (
+                (n.id, model.name) in self.avoid, self.count(n.id, model.name), not n.holds(model), -self.free(n), n.id
+            ),
+        )  # fmt: skip
 
 
 def plan(
@@ -205,18 +211,22 @@ def plan(
     unscheduled: dict[str, int] | None = None,
     leaving: dict[str, dict[str, int]] | None = None,
     assigned_min: dict[str, int] | None = None,
+    released: dict[str, dict[str, dict[str, int]]] | None = None,
 ) -> Plan:
     """The assignments that follow from the state given, by the rules in this module's docstring.
     `unscheduled`: instances per model that nodes run from their own [[models]] (they count toward
     min_instances and max_instances; the scheduler neither places nor stops them). `leaving`: the last
     round's `Plan.leaving` (moves under way). `assigned_min`: each model's min_instances as its nodes
-    were last assigned (a lower one in the catalog now stops idle instances above it at once)."""
+    were last assigned (a lower one in the catalog now stops idle instances above it at once).
+    `released`: per node and model, instances an admin drained there (`{"count_was", "n"}`, from the
+    node's record): that node's count lowered by them, their replacements placed elsewhere if they can."""
     unscheduled = unscheduled or {}
     by_name = {m.name: m for m in models}
     live = {n.id: n for n in nodes}
     events: list[str] = []
     blocked: dict[str, str] = {}
     assign: dict[str, dict[str, int]] = {node_id: {} for node_id in live}
+    avoid: set[tuple[str, str]] = set()
     for node_id, counts in current.items():
         if node_id not in live:
             if counts:
@@ -230,7 +240,15 @@ def plan(
             elif why:
                 events.append(f"{name} cannot run on {node_id} ({why}): placed elsewhere")
             elif count > 0:
-                assign[node_id][name] = count
+                drained = (released or {}).get(node_id, {}).get(name)
+                if drained and int(drained["count_was"]) == count:
+                    count -= int(drained["n"])
+                    avoid.add((node_id, name))
+                    events.append(
+                        f"{name}: {drained['n']} drained on {node_id} by an admin: placed elsewhere if need be"
+                    )
+                if count > 0:
+                    assign[node_id][name] = count
 
     sizes: dict[str, int] = {}  # per model: its largest measured RSS, else the first node's estimate
     for instance in instances:
@@ -244,7 +262,7 @@ def plan(
         m.name: next((s for s in (n.estimate(m, "gpu_mb") for n in live.values()) if s), sizes[m.name])
         for m in models if m.gpu
     }  # fmt: skip
-    ledger = _Ledger(live, assign, sizes, gpu_sizes)
+    ledger = _Ledger(live, assign, sizes, gpu_sizes, avoid=avoid)
     moves = _Moves(ledger, instances, leaving or {}, events)
 
     published: Counter[tuple[str, str]] = Counter((i.node, i.model) for i in instances)
@@ -394,7 +412,7 @@ class _Moves:
             n for n in ledger.assign
             if ledger.nodes[n].state == "ready" and ledger.count(n, name) > self.replaced(n, model)
         ]  # fmt: skip
-        candidates = ledger.room_for(model)
+        candidates = [n for n in ledger.room_for(model) if (n.id, name) not in ledger.avoid]
         if not sources or not candidates:
             return
         source = max(sources, key=lambda n: (ledger.count(n, name), n))
@@ -576,7 +594,10 @@ class Scheduler:
                 leaving[node_id] = {name: int(a["leaving"]) for name, a in assigned if a.get("leaving")}
                 for name, a in assigned:
                     assigned_min[name] = max(assigned_min.get(name, 0), int(a["config"].get("min_instances", 1)))
-        decided = plan(models, nodes, instances, dict(queued), current, dict(unscheduled), leaving, assigned_min)
+        released = {n["node"]: n["released"] for n in nodes_raw if n.get("released")}
+        decided = plan(
+            models, nodes, instances, dict(queued), current, dict(unscheduled), leaving, assigned_min, released
+        )
         for event in decided.events:
             log.info("scheduler: %s", event)
         pipe = self._redis.pipeline(transaction=False)
