@@ -76,12 +76,17 @@ class _Catalog:
         self.entries = entries
 
 
-class _Lease:
+class _Store:
+    """What the scheduler asks of the database here: its lease (always held) and node marks (none)."""
+
     async def lease_take(self, name: str, holder: str, seconds: float) -> bool:
         return True
 
     async def lease_release(self, name: str, holder: str) -> None:
         return None
+
+    async def node_marks(self) -> list[object]:
+        return []  # no node cordoned or draining
 
 
 def median_of(samples: list[float]) -> float:
@@ -119,7 +124,7 @@ async def measure(nodes: int, per_node: int, rounds: int, window: float = 10.0) 
             plans.append(time.perf_counter() - started)
         placed = sum(counts.get(m.name, 0) for counts in decided.assignments.values() for m in models[MODELS:])
         assert placed == 10 * (MODELS + 10 - MODELS), placed  # ten new models, ten instances each
-        scheduler = Scheduler(_Lease(), client, "bench-gateway", _Catalog(entries), 5.0)  # type: ignore[arg-type]
+        scheduler = Scheduler(_Store(), client, "bench-gateway", _Catalog(entries), 5.0)  # type: ignore[arg-type]
         rounds_full = []
         for _ in range(max(3, rounds // 4)):
             started = time.perf_counter()
