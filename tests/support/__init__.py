@@ -468,7 +468,8 @@ def stream(server: Server, key: str, model: str) -> str | None:
             text = "".join(answer.iter_text())
     except httpx.HTTPError as exc:
         return repr(exc)
-    return None if text.rstrip().endswith("data: [DONE]") and '"error"' not in text else text[-300:]
+    # An error event is a `data: {"error": …}` line (a token of the answer may be the word "error" itself).
+    return None if text.rstrip().endswith("data: [DONE]") and 'data: {"error"' not in text else text[-300:]
 
 
 class SteadyStreams:
