@@ -33,10 +33,11 @@ async def describe(client: redis.asyncio.Redis, store: CatalogStore) -> list[dic
             running[instance["node"]] = running.get(instance["node"], 0) + 1
     status_raw = await client.get(STATUS_KEY)
     waits: dict[str, list[str]] = (json.loads(status_raw).get("draining") or {}) if status_raw else {}
+    names = sorted(records.keys() | marks.keys())
+    assignments = await client.mget([ASSIGN_KEY + node_id for node_id in names]) if names else []
     described = []
-    for node_id in sorted(records.keys() | marks.keys()):
+    for node_id, assigned_raw in zip(names, assignments, strict=True):
         record, mark = records.get(node_id, {}), marks.get(node_id)
-        assigned_raw = await client.get(ASSIGN_KEY + node_id)
         given = json.loads(assigned_raw)["models"] if assigned_raw else {}
         assigned = {name: int(model["count"]) for name, model in given.items()}
         state = mark.state if mark is not None else "ready"
