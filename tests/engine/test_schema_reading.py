@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -102,13 +103,15 @@ def _repetitions(body: str) -> set[tuple[int, int | None]]:
 GRAMMAR_REFUSED = "grammar refused"
 
 
-def llama_reading(server: Server, pattern: str) -> tuple[str, set[tuple[int, int | None]]]:
-    answer = httpx.post(
-        server.instance_url + "/completion",
-        json={"prompt": "x", "n_predict": 0, "json_schema": {"type": "string", "pattern": pattern}},
-        headers=server.instance_headers,
-        timeout=60,
-    )
+def llama_reading(
+    server: Server, pattern: str, client: httpx.Client | None = None
+) -> tuple[str, set[tuple[int, int | None]]]:
+    body = {"prompt": "x", "n_predict": 0, "json_schema": {"type": "string", "pattern": pattern}}
+    url, headers = server.instance_url + "/completion", server.instance_headers
+    if client is None:
+        answer = httpx.post(url, json=body, headers=headers, timeout=60)
+    else:
+        answer = client.post(url, json=body, headers=headers, timeout=60)
     if answer.status_code != 200:
         refused = "failed to parse grammar" in answer.json()["error"]["message"]
         return (GRAMMAR_REFUSED if refused else INVALID), set()
@@ -139,9 +142,12 @@ def test_our_reading_of_patterns_is_llama_cpps(server: Server) -> None:
     started = time.monotonic()
     disagreements = []
     outcomes: dict[str, int] = {}
-    for pattern in patterns:
+    # One connection pool, four requests at a time (llama-server converts a schema in its HTTP threads):
+    # 2,000 patterns in about 20 s here, against 91 s one new client per request.
+    with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
+        readings = list(pool.map(lambda pattern: llama_reading(server, pattern, client), patterns))
+    for pattern, (theirs, repetitions) in zip(patterns, readings, strict=True):
         ours = read_pattern(pattern)
-        theirs, repetitions = llama_reading(server, pattern)
         outcomes[theirs] = outcomes.get(theirs, 0) + 1
         if theirs == GRAMMAR_REFUSED:
             agree = ours.outcome in (ENFORCED, INVALID)
