@@ -506,9 +506,11 @@ class PromptCacheSettings(Section):
     disk_mb: int = Field(
         default=4096,
         ge=0,
-        description="MiB of disk under the data dir for conversations' prompt caches saved when an instance stops on "
-        "purpose (idle, eviction, drain, a rolling update, shutdown) and restored into the next instance of the same "
-        "model; the least recently used go first. 0: none saved. Needs isolation = `key`.",
+        description="MiB of disk under the data dir for conversations' prompt caches saved when another conversation "
+        "takes their slot or their instance stops on purpose (idle, eviction, drain, a rolling update, shutdown), and "
+        "restored into a slot of the same model when their next turn comes; the least recently used go first. 0: none "
+        "saved (under isolation = `key`, a conversation whose slot another key took is then read again whole). Needs "
+        "isolation = `key`.",
     )
     min_tokens: int = Field(
         default=256,

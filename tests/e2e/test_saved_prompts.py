@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import MODEL, Server, make_key, metric, wait_for
+from tests.support import MODEL, Server, make_key, metric, started, wait_for
 
 CONFIG = """
 [[models]]
@@ -150,3 +150,28 @@ def test_a_rolling_update_keeps_conversations_unless_it_changes_what_the_model_c
     assert httpx.patch(server.url + "/api/models/b", json={"ctx_size": 1536}, headers=headers, timeout=120).is_success
     rolled_to(old)
     assert cached(chat(server, alice, [*HISTORY, QUESTION], model="b")) == 0
+
+
+def test_a_conversation_whose_slot_another_key_took_is_restored_not_read_again(tmp_path: Path) -> None:
+    """The per-key tier under the slots (cache_isolation = "key"): on one slot, two keys' conversations
+    take turns; each turn finds the slot holding the other's, which is saved before it is overwritten,
+    and its own is restored — so each later turn reads only its new tokens. A third key sending one of
+    their prompts word for word still reads it all."""
+    with started(tmp_path / "data", config().replace("parallel = 2", "parallel = 1")) as server:
+        alice, bob, carol = (make_key(server.data_dir, name) for name in ("alice", "bob", "carol"))
+        admin = make_key(server.data_dir, "admin", admin=True)
+        talks = {alice: [*HISTORY, QUESTION], bob: [*HISTORY[:1], *HISTORY[3:], QUESTION]}
+        firsts = {key: chat(server, key, messages) for key, messages in talks.items()}
+        assert saved_files(server.data_dir) and cached(firsts[bob]) == 0  # alice's saved as bob took the slot
+        for key, messages in talks.items():
+            messages += [
+                {"role": "assistant", "content": firsts[key]["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "And which came last?"},
+            ]
+            later = chat(server, key, messages)
+            assert cached(later) >= firsts[key]["usage"]["prompt_tokens"] - 4, later["usage"]
+        assert len(saved_files(server.data_dir)) == 2
+        assert metric(server, admin, "llmserver_prompt_caches_restored_total") == 2
+        assert metric(server, admin, "llmserver_prompt_caches_displaced_total") == 3  # each turn but the first
+        probe = chat(server, carol, talks[alice])  # alice's conversation, word for word, from another key
+        assert cached(probe) == 0, probe["usage"]

@@ -13,6 +13,8 @@ from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.affinity import Candidate, ranked
 from llmserver.pool.instance import Status, llama_server_args, slot_context
 from llmserver.pool.pool import ModelPool
+from llmserver.pool.router import Lease
+from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import ModelConfig, Settings
 from tests.support.pool import close, make_pool, ready_instance, run
@@ -372,6 +374,38 @@ def test_a_slot_whose_request_ended_early_is_taken_last() -> None:
         instance.give_slot(0)
         instance.give_slot(1)
         assert instance.held_prompts() == [(0, "c", 4), (1, "a", 1)]
+        await close(instance)
+
+    run(scenario)
+
+
+def test_with_saved_prompts_requests_on_one_slot_run_in_turn_and_a_cancelled_wait_holds_nothing(
+    tmp_path: Path,
+) -> None:
+    """The per-key tier's lock (pool/router.py): a request pinned to a busy slot waits for it as it would in
+    llama-server's queue, finds the slot as the last request left it (its own key's conversation: reused),
+    and one that gives up while waiting (a client gone) leaves the slot to the next."""
+
+    async def scenario() -> None:
+        pool, _ = make_pool(parallel=1, instance_queue=3, max_queue=0)
+        instance = await ready_instance(pool.config, 1)
+        instance.saved_prompts = SavedPrompts(tmp_path / "prompt-cache", budget_mb=10, min_tokens=256)
+        instance.prompt_folder = tmp_path / "prompt-cache"
+        pool.instances.append(instance)
+        first, gone, next_turn = Lease(pool, "alice"), Lease(pool, "bob"), Lease(pool, "alice")
+        for lease in (first, gone, next_turn):
+            await lease.acquire()
+        assert await first.pin(start=7, size=100) == (0, False)  # the slot held nothing known
+        waiting = [asyncio.ensure_future(lease.pin(start, size=100)) for lease, start in ((gone, 9), (next_turn, 7))]
+        await asyncio.sleep(0)
+        assert not any(task.done() for task in waiting)  # the slot is alice's first request's
+        waiting[0].cancel()
+        first.release()
+        gone.release(finished=False)  # as the engine does for a request that ended; it never ran
+        # alice's next turn: the slot holds her conversation (bob's request never ran), so it is reused.
+        assert await waiting[1] == (0, True)
+        next_turn.release()
+        assert not instance.slot_lock(0).locked() and instance.slot_holds(0) == ("alice", 7, 100)
         await close(instance)
 
     run(scenario)

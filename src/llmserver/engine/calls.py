@@ -44,19 +44,14 @@ class InstanceCalls:
         key's (cache_isolation = "key"): no key learns from `cached_tokens`, or from how fast its prompt
         was read, whether another key sent the same start. A node's instance, which other gateways also
         use, is never reused across requests then. A conversation that the slot does not hold but that
-        was saved to disk when an earlier instance stopped is restored into the slot first
-        (pool/saved_prompts.py)."""
+        was saved (when its slot was taken by another, or its instance stopped) is restored into the slot
+        first (pool/router.py, pool/saved_prompts.py)."""
         if not self.isolate_keys or path == "/v1/embeddings":
             return payload
-        start = _prompt_start(payload)
-        pinned = ticket.lease.pin(start)
+        pinned = await ticket.lease.pin(_prompt_start(payload), _prompt_size(payload))
         if pinned is None:
             return {**payload, "cache_prompt": False}
-        slot, reuse, warm = pinned
-        instance, key_id = ticket.lease.instance, ticket.lease.key_id
-        saved = instance.saved_prompts if instance is not None else None
-        if not warm and saved is not None and instance is not None and saved.has(instance, key_id, start):
-            reuse = await saved.restore(instance, slot, key_id, start) or reuse
+        slot, reuse = pinned
         return {**payload, "id_slot": slot, "cache_prompt": reuse}
 
     async def call(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
@@ -150,6 +145,15 @@ def _prompt_start(payload: JSON) -> int:
         return _stable_hash(orjson.dumps(messages[:2]))
     prompt = payload.get("prompt")
     return _stable_hash(prompt[:4096].encode("utf-8", "surrogatepass")) if isinstance(prompt, str) else 0
+
+
+def _prompt_size(payload: JSON) -> int:
+    """The prompt's length in bytes (its messages as JSON): at least its tokens, the template's aside."""
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        return len(orjson.dumps(messages))
+    prompt = payload.get("prompt")
+    return len(prompt.encode("utf-8", "surrogatepass")) if isinstance(prompt, str) else 0
 
 
 def _stable_hash(data: bytes) -> int:

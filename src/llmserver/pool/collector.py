@@ -90,6 +90,11 @@ class PoolCollector(Collector):
                 value=saved.saved,
             )  # fmt: skip
             yield CounterMetricFamily(
+                "llmserver_prompt_caches_displaced",
+                "Conversations' prompt caches saved to disk as another conversation took their slot",
+                value=saved.displaced,
+            )
+            yield CounterMetricFamily(
                 "llmserver_prompt_caches_restored", "Saved prompt caches restored into a slot", value=saved.restored
             )
             yield CounterMetricFamily(

@@ -264,6 +264,11 @@ class Instance:
     _slot_start: list[int] = field(default_factory=list, repr=False)  # a hash of its prompt's start
     _slot_unsure: list[bool] = field(default_factory=list, repr=False)  # its last request ended early
     _slot_clock: int = field(default=0, repr=False)
+    # With saved prompts on (the per-key tier): the conversation each slot's cache holds now (the key,
+    # start and prompt size of the last request that ended normally on it; None: not known), and a lock
+    # per slot that a request holds while it runs there, so that whatever it displaces is saved first.
+    _slot_held: list[tuple[str, int, int] | None] = field(default_factory=list, repr=False)
+    _slot_locks: list[asyncio.Lock] = field(default_factory=list, repr=False)
 
     def take_slot(self, key_id: str, start: int) -> tuple[int, bool, bool]:
         """A slot for `key_id`'s request whose prompt begins as `start` (a hash), whether it may reuse
@@ -274,7 +279,8 @@ class Instance:
         if not self._slot_owner:
             size = self.model.parallel
             self._slot_owner, self._slot_holds, self._slot_taken = [None] * size, [0] * size, [0] * size
-            self._slot_start, self._slot_unsure = [0] * size, [False] * size
+            self._slot_start, self._slot_unsure, self._slot_held = [0] * size, [False] * size, [None] * size
+            self._slot_locks = [asyncio.Lock() for _ in range(size)]
         idle = [slot for slot, holds in enumerate(self._slot_holds) if holds == 0]
         # A slot whose last request ended early (a timeout, a client gone) may still be finishing it:
         # taken only when no other is idle.
@@ -306,14 +312,31 @@ class Instance:
             if (owner := self._slot_owner[slot]) is not None and self._slot_start[slot]
         ]
 
-    def give_slot(self, slot: int, finished: bool = True) -> None:
-        """A request pinned to `slot` ended; `finished`: normally (else the slot's cache is nobody's,
-        and it is taken last while it may still be working)."""
+    def give_slot(
+        self, slot: int, finished: bool = True, conversation: tuple[str, int, int] | None = None, ran: bool = True
+    ) -> None:
+        """A request pinned to `slot` ended; `finished`: normally, its `conversation` (key id, start, prompt
+        bytes) now what the slot's cache holds (else the slot's cache is nobody's, and it is taken last while
+        it may still be working). `ran`: False for one that gave up waiting for the slot (saved prompts on),
+        which changed nothing there."""
         if slot < len(self._slot_holds) and self._slot_holds[slot] > 0:
             self._slot_holds[slot] -= 1
+            if not ran:
+                return
             self._slot_unsure[slot] = not finished
+            self._slot_held[slot] = conversation if finished else None
             if not finished:
                 self._slot_owner[slot] = None
+
+    def slot_lock(self, slot: int) -> asyncio.Lock:
+        """The lock a request holds while it runs on `slot` (saved prompts on): requests pinned to one slot
+        wait here in turn, as they would in llama-server's queue, so each finds the slot as the last left it."""
+        return self._slot_locks[slot]
+
+    def slot_holds(self, slot: int) -> tuple[str, int, int] | None:
+        """The conversation (key id, start, prompt bytes) the slot's cache holds, if known: exact for the
+        holder of its lock."""
+        return self._slot_held[slot]
 
     def begin(self, key_id: str) -> None:
         self.last_key = key_id

@@ -27,6 +27,10 @@ class Lease:
         self.instance: Instance | None = None
         self.failed_on: Instance | None = None  # the instance its last attempt failed on
         self.slot: int | None = None  # the slot its call is pinned to (cache_isolation = "key")
+        self.start = 0  # a hash of how its prompt begins: which of its key's conversations it is
+        self.size = 0  # its prompt's length in bytes
+        self.waits = False  # it takes its slot's lock (saved prompts on) ...
+        self.locked = False  # ... and holds it
 
     async def acquire(self) -> Instance:
         """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout)."""
@@ -55,22 +59,49 @@ class Lease:
             self.pool.report_failure(instance)
             self.pool.release(instance, self.key_id)
 
-    def pin(self, start: int) -> tuple[int, bool, bool] | None:
-        """Pin this request (its prompt's start hashed as `start`) to a slot of its instance: the slot,
-        whether it may reuse the slot's cached prompt (only its own key's), and whether that is this
-        conversation's; None for an instance other gateways also use."""
+    async def pin(self, start: int, size: int = 0) -> tuple[int, bool] | None:
+        """Pin this request (its prompt's start hashed as `start`, its prompt `size` bytes long) to a slot
+        of its instance: the slot and whether the request may reuse the slot's cached prompt (only its own
+        key's); None for an instance other gateways also use.
+
+        With saved prompts on, this is the per-key tier under the slots: the request waits for the slot as
+        it would in llama-server's queue, then saves the conversation the slot holds if it is another one
+        (another key's, or another of this key's) long enough to be worth it, and loads this conversation's
+        saved cache if there is one. So under cache_isolation = "key" a conversation whose slot was taken
+        in between is restored, not read again."""
         instance = self.instance
         if instance is None or instance.shared:
             return None
         if self.slot is not None:
-            instance.give_slot(self.slot, finished=False)
-        self.slot, reuse, warm = instance.take_slot(self.key_id, start)
-        return self.slot, reuse, warm
+            self._unpin(instance, finished=False)
+        self.slot, reuse, _ = instance.take_slot(self.key_id, start)
+        self.start, self.size = start, size
+        saved = instance.saved_prompts
+        if saved is None or not saved.enabled or instance.prompt_folder is None:
+            return self.slot, reuse
+        self.waits = True
+        await instance.slot_lock(self.slot).acquire()
+        self.locked = True
+        held = instance.slot_holds(self.slot)
+        if held is not None and held[:2] == (self.key_id, start):
+            return self.slot, True
+        # A prompt of fewer bytes than min_tokens holds fewer tokens (a token is a byte or more, the
+        # template's few aside): read again about as fast as it would be restored, so not saved.
+        if held is not None and held[2] >= saved.min_tokens:
+            await saved.keep(instance, self.slot, held[0], held[1])
+        reuse = held is not None and held[0] == self.key_id
+        if saved.has(instance, self.key_id, start):
+            reuse = await saved.restore(instance, self.slot, self.key_id, start) or reuse
+        return self.slot, reuse
 
     def _unpin(self, instance: Instance, finished: bool) -> None:
         if self.slot is not None:
-            instance.give_slot(self.slot, finished)
-            self.slot = None
+            # A request that gave up waiting for its slot's lock never ran there.
+            ran = self.locked or not self.waits
+            instance.give_slot(self.slot, finished, (self.key_id, self.start, self.size), ran=ran)
+            if self.locked:
+                instance.slot_lock(self.slot).release()
+            self.slot, self.locked, self.waits = None, False, False
 
 
 class Router:

@@ -105,6 +105,7 @@ class SavedPrompts:
         self.budget_bytes = budget_mb * 2**20
         self.min_tokens = min_tokens
         self.saved = self.restored = self.restore_failures = 0
+        self.displaced = 0  # conversations saved as another took their slot (the tier under the slots)
         self.disk_bytes = 0  # as of the last trim (each save and each start)
 
     @property
@@ -142,26 +143,44 @@ class SavedPrompts:
             if left <= 0:
                 log.warning("instance %s: out of time to save its prompt caches; the rest are lost", instance.id)
                 break
-            name = entry_name(key_id, start)
-            try:
-                answer = await instance.client.post_json(
-                    f"/slots/{slot}?action=save", {"filename": name}, timeout=min(left, SAVE_TIMEOUT)
-                )
-            except APIError as exc:
-                log.warning("instance %s: slot %d's prompt cache not saved: %s", instance.id, slot, exc.message)
-                continue
-            path = folder / name
-            with contextlib.suppress(OSError):
-                if int(answer.get("n_saved", 0)) < self.min_tokens:
-                    path.unlink()
-                    continue
-                os.chmod(path, 0o600)
-                count += 1
+            count += await self._save_slot(instance, folder, slot, key_id, start, min(left, SAVE_TIMEOUT))
         if count:
             self.saved += count
             log.info("instance %s (%s): %d conversations' prompt caches saved", instance.id, instance.model.name, count)
             self.trim()
         return count
+
+    async def keep(self, instance: Instance, slot: int, key_id: str, start: int) -> bool:
+        """Save the conversation an idle slot holds before another takes the slot (the per-key tier under
+        the slots); whether it was (one under `min_tokens` is not kept)."""
+        folder = instance.prompt_folder
+        if folder is None or instance.client is None:
+            return False
+        kept = await self._save_slot(instance, folder, slot, key_id, start, SAVE_TIMEOUT)
+        if kept:
+            self.displaced += 1
+            self.trim()
+        return bool(kept)
+
+    async def _save_slot(
+        self, instance: Instance, folder: Path, slot: int, key_id: str, start: int, timeout: float
+    ) -> int:
+        """Save one slot's cache as `key_id`'s conversation `start`: 1 if kept, else 0."""
+        assert instance.client is not None
+        name = entry_name(key_id, start)
+        try:
+            answer = await instance.client.post_json(f"/slots/{slot}?action=save", {"filename": name}, timeout=timeout)
+        except APIError as exc:
+            log.warning("instance %s: slot %d's prompt cache not saved: %s", instance.id, slot, exc.message)
+            return 0
+        path = folder / name
+        with contextlib.suppress(OSError):
+            if int(answer.get("n_saved", 0)) < self.min_tokens:
+                path.unlink()
+                return 0
+            os.chmod(path, 0o600)
+            return 1
+        return 0
 
     def has(self, instance: Instance, key_id: str, start: int) -> bool:
         folder = instance.prompt_folder

@@ -1,0 +1,220 @@
+"""Many tenants' conversations at once on one instance: how much of each later turn's prompt comes from the
+cache, and how long its first token takes, under `prompt_cache.isolation = "key"` (with the per-key tier of
+saved prompts under the slots, and without it) and `"shared"`.
+
+    python -m bench.tenants [--keys 8] [--turns 4] [--slots 4] [--history 700] [--out bench/results/tenants.md]
+
+One gateway in front of one instance of the embedded model with `--slots` slots. Each of `--keys` API keys
+holds one conversation and all of them talk at once: a first turn of about `--history` prompt tokens of its
+own, then `--turns - 1` more, each a short question after the last answer, with `--read` seconds of reading
+between an answer and the next question. Every turn is streamed (`max_tokens` 16, greedy) and timed to its
+first token; its usage gives the prompt and cached tokens. Three settings in one run, one after another on
+fresh servers: `key` (the default: the tier on), `key` with `prompt_cache.disk_mb = 0` (the tier off:
+what `key` was before it), `shared`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.targets import Target, free_port, free_port_range, wait_ready
+from llmserver.models.files import embedded_model_path
+
+ADMIN = "bench-admin-key-tenants-0123456789"
+HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+WORDS = ["river", "stone", "light", "paper", "garden", "window", "music", "engine", "forest", "letter", "copper"]
+SETTINGS = {  # name: (isolation, disk_mb)
+    "key": ("key", 4096),
+    "key, tier off": ("key", 0),
+    "shared": ("shared", 4096),
+}
+
+
+@dataclass
+class Turn:
+    key: int
+    number: int
+    seconds_to_first_token: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Result:
+    setting: str
+    turns: list[Turn] = field(default_factory=list)
+    seconds: float = 0.0
+    saved: dict[str, int] = field(default_factory=dict)
+
+    def later(self) -> list[Turn]:
+        return [turn for turn in self.turns if turn.number > 1]
+
+    def cached_fraction(self) -> float:
+        later = self.later()
+        return sum(t.cached_tokens for t in later) / max(1, sum(t.prompt_tokens for t in later))
+
+    def ttft(self, quantile: float) -> float:
+        values = sorted(t.seconds_to_first_token for t in self.later())
+        return values[min(len(values) - 1, int(quantile * len(values)))]
+
+
+def opening(seed: int, tokens: int) -> str:
+    """About `tokens` tokens of text of conversation `seed`'s own (a word here is about 1.06 tokens)."""
+    words = [WORDS[(seed * 7 + n * 3 + n // 11) % len(WORDS)] for n in range(int(tokens / 1.06))]
+    return f"Notes of team {seed}: " + " ".join(words)
+
+
+def config(slots: int, isolation: str, disk_mb: int) -> str:
+    return f"""prompt_cache.isolation = "{isolation}"
+prompt_cache.disk_mb = {disk_mb}
+
+[[models]]
+name = "chat"
+path = "{embedded_model_path()}"
+parallel = {slots}
+ctx_size = {slots * 2048}
+threads = 2
+min_instances = 1
+max_instances = 1
+"""
+
+
+class Gateway:
+    def __init__(self, data_dir: Path, log: Path) -> None:
+        port = free_port()
+        env = {**os.environ, "LLMSERVER_ADMIN_KEY": ADMIN}
+        env["LLMSERVER_INSTANCES__BASE_PORT"] = str(free_port_range(4, avoid=port))
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "llmserver", "serve", "--config", str(data_dir / "config.toml"),
+                 "--data-dir", str(data_dir), "--port", str(port)],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+        self.target = wait_ready(Target("llmserver", f"http://127.0.0.1:{port}", process, HEADERS), "/ready", 300)
+        self.url = self.target.url
+
+    def key(self, name: str) -> str:
+        created = httpx.post(self.url + "/api/keys", headers=HEADERS, json={"name": name}, timeout=30)
+        created.raise_for_status()
+        return str(created.json()["key"])
+
+
+async def conversation(
+    client: httpx.AsyncClient, key: str, seed: int, turns: int, history: int, read: float, result: Result
+) -> None:
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": opening(seed, history) + "\nWhich word comes first?"},
+    ]
+    for number in range(1, turns + 1):
+        started = time.perf_counter()
+        first: float | None = None
+        text, usage = [], {}
+        body = {"model": "chat", "messages": messages, "max_tokens": 16, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as answer:
+            if answer.status_code != 200:
+                raise RuntimeError(f"{answer.status_code}: {(await answer.aread())[:300]!r}")
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                for choice in event.get("choices") or []:
+                    if piece := (choice.get("delta") or {}).get("content"):
+                        first = first or time.perf_counter()
+                        text.append(piece)
+                usage = event.get("usage") or usage
+        details = usage.get("prompt_tokens_details") or {}
+        result.turns.append(
+            Turn(seed, number, (first or time.perf_counter()) - started, int(usage.get("prompt_tokens", 0)),
+                 int(details.get("cached_tokens") or 0))
+        )  # fmt: skip
+        messages += [{"role": "assistant", "content": "".join(text) or "River."},
+                     {"role": "user", "content": f"Question {number}: and which word comes next?"}]  # fmt: skip
+        await asyncio.sleep(read)
+
+
+def measure(setting: str, keys: int, turns: int, slots: int, history: int, read: float, logs: Path) -> Result:
+    isolation, disk_mb = SETTINGS[setting]
+    data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-tenants-"))
+    (data_dir / "config.toml").write_text(config(slots, isolation, disk_mb))
+    gateway = Gateway(data_dir, logs / "tenants.log")
+    result = Result(setting)
+    try:
+        secrets = [gateway.key(f"tenant-{n}") for n in range(keys)]
+
+        async def everyone() -> None:
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=600) as client:
+                await asyncio.gather(
+                    *(conversation(client, secret, n, turns, history, read, result) for n, secret in enumerate(secrets))
+                )
+
+        started = time.perf_counter()
+        asyncio.run(everyone())
+        result.seconds = time.perf_counter() - started
+        files = list((data_dir / "prompt-cache").glob("*/*/*.slot"))
+        result.saved = {"files": len(files), "bytes": sum(path.stat().st_size for path in files)}
+    finally:
+        gateway.target.stop()
+    return result
+
+
+def report(results: list[Result], keys: int, turns: int, slots: int, read: float, level: str = "#") -> str:
+    prompt = statistics.median(t.prompt_tokens for r in results for t in r.turns if t.number == 1)
+    lines = [
+        f"{level} Many tenants at once: the per-key tier against recomputing and against a shared cache",
+        "",
+        f"`python -m bench.tenants`: {keys} keys, one conversation each, all at once, {turns} turns of which the "
+        f"first reads about {prompt:,.0f} prompt tokens, {read:g} s of reading between turns, on one instance "
+        f"of the embedded model with {slots} slots (2 threads). Later turns: turns 2 to {turns}.",
+        "",
+        "| setting | later turns' prompt from the cache | later turns' first token p50 / p95 | first turns' "
+        "first token p50 | the whole run | saved conversations |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        first = statistics.median(t.seconds_to_first_token for t in r.turns if t.number == 1)
+        saved = f"{r.saved['files']} ({r.saved['bytes'] / 2**20:,.0f} MiB)" if r.saved.get("files") else "none"
+        lines.append(
+            f"| {r.setting} | {r.cached_fraction():.2f} | {r.ttft(0.5):.2f} s / {r.ttft(0.95):.2f} s | "
+            f"{first:.2f} s | {r.seconds:.1f} s | {saved} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keys", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--history", type=int, default=700, help="prompt tokens of a conversation's first turn")
+    parser.add_argument("--read", type=float, default=0.5, help="seconds between an answer and the next question")
+    parser.add_argument("--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="llmserver-bench-logs-"))
+    results = [
+        measure(setting, args.keys, args.turns, args.slots, args.history, args.read, logs) for setting in args.settings
+    ]
+    text = report(results, args.keys, args.turns, args.slots, args.read)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""bench.tenants at its smallest (bench/tenants.py): two keys' conversations on one slot, with the per-key
+tier and without — the benchmark measures what it says, and the tier is what makes later turns cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.tenants import measure, report
+
+
+def test_later_turns_come_from_the_cache_with_the_tier_and_not_without(tmp_path: Path) -> None:
+    results = [measure(setting, 2, 2, 1, 400, 0.1, tmp_path) for setting in ("key", "key, tier off")]
+    tier, without = results
+    assert len(tier.turns) == len(without.turns) == 4
+    assert tier.cached_fraction() > 0.8 and without.cached_fraction() == 0
+    assert tier.saved["files"] == 2 and not without.saved.get("files")
+    assert "| key | " in report(results, 2, 2, 1, 0.1)
