@@ -54,8 +54,9 @@ async def start_instance(request: Request) -> JSONResponse:
 
 @admin.delete("/api/instances/{instance_id}")
 async def drain_instance(request: Request, instance_id: str) -> dict[str, Any]:
-    """Drain: no new requests, in-flight ones finish (up to drain_timeout), then the process stops."""
+    """Drain: no new requests, in-flight ones finish (up to drain_timeout), then the process stops; when
+    that would leave its model below min_instances, its replacement is started first."""
     pool = supervisor(request)
     instance = pool.find(instance_id)
-    await pool.drain(instance)
+    await pool.drain_keeping_min(instance)
     return instance.describe()

@@ -387,6 +387,31 @@ class Supervisor:
             pool.instances.remove(instance)
         log.info("instance %s (%s) drained and stopped", instance.id, instance.model.name)
 
+    async def drain_keeping_min(self, instance: Instance) -> None:
+        """An admin's drain: when stopping the instance would leave its model below min_instances, its
+        replacement is started first (as a rolling update does, if the memory budget has room) and the
+        old one drained once the new one is ready — requests never wait for a cold start, and the old
+        one's conversations, saved as it stops, are restored on the new one."""
+        pool = self.pools.get(instance.model.name)
+        others = [i for i in pool.live() if i is not instance and i.status != Status.DRAINING] if pool else []
+        if (
+            pool is not None
+            and self.local
+            and instance in pool.instances
+            and instance.status in (Status.READY, Status.BUSY)
+            and len(others) < pool.config.min_instances
+            and self._may_autostart(pool)
+            and self.memory_used_mb() + self.estimate_mb(pool) <= self.memory_budget_mb
+        ):
+            log.info("instance %s (%s): starting its replacement before draining it (min_instances %d)",
+                     instance.id, pool.name, pool.config.min_instances)  # fmt: skip
+            try:
+                await self._add_instance(pool)
+            except InstanceStartError as exc:
+                log.warning("instance %s (%s): its replacement failed to start (%s); draining it anyway",
+                            instance.id, pool.name, exc)  # fmt: skip
+        await self.drain(instance)
+
     def _spawn(self, coroutine: object) -> None:
         task: asyncio.Task[None] = asyncio.create_task(coroutine)  # type: ignore[arg-type]
         self._tasks.add(task)
