@@ -395,8 +395,8 @@ def test_with_saved_prompts_requests_on_one_slot_run_in_turn_and_a_cancelled_wai
         first, gone, next_turn = Lease(pool, "alice"), Lease(pool, "bob"), Lease(pool, "alice")
         for lease in (first, gone, next_turn):
             await lease.acquire()
-        assert await first.pin(start=7, size=100) == (0, False)  # the slot held nothing known
-        waiting = [asyncio.ensure_future(lease.pin(start, size=100)) for lease, start in ((gone, 9), (next_turn, 7))]
+        assert await first.pin(start=7, size=300) == (0, False)  # the slot held nothing known
+        waiting = [asyncio.ensure_future(lease.pin(start, size=300)) for lease, start in ((gone, 9), (next_turn, 7))]
         await asyncio.sleep(0)
         assert not any(task.done() for task in waiting)  # the slot is alice's first request's
         waiting[0].cancel()
@@ -405,7 +405,7 @@ def test_with_saved_prompts_requests_on_one_slot_run_in_turn_and_a_cancelled_wai
         # alice's next turn: the slot holds her conversation (bob's request never ran), so it is reused.
         assert await waiting[1] == (0, True)
         next_turn.release()
-        assert not instance.slot_lock(0).locked() and instance.slot_holds(0) == ("alice", 7, 100)
+        assert not instance.slot_gate(0).busy and instance.slot_holds(0) == ("alice", 7, 300)
         await close(instance)
 
     run(scenario)

@@ -29,6 +29,7 @@ from llmserver.llama.template import Template
 from llmserver.llama.wire import Untrusted
 from llmserver.models.files import gguf_pooling
 from llmserver.pool.saved_prompts import SavedPrompts
+from llmserver.pool.slot_gate import SlotGate
 from llmserver.settings import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -265,10 +266,10 @@ class Instance:
     _slot_unsure: list[bool] = field(default_factory=list, repr=False)  # its last request ended early
     _slot_clock: int = field(default=0, repr=False)
     # With saved prompts on (the per-key tier): the conversation each slot's cache holds now (the key,
-    # start and prompt size of the last request that ended normally on it; None: not known), and a lock
-    # per slot that a request holds while it runs there, so that whatever it displaces is saved first.
+    # start and prompt size of the last request that ended normally on it; None: not known), and whose
+    # turn it is on each slot (pool/slot_gate.py), so that whatever a request displaces is saved first.
     _slot_held: list[tuple[str, int, int] | None] = field(default_factory=list, repr=False)
-    _slot_locks: list[asyncio.Lock] = field(default_factory=list, repr=False)
+    _slot_gates: list[SlotGate] = field(default_factory=list, repr=False)
 
     def take_slot(self, key_id: str, start: int) -> tuple[int, bool, bool]:
         """A slot for `key_id`'s request whose prompt begins as `start` (a hash), whether it may reuse
@@ -280,7 +281,7 @@ class Instance:
             size = self.model.parallel
             self._slot_owner, self._slot_holds, self._slot_taken = [None] * size, [0] * size, [0] * size
             self._slot_start, self._slot_unsure, self._slot_held = [0] * size, [False] * size, [None] * size
-            self._slot_locks = [asyncio.Lock() for _ in range(size)]
+            self._slot_gates = [SlotGate() for _ in range(size)]
         idle = [slot for slot, holds in enumerate(self._slot_holds) if holds == 0]
         # A slot whose last request ended early (a timeout, a client gone) may still be finishing it:
         # taken only when no other is idle.
@@ -328,14 +329,13 @@ class Instance:
             if not finished:
                 self._slot_owner[slot] = None
 
-    def slot_lock(self, slot: int) -> asyncio.Lock:
-        """The lock a request holds while it runs on `slot` (saved prompts on): requests pinned to one slot
-        wait here in turn, as they would in llama-server's queue, so each finds the slot as the last left it."""
-        return self._slot_locks[slot]
+    def slot_gate(self, slot: int) -> SlotGate:
+        """Whose turn it is on `slot` (saved prompts on: pool/slot_gate.py)."""
+        return self._slot_gates[slot]
 
     def slot_holds(self, slot: int) -> tuple[str, int, int] | None:
-        """The conversation (key id, start, prompt bytes) the slot's cache holds, if known: exact for the
-        holder of its lock."""
+        """The conversation (key id, start, prompt bytes) the slot's cache holds, if known: exact for a request
+        that has the slot to itself."""
         return self._slot_held[slot]
 
     def begin(self, key_id: str) -> None:

@@ -29,8 +29,9 @@ class Lease:
         self.slot: int | None = None  # the slot its call is pinned to (cache_isolation = "key")
         self.start = 0  # a hash of how its prompt begins: which of its key's conversations it is
         self.size = 0  # its prompt's length in bytes
-        self.waits = False  # it takes its slot's lock (saved prompts on) ...
-        self.locked = False  # ... and holds it
+        self.waits = False  # it waits for its turn on its slot (saved prompts on) ...
+        self.entered = False  # ... has it ...
+        self.alone = False  # ... and has the slot to itself
 
     async def acquire(self) -> Instance:
         """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout)."""
@@ -64,11 +65,11 @@ class Lease:
         of its instance: the slot and whether the request may reuse the slot's cached prompt (only its own
         key's); None for an instance other gateways also use.
 
-        With saved prompts on, this is the per-key tier under the slots: the request waits for the slot as
-        it would in llama-server's queue, then saves the conversation the slot holds if it is another one
-        (another key's, or another of this key's) long enough to be worth it, and loads this conversation's
-        saved cache if there is one. So under cache_isolation = "key" a conversation whose slot was taken
-        in between is restored, not read again."""
+        With saved prompts on, this is the per-key tier under the slots: the request waits for its turn on
+        the slot as it would in llama-server's queue (pool/slot_gate.py), then saves the conversation the
+        slot holds if it is another one (another key's, or another of this key's) long enough to be worth
+        it, and loads this conversation's saved cache if there is one. So under cache_isolation = "key" a
+        conversation whose slot was taken in between is restored, not read again."""
         instance = self.instance
         if instance is None or instance.shared:
             return None
@@ -79,29 +80,45 @@ class Lease:
         saved = instance.saved_prompts
         if saved is None or not saved.enabled or instance.prompt_folder is None:
             return self.slot, reuse
+        gate, mine = instance.slot_gate(self.slot), (self.key_id, start)
+
+        def worth_saving(held: tuple[str, int, int] | None) -> bool:
+            # A prompt of fewer bytes than min_tokens holds fewer tokens (a token is a byte or more, the
+            # template's few aside): read again about as fast as it would be restored, so not saved.
+            return held is not None and held[2] >= saved.min_tokens and held[:2] != mine
+
+        # A short prompt shares the slot (reusing its cache as without the tier), unless the slot holds a
+        # conversation to save first (pool/slot_gate.py).
+        self.alone = size >= saved.min_tokens or worth_saving(instance.slot_holds(self.slot))
         self.waits = True
-        await instance.slot_lock(self.slot).acquire()
-        self.locked = True
+        await gate.enter(self.alone)
+        self.entered = True
+        if not self.alone:
+            if not worth_saving(instance.slot_holds(self.slot)):
+                return self.slot, reuse  # take_slot's rule: the slot's requests since idle all this key's
+            gate.leave(False)  # a conversation worth keeping came to the slot meanwhile: saved, alone
+            self.entered, self.alone = False, True
+            await gate.enter(True)
+            self.entered = True
         held = instance.slot_holds(self.slot)
-        if held is not None and held[:2] == (self.key_id, start):
+        if held is not None and held[:2] == mine:
             return self.slot, True
-        # A prompt of fewer bytes than min_tokens holds fewer tokens (a token is a byte or more, the
-        # template's few aside): read again about as fast as it would be restored, so not saved.
-        if held is not None and held[2] >= saved.min_tokens:
+        if worth_saving(held):
+            assert held is not None
             await saved.keep(instance, self.slot, held[0], held[1])
         reuse = held is not None and held[0] == self.key_id
-        if saved.has(instance, self.key_id, start):
-            reuse = await saved.restore(instance, self.slot, self.key_id, start) or reuse
+        if saved.has(instance, *mine):
+            reuse = await saved.restore(instance, self.slot, *mine) or reuse
         return self.slot, reuse
 
     def _unpin(self, instance: Instance, finished: bool) -> None:
         if self.slot is not None:
-            # A request that gave up waiting for its slot's lock never ran there.
-            ran = self.locked or not self.waits
+            # A request that gave up waiting for its turn on the slot never ran there.
+            ran = self.entered or not self.waits
             instance.give_slot(self.slot, finished, (self.key_id, self.start, self.size), ran=ran)
-            if self.locked:
-                instance.slot_lock(self.slot).release()
-            self.slot, self.locked, self.waits = None, False, False
+            if self.entered:
+                instance.slot_gate(self.slot).leave(self.alone)
+            self.slot, self.entered, self.waits = None, False, False
 
 
 class Router:
