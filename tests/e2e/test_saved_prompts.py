@@ -173,6 +173,9 @@ def test_a_conversation_whose_slot_another_key_took_is_restored_not_read_again(t
             later = chat(server, key, messages)
             assert cached(later) >= firsts[key]["usage"]["prompt_tokens"] - 4, later["usage"]
         assert len(saved_files(server.data_dir)) == 2
+        # Counted as saved, alice's state written twice (the second over the first): what is on disk.
+        on_disk = sum(path.stat().st_size for path in saved_files(server.data_dir))
+        assert metric(server, admin, "llmserver_prompt_cache_disk_bytes") == on_disk
         assert metric(server, admin, "llmserver_prompt_caches_restored_total") == 2
         assert metric(server, admin, "llmserver_prompt_caches_displaced_total") == 3  # each turn but the first
         probe = chat(server, carol, talks[alice])  # alice's conversation, word for word, from another key

@@ -48,7 +48,7 @@ class InstanceCalls:
         first (pool/router.py, pool/saved_prompts.py)."""
         if not self.isolate_keys or path == "/v1/embeddings":
             return payload
-        pinned = await ticket.lease.pin(_prompt_start(payload), _prompt_size(payload))
+        pinned = await ticket.lease.pin(*_prompt_identity(payload))
         if pinned is None:
             return {**payload, "cache_prompt": False}
         slot, reuse = pinned
@@ -137,23 +137,17 @@ def stalled_error(ticket: Ticket) -> GatewayTimeout | None:
     )
 
 
-def _prompt_start(payload: JSON) -> int:
-    """A hash of how the prompt begins (its first two messages, or its first 4,096 characters): which of
-    a key's conversations a slot holds."""
+def _prompt_identity(payload: JSON) -> tuple[int, int]:
+    """Which of a key's conversations the prompt is — a hash of how it begins (its first two messages, or
+    its first 4,096 characters) — and its length in bytes (its messages as JSON: at least its tokens, the
+    template's aside)."""
     messages = payload.get("messages")
     if isinstance(messages, list):
-        return _stable_hash(orjson.dumps(messages[:2]))
+        return _stable_hash(orjson.dumps(messages[:2])), len(orjson.dumps(messages))
     prompt = payload.get("prompt")
-    return _stable_hash(prompt[:4096].encode("utf-8", "surrogatepass")) if isinstance(prompt, str) else 0
-
-
-def _prompt_size(payload: JSON) -> int:
-    """The prompt's length in bytes (its messages as JSON): at least its tokens, the template's aside."""
-    messages = payload.get("messages")
-    if isinstance(messages, list):
-        return len(orjson.dumps(messages))
-    prompt = payload.get("prompt")
-    return len(prompt.encode("utf-8", "surrogatepass")) if isinstance(prompt, str) else 0
+    if not isinstance(prompt, str):
+        return 0, 0
+    return _stable_hash(prompt[:4096].encode("utf-8", "surrogatepass")), len(prompt.encode("utf-8", "surrogatepass"))
 
 
 def _stable_hash(data: bytes) -> int:

@@ -19,6 +19,7 @@ Files are the server user's alone (0600 in a 0700 folder); the least recently us
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
@@ -106,7 +107,7 @@ class SavedPrompts:
         self.min_tokens = min_tokens
         self.saved = self.restored = self.restore_failures = 0
         self.displaced = 0  # conversations saved as another took their slot (the tier under the slots)
-        self.disk_bytes = 0  # as of the last trim (each save and each start)
+        self.disk_bytes = 0  # as of the last trim (each save on stop, each start), plus what was kept since
 
     @property
     def enabled(self) -> bool:
@@ -156,10 +157,14 @@ class SavedPrompts:
         folder = instance.prompt_folder
         if folder is None or instance.client is None:
             return False
+        path = folder / entry_name(key_id, start)
+        before = _size(path)  # an earlier turn's state, overwritten
         kept = await self._save_slot(instance, folder, slot, key_id, start, SAVE_TIMEOUT)
-        if kept:
-            self.displaced += 1
-            self.trim()
+        self.displaced += kept
+        # On a request's path: the folder is listed only when the budget may be passed, not on every save.
+        self.disk_bytes += _size(path) - before
+        if self.disk_bytes > self.budget_bytes:
+            await asyncio.to_thread(self.trim)
         return bool(kept)
 
     async def _save_slot(
@@ -219,3 +224,10 @@ class SavedPrompts:
                 path.unlink()
                 total -= size
         self.disk_bytes = total
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
