@@ -191,12 +191,24 @@ class StateUnavailable(Overloaded):
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+class FieldProblem(ValueError):
+    """A check across fields (a pydantic model validator's) that knows which one to fix: the 400 names it
+    as its `param`, so that a form shows the problem at that field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def validation_error(errors: Any) -> InvalidRequest:
     """Our 400 for the first of pydantic's (or FastAPI's) validation errors, naming the parameter."""
     first = errors[0] if errors else {}
     location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
     # Drop the tags pydantic adds for union members (`str`, `list[...]`, `constrained-str`, …).
     location = [part for part in location if not ("[" in part or "-" in part or part in _TYPE_TAGS)]
+    problem = (first.get("ctx") or {}).get("error")
+    if not location and isinstance(problem, FieldProblem):
+        location = [problem.param]
     param = ".".join(location) or None
     message = str(first.get("msg", "Invalid request")).removeprefix("Value error, ")
     if first.get("type") == "missing":

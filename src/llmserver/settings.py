@@ -30,6 +30,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from llmserver.errors import FieldProblem
 from llmserver.inputs.limits import FileLimits, ImageLimits
 from llmserver.inputs.safe_fetch import MAX_URL_LENGTH
 from llmserver.llama import flags as llama_flags
@@ -217,17 +218,17 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _check_bounds(self) -> ModelConfig:
         if self.min_instances > self.max_instances:
-            raise ValueError("min_instances cannot exceed max_instances")
+            raise FieldProblem("min_instances cannot exceed max_instances", "max_instances")
         if self.mmproj is not None and self.mmproj_hf_file is not None:
-            raise ValueError("give mmproj or mmproj_hf_file, not both")
+            raise FieldProblem("give mmproj or mmproj_hf_file, not both", "mmproj_hf_file")
         if self.mmproj_hf_file is not None and self.hf_repo is None:
-            raise ValueError("mmproj_hf_file needs hf_repo")
+            raise FieldProblem("mmproj_hf_file needs hf_repo", "hf_repo")
         if (self.hf_repo is None) != (self.hf_file is None):
-            raise ValueError("hf_repo and hf_file go together")
+            raise FieldProblem("hf_repo and hf_file go together", "hf_file" if self.hf_file is None else "hf_repo")
         if self.hf_repo is not None and self.path is not None:
-            raise ValueError("a model has either a path or hf_repo + hf_file, not both")
+            raise FieldProblem("a model has either a path or hf_repo + hf_file, not both", "path")
         if self.embedding and self.vision_capable:
-            raise ValueError("an embedding model cannot have a vision projector")
+            raise FieldProblem("an embedding model cannot have a vision projector", "embedding")
         if self.chat_template_file is not None and not self.chat_template_file.expanduser().is_file():
             raise ValueError(f"chat_template_file not found: {self.chat_template_file}")
         if self.pooling is not None and not self.embedding:

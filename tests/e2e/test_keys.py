@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from tests.support import Server, cli, create_key, wait_for
+from tests.support import MODEL, Server, cli, create_key, wait_for
 
 
 def test_cli_keys_take_effect_on_the_running_server(server: Server) -> None:
@@ -59,3 +59,49 @@ def test_an_admin_key_travels_like_any_key(server: Server) -> None:
     refused = httpx.post(server.url + "/api/keys", json={"name": "x", "api_key": user})
     assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
     assert httpx.post(server.url + "/api/keys", json={"name": "x"}).status_code == 401
+
+
+def test_an_allow_list_must_name_models_the_server_has_and_each_refusal_names_its_field(server: Server) -> None:
+    """A typo in a key's model list would make a key every request refuses: refused at `models`, as is an
+    empty entry (never read as every model); a quota and its period are each refused at the one missing."""
+    admin = {"Authorization": f"Bearer {create_key(server.data_dir, 'allow-lists', admin=True)}"}
+    url = server.url + "/api/keys"
+
+    def refused(body: dict[str, object], param: str, method: str = "POST", to: str = url) -> str:
+        answer = httpx.request(method, to, json=body, headers=admin)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", param)
+        return str(error["message"])
+
+    message = refused({"name": "typo", "models": [MODEL, "no-such-model"]}, "models")
+    assert "'no-such-model' matches no model" in message and MODEL in message  # names what there is
+    assert "'zz*'" in refused({"name": "pattern", "models": ["zz*"]}, "models")  # a pattern that matches nothing
+    refused({"name": "empty", "models": [""]}, "models")
+    assert "needs a period" in refused({"name": "no period", "quota_tokens": 10}, "quota_period")
+    refused({"name": "no quota", "quota_period": "day"}, "quota_tokens")
+    assert [k["name"] for k in httpx.get(url, headers=admin).json()["data"] if k["name"] == "typo"] == []
+    # Names and patterns that match are kept as given; [] is a key allowed no model (for later), null every one.
+    made = httpx.post(url, json={"name": "fine", "models": [MODEL, "SmolLM2-*"]}, headers=admin)
+    assert made.status_code == 201 and made.json()["models"] == [MODEL, "SmolLM2-*"]
+    none = httpx.post(url, json={"name": "none yet", "models": []}, headers=admin).json()
+    assert none["models"] == []
+    forbidden = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                           headers={"Authorization": f"Bearer {none['key']}"})  # fmt: skip
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["param"] == "model"
+    # A PATCH is checked the same way, and a refused one changes nothing.
+    key_url = f"{url}/{made.json()['id']}"
+    refused({"models": ["no-such-model"]}, "models", "PATCH", key_url)
+    refused({"quota_period": "month"}, "quota_tokens", "PATCH", key_url)
+    kept = [k["models"] for k in httpx.get(url, headers=admin).json()["data"] if k["id"] == made.json()["id"]]
+    assert kept == [[MODEL, "SmolLM2-*"]]
+
+
+def test_the_cli_refuses_an_allow_list_with_an_empty_entry(server: Server) -> None:
+    for listed in (",,,", f"{MODEL},,x"):
+        result = cli(server.data_dir, "keys", "create", "--name", "commas", "--models", listed)
+        assert result.returncode == 2 and "empty entry" in result.stderr, result.stderr
+    made = cli(server.data_dir, "keys", "create", "--name", "no-model-yet", "--models", "")
+    assert made.returncode == 0, made.stderr
+    listed = json.loads(cli(server.data_dir, "keys", "list", "--json").stdout)
+    assert [k["models"] for k in listed if k["name"] == "no-model-yet"] == [[]]

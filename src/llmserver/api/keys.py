@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmserver.api.access import Access, body_of, caller, router
-from llmserver.api.deps import keys, quota, recorder, settings, store, validate
-from llmserver.auth.keys import Principal, describe, limit_fields
+from llmserver.api.deps import keys, lineup, quota, recorder, settings, store, validate
+from llmserver.auth.keys import LimitError, Principal, check_limits, describe, limit_fields, unmatched
 from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, status_of, summarise
 from llmserver.store import STATUSES, KeyLimits, LedgerQuery
@@ -59,10 +59,11 @@ async def list_keys(request: Request) -> dict[str, Any]:
 @admin.post("/api/keys", status_code=201, response_model=None)
 async def create_key(request: Request) -> JSONResponse:
     body = validate(CreateKey, body_of(request))
+    limits = _checked(request, body.limits(), body.models is not None)
     try:
-        record, key = await keys(request).create(body.name, admin=body.admin, limits=body.limits())
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+        record, key = await keys(request).create(body.name, admin=body.admin, limits=limits)
+    except LimitError as exc:
+        raise InvalidRequest(str(exc), param=exc.param) from None
     # The secret, shown once: no cache along the way may keep a copy.
     return JSONResponse({**describe(record), "key": key}, status_code=201, headers={"Cache-Control": "no-store"})
 
@@ -76,14 +77,35 @@ async def update_key(request: Request, key_id: str) -> dict[str, Any]:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
     given = body.limits()
     changed = replace(current.limits, **{name: getattr(given, name) for name in body.model_fields_set})
-    try:
-        found = await keys(request).update(key_id, changed)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    found = await keys(request).update(key_id, _checked(request, changed, "models" in body.model_fields_set))
     record = await keys(request).get(key_id) if found else None
     if record is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
     return describe(record)
+
+
+KNOWN_NAMED = 20  # the models a refused allow-list's message names at most
+
+
+def _checked(request: Request, limits: KeyLimits, models_given: bool) -> KeyLimits:
+    """Limits that make sense together, with (when given) an allow-list whose every entry names or matches a
+    model this server serves or lists in its catalog: a typo would otherwise make a key that every request
+    refuses, and nobody would know why. An empty list is kept: a key allowed no model (for later)."""
+    try:
+        check_limits(limits)
+    except LimitError as exc:
+        raise InvalidRequest(str(exc), param=exc.param) from None
+    names = sorted(model.name for model in lineup(request))
+    missing = unmatched(limits.models, names) if models_given else []
+    if missing:
+        known = ", ".join(names[:KNOWN_NAMED]) + (", …" if len(names) > KNOWN_NAMED else "") if names else "none"
+        which = ", ".join(repr(m) for m in missing)
+        raise InvalidRequest(
+            f"models: {which} {'matches' if len(missing) == 1 else 'match'} no model this server serves or lists"
+            f" in its catalog (its models: {known})",
+            param="models",
+        )
+    return limits
 
 
 @admin.delete("/api/keys/{key_id}")

@@ -12,6 +12,7 @@ import hmac
 import re
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,23 +38,37 @@ PERIODS = ("day", "month", "total")
 MODEL_PATTERN = re.compile(r"^[A-Za-z0-9._:*?\[\]-]{1,128}$")
 
 
+class LimitError(ValueError):
+    """Limits that do not make sense, naming the field at fault (the error envelope's `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 def check_limits(limits: KeyLimits) -> KeyLimits:
-    """ValueError unless the limits make sense together."""
+    """LimitError unless the limits make sense together."""
     if limits.quota_tokens is not None:
         if limits.quota_tokens < 1:
-            raise ValueError("quota_tokens must be at least 1")
+            raise LimitError("must be at least 1", "quota_tokens")
         if limits.quota_period not in PERIODS:
-            raise ValueError(f"a token quota needs a period: one of {', '.join(PERIODS)}")
+            raise LimitError(f"a token quota needs a period: one of {', '.join(PERIODS)}", "quota_period")
     elif limits.quota_period is not None:
-        raise ValueError("quota_period needs quota_tokens")
+        raise LimitError("a period needs a token quota", "quota_tokens")
     for name in ("rpm", "max_concurrency"):
         value = getattr(limits, name)
         if value is not None and value < 1:
-            raise ValueError(f"{name} must be at least 1")
+            raise LimitError("must be at least 1", name)
     for pattern in limits.models or ():
         if not MODEL_PATTERN.match(pattern):
-            raise ValueError(f"models: {pattern!r} is not a model name or pattern (letters, digits, . _ : - * ? [ ])")
+            raise LimitError(f"{pattern!r} is not a model name or pattern (letters, digits, . _ : - * ? [ ])", "models")
     return limits
+
+
+def unmatched(patterns: tuple[str, ...] | None, names: Iterable[str]) -> list[str]:
+    """The allow-list's entries that match none of `names` (the models a server knows)."""
+    known = list(names)
+    return [p for p in patterns or () if not any(fnmatch.fnmatchcase(name, p) for name in known)]
 
 
 def describe(record: KeyRecord) -> dict[str, Any]:
@@ -115,7 +130,7 @@ class KeyService:
     async def create(self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
         if not name.strip():
-            raise ValueError("a key needs a non-empty name")
+            raise LimitError("a key needs a non-empty name", "name")
         key = generate_key()
         key_hash = hash_key(key)
         record = await self._store.insert_key(

@@ -57,7 +57,16 @@ def _limits(
 
 
 def _models(listed: str | None) -> tuple[str, ...] | None:
-    return tuple(name.strip() for name in listed.split(",") if name.strip()) if listed is not None else None
+    """The allow-list given: absent, every model; "" none; an empty entry (`a,,b`, `,,,`) is refused rather
+    than read as nothing (which would be every model or none, and neither is what was typed)."""
+    if listed is None:
+        return None
+    if not listed.strip():
+        return ()
+    names = tuple(name.strip() for name in listed.split(","))
+    if not all(names):
+        raise click.BadParameter(f"{listed!r} has an empty entry between its commas", param_hint="--models")
+    return names
 
 
 @keys.command()

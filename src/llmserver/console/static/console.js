@@ -105,6 +105,7 @@ function signOut(reason = "") {
   for (const section of document.querySelectorAll("main > section")) section.hidden = section.id !== "sign-in";
   $("#tabs").hidden = true;
   $("#who").hidden = true;
+  $("#who-name").textContent = "";
   $("#api-key").value = "";
   history.replaceState(null, "", window.location.pathname); // the next key starts on its own first page
   say("sign-in-error", typeof reason === "string" ? reason : "", typeof reason === "string" && Boolean(reason));
@@ -132,7 +133,7 @@ function forget() {
   $("#play-code").textContent = "";
   $("#play-code").hidden = true;
   for (const stat of document.querySelectorAll("#play-stats dd")) stat.textContent = "–";
-  for (const page of ["overview", "models"]) fresh(page);
+  for (const page of ["overview", "models", "keys", "usage"]) fresh(page);
   Object.assign(state, { tab: null, rows: [], keys: [], models: {}, conversation: [], session: null, log: null });
   renderConversation();
 }
@@ -151,7 +152,7 @@ function show(tab, { focus = false } = {}) {
     button.tabIndex = button.dataset.tab === tab ? 0 : -1; // one Tab stop for the tab list; arrows move within it
   }
   if (focus) document.getElementById(`${tab}-title`).focus();
-  ({ overview: startOverview, models: startModels, keys: loadKeys, usage: loadUsage, playground: loadPlayground })[tab]();
+  ({ overview: startOverview, models: startModels, keys: startKeys, usage: loadUsage, playground: loadPlayground })[tab]();
 }
 
 // The tab list as ARIA's pattern has it: Left/Right (wrapping), Home and End move to a tab and open it.
@@ -217,15 +218,19 @@ function stale(page, statusId, error, every) {
   const section = document.getElementById(page);
   section.dataset.lostAt ??= new Date().toLocaleTimeString();
   section.classList.add("stale");
-  for (const button of section.querySelectorAll("tbody button")) button.disabled = true;
+  for (const button of section.querySelectorAll("tbody button, form button[type=submit]")) button.disabled = true;
   const reason = error instanceof ApiError ? error.message : `the server cannot be reached (${error.message})`;
   say(statusId, `Not up to date: ${reason}, since ${section.dataset.lostAt}. Trying again every ${every} s.`, true);
 }
 
+// A page whose server answered again: its actions back; true if it had been stale.
 function fresh(page) {
   const section = document.getElementById(page);
+  const was = section.classList.contains("stale");
   delete section.dataset.lostAt;
   section.classList.remove("stale");
+  if (was) for (const button of section.querySelectorAll("form button[type=submit]")) button.disabled = false;
+  return was;
 }
 
 async function act(statusId, working, action) {
@@ -294,16 +299,16 @@ function catalogRow(m, instances) {
   const because = fixed ? "it comes from the server's config file: change it there" : null;
   const bounds = m.settings ? ` (${s.min_instances}–${s.max_instances})` : "";
   return el("tr", { "data-model": m.name },
-    el("td", { class: "name" }, m.name, s.embedding ? " (embedding)" : ""), el("td", { class: "source" }, source), el("td", {}, m.origin),
-    el("td", { class: "num" }, m.revision ?? "–"),
-    el("td", {}, el("span", { class: "scale" },
+    el("td", { class: "name", "data-label": "Model" }, m.name, s.embedding ? " (embedding)" : ""), el("td", { class: "source", "data-label": "Source" }, source), el("td", { "data-label": "Origin" }, m.origin),
+    el("td", { class: "num", "data-label": "Revision" }, m.revision ?? "–"),
+    el("td", { "data-label": "Instances" }, el("span", { class: "scale" },
       el("button", { type: "button", class: "small", disabled: fixed || s.max_instances <= 0, title: because, onclick: () => scaleModel(m, -1), "aria-label": s.min_instances > 0 ? `Keep one instance fewer of ${m.name} running` : `Stop ${m.name}` }, "−"),
       ` ${m.ready_instances ?? 0} ready of ${m.instances ?? 0}${bounds} `,
       el("button", { type: "button", class: "small", disabled: fixed || s.min_instances >= 64, title: because, onclick: () => scaleModel(m, 1), "aria-label": `Keep one instance more of ${m.name} running` }, "+")),
       ...modelProblems(m)),
-    el("td", {}, instances.length ? el("ul", { class: "plain" }, ...instances.map((i) => el("li", {}, `${i.node ? `${i.node} ` : ""}${i.host}:${i.port} `, el("span", { class: `badge ${i.status}` }, i.status)))) : "none"),
-    el("td", { class: "num" }, m.queue_depth ?? 0),
-    el("td", {}, localTime(m.updated_at)),
+    el("td", { "data-label": "Running on" }, instances.length ? el("ul", { class: "plain" }, ...instances.map((i) => el("li", {}, `${i.node ? `${i.node} ` : ""}${i.host}:${i.port} `, el("span", { class: `badge ${i.status}` }, i.status)))) : "none"),
+    el("td", { class: "num", "data-label": "Queue" }, m.queue_depth ?? 0),
+    el("td", { "data-label": "Changed" }, localTime(m.updated_at)),
     el("td", { class: "actions" }, el("span", {},
       el("button", { type: "button", disabled: fixed, title: because, onclick: () => editModel(m), "aria-label": `Edit ${m.name}` }, "Edit"), " ",
       el("button", { type: "button", disabled: fixed, title: because, onclick: () => removeModel(m), "aria-label": `Remove ${m.name}` }, "Remove"))),
@@ -367,13 +372,15 @@ function modelBody(form, editing) {
     }
     const value = Number(raw);
     if (!Number.isFinite(value) || (name !== "idle_timeout" && !Number.isInteger(value)) || value < low || (high !== null && value > high))
-      problems[name] = `${name}: ${name === "idle_timeout" ? "seconds" : "a whole number"} from ${low}${high !== null ? ` to ${high}` : " up"}.`;
+      problems[name] = `${name === "idle_timeout" ? "Seconds" : "A whole number"} from ${low}${high !== null ? ` to ${high}` : " up"}.`;
     else body[name] = value;
   }
   if (body.min_instances !== undefined && body.max_instances !== undefined && body.min_instances > body.max_instances && body.max_instances !== null)
-    problems.max_instances ??= "max_instances: at least min_instances.";
+    problems.max_instances ??= "At least as many as are kept running.";
   if (form.elements.embedding.checked || editing) body.embedding = form.elements.embedding.checked;
   const more = form.elements.more.value.trim();
+  if (Boolean(body.hf_repo) !== Boolean(body.hf_file)) problems[body.hf_repo ? "hf_file" : "hf_repo"] ??= "A Hugging Face repository and a file in it go together.";
+  if (body.hf_repo && body.path) problems.path ??= "A file on this host, or a Hugging Face repository and file: not both.";
   if (more) {
     let extra = null;
     try {
@@ -406,13 +413,9 @@ async function submitModel(event) {
     modelForm(true);
     loadCatalog();
   } catch (error) {
-    // The API names the field at fault: shown there (a setting given in the JSON box, at that box).
-    const param = error.param?.split(".")[0];
-    const field = param && form.querySelector(`.field-error[data-for="${CSS.escape(param)}"]`) ? param : param ? "more" : null;
-    if (field) {
-      fieldError(form, field, error.message);
-      form.elements[field]?.focus();
-    } else say("model-error", error.message, true);
+    // The API names the field at fault: shown there (a setting given in the JSON box, at that box, in the
+    // API's own words as the box takes them).
+    showRefusal(form, error, "model-error", "more");
   }
 }
 
@@ -430,15 +433,25 @@ async function scaleModel(m, step) {
     }
     return;
   }
-  const min = m.settings.min_instances + step;
-  const body = { min_instances: min, ...(min > m.settings.max_instances ? { max_instances: min } : {}) };
+  // + keeps one more running, raising the most instances with it when they meet; − keeps one fewer and,
+  // where the most was the number kept (as + leaves it), lowers that too, so that one fewer runs rather
+  // than one fewer being kept while as many may still run. A range above the number kept stays.
+  const s = m.settings, min = s.min_instances + step;
+  const max = step > 0 ? Math.max(s.max_instances, min) : s.max_instances === s.min_instances ? Math.max(min, 1) : s.max_instances;
+  const body = { min_instances: min, ...(max !== s.max_instances ? { max_instances: max } : {}) };
   try {
     await api(`/api/models/${encodeURIComponent(m.name)}`, { method: "PATCH", body });
-    tell("catalog-status", `${m.name}: ${min} instance${min === 1 ? "" : "s"} kept running${step < 0 ? " (idle ones above that stop now)" : ""}.`);
+    tell("catalog-status", `${m.name}: ${keptText(min, max)}${step < 0 ? "; the idle ones above that stop now" : ""}.`);
     loadCatalog();
   } catch (error) {
     tell("catalog-status", error.message, true);
   }
+}
+
+// How many instances of a model run, as its bounds say: those kept running and the most under load.
+function keptText(min, max) {
+  const kept = min === 0 ? "none kept running" : `${min} instance${min === 1 ? "" : "s"} kept running`;
+  return min === max ? kept : `${kept}, up to ${max} ${min === 0 ? "started as requests come" : "under load"}`;
 }
 
 async function removeModel(m) {
@@ -454,27 +467,38 @@ async function removeModel(m) {
 
 // ---- Keys -------------------------------------------------------------------------------------
 
+// The keys, refreshed every 5 s while the page is shown (a quota's standing moves with every request), so
+// that the page also comes back by itself after an outage.
+function startKeys() {
+  loadKeys();
+  state.timer = setInterval(loadKeys, 5000);
+}
+
 async function loadKeys() {
+  let listed;
   try {
-    const listed = await api("/api/keys");
-    state.keys = listed.data;
-    $("#keys-table tbody").replaceChildren(
-      ...listed.data.map((k) =>
-        el("tr", { "data-key": k.id },
-          el("td", { class: "name" }, k.name), el("td", {}, el("code", {}, k.id)), el("td", {}, k.admin ? "yes" : ""),
-          el("td", { class: "num" }, number(k.quota_tokens)), el("td", {}, k.quota_period || "–"), el("td", { class: "quota" }, quotaText(k.quota)),
-          el("td", { class: "num" }, number(k.rpm)), el("td", { class: "num" }, number(k.max_concurrency)),
-          el("td", { class: "models" }, k.models ? k.models.join(", ") : "all"),
-          el("td", {}, localTime(k.created_at)), el("td", {}, localTime(k.revoked_at)),
-          el("td", { class: "actions" }, k.revoked_at ? "" : el("span", {},
-            el("button", { type: "button", onclick: () => editKey(k), "aria-label": `Edit the limits of ${k.name}` }, "Edit"), " ",
-            el("button", { type: "button", onclick: () => revokeKey(k), "aria-label": `Revoke ${k.name}` }, "Revoke"))),
-        ),
-      ),
-    );
+    listed = await api("/api/keys");
   } catch (error) {
-    say("keys-status", error.message, true);
+    stale("keys", "keys-status", error, 5);
+    return;
   }
+  if (state.tab !== "keys") return;
+  if (fresh("keys")) say("keys-status", `Up to date again (${new Date().toLocaleTimeString()}).`);
+  state.keys = listed.data;
+  $("#keys-table tbody").replaceChildren(
+    ...listed.data.map((k) =>
+      el("tr", { "data-key": k.id },
+        el("td", { class: "name" }, k.name), el("td", {}, el("code", {}, k.id)), el("td", {}, k.admin ? "yes" : ""),
+        el("td", { class: "num" }, number(k.quota_tokens)), el("td", {}, k.quota_period || "–"), el("td", { class: "quota" }, quotaText(k.quota)),
+        el("td", { class: "num" }, number(k.rpm)), el("td", { class: "num" }, number(k.max_concurrency)),
+        el("td", { class: "models" }, k.models ? k.models.join(", ") || "none" : "all"),
+        el("td", {}, localTime(k.created_at)), el("td", {}, localTime(k.revoked_at)),
+        el("td", { class: "actions" }, k.revoked_at ? "" : el("span", {},
+          el("button", { type: "button", onclick: () => editKey(k), "aria-label": `Edit the limits of ${k.name}` }, "Edit"), " ",
+          el("button", { type: "button", onclick: () => revokeKey(k), "aria-label": `Revoke ${k.name}` }, "Revoke"))),
+      ),
+    ),
+  );
 }
 
 function keyForm(reset = false) {
@@ -510,21 +534,51 @@ function editKey(k) {
   form.elements.rpm.value = k.rpm ?? "";
   form.elements.max_concurrency.value = k.max_concurrency ?? "";
   form.elements.models.value = k.models ? k.models.join(", ") : "";
+  // An allow-list of no model ([]) has no text of its own: kept as it is unless the field is changed.
+  form.elements.models.dataset.was = form.elements.models.value;
+  form.elements.models.dataset.list = JSON.stringify(k.models);
   $("#key-form-title").textContent = `Edit the limits of ${k.name}`;
   $("#key-submit").textContent = "Save";
   $("#key-cancel").hidden = false;
   form.elements.quota_tokens.focus();
 }
 
-// Every field's problem at once, in the API's own terms (the server checks them again).
+// Every field's problem that the page can see, at once (the server checks them again, and what only it
+// knows, such as which models it has, comes back at its field).
 function keyProblems(form, creating) {
   const problems = {};
   if (creating && !form.elements.name.value.trim()) problems.name = "A name is required.";
   for (const name of ["quota_tokens", "rpm", "max_concurrency"]) {
     const raw = form.elements[name].value.trim();
-    if (raw !== "" && !(Number.isInteger(Number(raw)) && Number(raw) >= 1)) problems[name] = `${name}: a whole number of at least 1, or empty for none.`;
+    if (raw !== "" && !(Number.isInteger(Number(raw)) && Number(raw) >= 1)) problems[name] = "A whole number of at least 1, or empty for none.";
   }
+  if (form.elements.quota_tokens.value.trim() && !form.elements.quota_period.value) problems.quota_period = "A token quota needs a period: a day, a month or in total.";
+  if (!form.elements.quota_tokens.value.trim() && form.elements.quota_period.value) problems.quota_tokens = "A period needs a token quota.";
+  if (allowList(form.elements.models.value) === undefined) problems.models = "An entry between two commas is empty: remove it (an empty field means every model).";
   return problems;
+}
+
+// The models a key may use as typed: null (an empty field: every model), the names and patterns, or
+// undefined when an entry is empty (`a,,b`, `,,,`), which is neither every model nor none.
+function allowList(raw) {
+  if (!raw.trim()) return null;
+  const entries = raw.split(",").map((m) => m.trim());
+  return entries.every(Boolean) ? entries : undefined;
+}
+
+// A refusal of the server at the field its `param` names, in the page's words (without the API's field
+// name in front: the field's label says which); else (or at `elsewhere`, as given) in the form's line.
+function showRefusal(form, error, errorId, elsewhere = null) {
+  const param = error.param?.split(".")[0];
+  const here = param && form.querySelector(`.field-error[data-for="${CSS.escape(param)}"]`);
+  const field = here ? param : param && elsewhere ? elsewhere : null;
+  if (!field) {
+    say(errorId, error.message, true);
+    return;
+  }
+  const words = here && error.message.startsWith(`${error.param}: `) ? error.message.slice(error.param.length + 2) : error.message;
+  fieldError(form, field, words.charAt(0).toUpperCase() + words.slice(1));
+  form.elements[field]?.focus();
 }
 
 function fieldError(form, name, message) {
@@ -546,10 +600,9 @@ async function submitKey(event) {
     form.elements[problems[0][0]].focus();
     return;
   }
-  const models = form.elements.models.value.split(",").map((m) => m.trim()).filter(Boolean);
   const limits = {
     quota_tokens: value("quota_tokens"), quota_period: value("quota_period"), rpm: value("rpm"), max_concurrency: value("max_concurrency"),
-    models: models.length ? models : null,
+    models: id && form.elements.models.value === form.elements.models.dataset.was ? JSON.parse(form.elements.models.dataset.list) : allowList(form.elements.models.value),
   };
   try {
     if (id) {
@@ -564,11 +617,7 @@ async function submitKey(event) {
     keyForm(true);
     loadKeys();
   } catch (error) {
-    const param = error.param?.split(".")[0];
-    if (param && form.querySelector(`.field-error[data-for="${CSS.escape(param)}"]`)) {
-      fieldError(form, param, error.message);
-      form.elements[param]?.focus();
-    } else say("key-error", error.message, true);
+    showRefusal(form, error, "key-error");
   }
 }
 
@@ -611,11 +660,19 @@ async function loadUsage(event) {
     ]);
     state.rows = series.points;
     state.range = [since, until];
+    if (state.tab !== "usage") return;
+    fresh("usage");
     drawUsage(series, since, until);
     drawTotals(summary);
     say("usage-status", `${summary.requests} requests from ${localTime(since)} to ${localTime(until)}.`);
   } catch (error) {
-    say("usage-status", error.message, true);
+    // As of the last answer, greyed, until the server answers again (tried every 5 s while shown).
+    if (error instanceof ApiError && error.status < 500) say("usage-status", error.message, true);
+    else {
+      stale("usage", "usage-status", error, 5);
+      clearInterval(state.timer);
+      state.timer = setTimeout(() => state.tab === "usage" && loadUsage(), 5000);
+    }
     return;
   }
   loadLog([]);
@@ -994,9 +1051,13 @@ async function play(event) {
       output.replaceChildren(...markdown(answer)); // streamed as text, shown formatted once complete
       output.classList.add("markdown");
       renderConversation();
+      // Sent and answered: the message and its attachments belong to that turn now, not to the next one.
+      $("#play-message").value = "";
+      $("#play-files").value = "";
     }
   } catch (error) {
     if (error.name === "AbortError") say("play-error", "Stopped: the answer above is as far as it got.");
+    else if (error instanceof NotSent) say("play-error", error.message, true);
     else if (error instanceof TypeError) say("play-error", `The connection to the server was lost before the answer was complete (${error.message}).`, true);
     else say("play-error", error.message, true);
   } finally {
@@ -1005,9 +1066,25 @@ async function play(event) {
   }
 }
 
+// A request the server never got (it could not be reached): the message is still in the box to send again.
+class NotSent extends Error {
+  constructor(cause) {
+    super(`Not sent: the server cannot be reached (${cause.message}). Your message is kept: send it again once the server is back.`);
+  }
+}
+
+// fetch(), except that a failure before any answer came is a NotSent (an abort stays an abort).
+async function send(path, options) {
+  try {
+    return await fetch(path, options);
+  } catch (error) {
+    throw error instanceof TypeError ? new NotSent(error) : error;
+  }
+}
+
 async function playStream(body, output) {
   const started = performance.now();
-  const answer = await fetch("/v1/chat/completions", {
+  const answer = await send("/v1/chat/completions", {
     method: "POST", signal: state.abort.signal,
     headers: authHeaders({ "Content-Type": "application/json", "X-Session-Id": sessionId() }),
     body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
@@ -1023,8 +1100,10 @@ async function playStream(body, output) {
     const events = buffer.split("\n\n");
     buffer = events.pop();
     for (const event of events) {
-      const data = event.replace(/^data: /, "");
-      if (data === "[DONE]") continue;
+      // An event's data lines; comment lines (": reading the prompt", sent while a long prompt is read) and
+      // other fields are not the answer.
+      const data = event.split("\n").filter((line) => line.startsWith("data:")).map((line) => line.slice(5).replace(/^ /, "")).join("\n");
+      if (!data || data === "[DONE]") continue;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new ApiError(500, chunk);
       const text = chunk.choices?.[0]?.delta?.content;
@@ -1064,7 +1143,8 @@ async function playAsync(body, output) {
   const sodium = await libsodium();
   const key = crypto.getRandomValues(new Uint8Array(32)); // made here; sent once; the result is decrypted here
   const started = performance.now();
-  const job = await api("/v1/chat/completions", { method: "POST", body: { ...body, mode: "async", key: toBase64(key) }, extra: { "X-Session-Id": sessionId() } });
+  const job = await api("/v1/chat/completions", { method: "POST", body: { ...body, mode: "async", key: toBase64(key) }, extra: { "X-Session-Id": sessionId() } })
+    .catch((error) => { throw error instanceof TypeError ? new NotSent(error) : error; });
   output.textContent = `Submitted (job ${job.tracking_id}); waiting for the encrypted result…`;
   for (let delay = 250; ; delay = Math.min(2000, delay * 1.5)) {
     await new Promise((resolve) => setTimeout(resolve, delay));
@@ -1081,6 +1161,27 @@ async function playAsync(body, output) {
   }
 }
 
+// The async request as a shell script: a key of the caller's own (openssl), the submission, a poll every
+// second until the job is done (a ready result is handed out once), and the answer decrypted there with
+// PyNaCl (pip install pynacl): the server never holds the key.
+function asyncCurl(origin, submit) {
+  return [
+    "RESULT_KEY=$(openssl rand -base64 32)   # the result is encrypted under it: keep it to decrypt",
+    `JOB=$(${submit})`,
+    "field() { python3 -c 'import json, sys; print(json.loads(sys.argv[1]).get(sys.argv[2], \"\"))' \"$1\" \"$2\"; }",
+    `while RESULT=$(curl -s "${origin}/api/async_result?tracking_id=$(field "$JOB" tracking_id)" -H "Authorization: Bearer $LLMSERVER_API_KEY"); [ "$(field "$RESULT" status)" = pending ]; do sleep 1; done`,
+    "python3 - \"$JOB\" \"$RESULT\" \"$RESULT_KEY\" <<'PY'",
+    "import base64, json, sys",
+    "from nacl.bindings import crypto_aead_xchacha20poly1305_ietf_decrypt as decrypt",
+    "job, polled, key = json.loads(sys.argv[1]), json.loads(sys.argv[2]), base64.b64decode(sys.argv[3])",
+    "if polled.get(\"status\") != \"ready\":",
+    "    sys.exit(f\"not answered: {polled}\")",
+    "answer = json.loads(decrypt(base64.b64decode(polled[\"result\"]), None, base64.b64decode(job[\"nonce\"]), key))",
+    "print(answer[\"choices\"][0][\"message\"][\"content\"])",
+    "PY",
+  ].join("\n");
+}
+
 async function showCode(kind, button) {
   let body;
   try {
@@ -1095,9 +1196,8 @@ async function showCode(kind, button) {
   // encrypted under; the answer's tracking_id is then polled at /api/async_result.
   const json = JSON.stringify(isAsync ? { ...body, mode: "async", key: "__RESULT_KEY__" } : body).replaceAll("'", "'\\''");
   const sdkNote = isAsync ? "# Async mode is the HTTP API's (Copy as curl): the SDK below waits for the answer.\n" : "";
-  const text = kind === "curl"
-    ? (isAsync ? "RESULT_KEY=$(openssl rand -base64 32)   # the result is encrypted under it: keep it to decrypt\n" : "") +
-      `curl -s ${origin}/v1/chat/completions \\\n  -H "Authorization: Bearer $LLMSERVER_API_KEY" -H "Content-Type: application/json" \\\n  -d '${json.replace('"__RESULT_KEY__"', `"'"$RESULT_KEY"'"`)}'`
+  const submit = `curl -s ${origin}/v1/chat/completions \\\n  -H "Authorization: Bearer $LLMSERVER_API_KEY" -H "Content-Type: application/json" \\\n  -d '${json.replace('"__RESULT_KEY__"', `"'"$RESULT_KEY"'"`)}'`;
+  const text = kind === "curl" ? (isAsync ? asyncCurl(origin, submit) : submit)
     : `${sdkNote}from openai import OpenAI\n\nclient = OpenAI(base_url="${origin}/v1", api_key=os.environ["LLMSERVER_API_KEY"])\n` +
       `answer = client.chat.completions.create(**${JSON.stringify(body, null, 2).replaceAll("null", "None").replaceAll("true", "True").replaceAll("false", "False")})\nprint(answer.choices[0].message.content)`;
   const code = kind === "curl" ? text : `import os\n${text}`;
@@ -1130,6 +1230,14 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#log-older").addEventListener("click", () => loadLog([...state.log.cursors, state.log.next]));
   $("#log-newer").addEventListener("click", () => loadLog(state.log.cursors.slice(0, -1)));
   $("#tabs").addEventListener("keydown", tabKeys);
+  // Enter in a form's select submits it, as it does in its text fields (browsers leave it to the page).
+  document.addEventListener("keydown", (event) => {
+    const target = event.target;
+    if (event.key === "Enter" && target instanceof HTMLSelectElement && target.form) {
+      event.preventDefault();
+      target.form.requestSubmit();
+    }
+  });
   $("#model-form").addEventListener("submit", submitModel);
   $("#model-cancel").addEventListener("click", () => modelForm(true));
   $("#play-form").addEventListener("submit", play);
