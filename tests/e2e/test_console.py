@@ -156,6 +156,25 @@ def test_the_admin_overview_shows_the_real_instance_and_refreshes_live(browser: 
     assert [i["instance_id"] for i in instances(browser.server)] == [real["instance_id"]]
 
 
+def test_an_instance_s_last_log_lines_open_under_the_table_with_no_key_in_them(browser: Browser) -> None:
+    page = browser.open(ADMIN)
+    real = instances(browser.server)[0]
+    page.get_by_role("button", name=f"Log of instance {real['instance_id']}").click()
+    page.wait_for_function(
+        "() => !['', 'Reading…'].includes(document.querySelector('#instance-log-lines').textContent)"
+    )
+    shown = str(page.text_content("#instance-log-lines"))
+    tail = httpx.get(
+        f"{browser.server.url}/api/instances/{real['instance_id']}/log", headers={"Authorization": f"Bearer {ADMIN}"}
+    )
+    started = next(line for line in tail.json()["lines"] if "starting:" in line)  # the command llmserver ran
+    assert started in shown and "llama-server" in shown and browser.server.instance_key not in shown
+    assert page.evaluate("document.activeElement.id") == "instance-log-title"
+    browser.shoot("overview-instance-log")
+    page.click("#instance-log-close")
+    assert page.is_hidden("#instance-log") and page.text_content("#instance-log-lines") == ""
+
+
 def test_an_admin_creates_a_key_that_works_at_once_edits_it_and_revokes_it(browser: Browser) -> None:
     page = browser.open(ADMIN)
     page.click("#tabs button[data-tab=keys]")
@@ -296,6 +315,19 @@ def test_a_streamed_playground_answer_appears_token_by_token(browser: Browser) -
     page.click("#copy-curl")
     code = page.text_content("#play-code") or ""
     assert code.startswith("curl -s " + browser.server.url + "/v1/chat/completions") and "$LLMSERVER_API_KEY" in code
+
+
+def test_a_users_model_picker_lists_only_models_a_request_can_reach(browser: Browser) -> None:
+    """A stopped model (max_instances 0) answers every request 503: it is no choice in the playground."""
+    body = {"name": "stopped-one", "min_instances": 0, "max_instances": 0, "ctx_size": 512, "parallel": 1}
+    with catalog_model(browser.server, body):
+        key = user_key(browser.server, "picker")
+        listed = httpx.get(browser.server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()
+        available = {m["id"]: m["available"] for m in listed["data"]}
+        assert available == {MODEL: True, "stopped-one": False}
+        page = browser.open(key)
+        page.wait_for_selector("#play-model option", state="attached")
+        assert page.eval_on_selector_all("#play-model option", "(options) => options.map((o) => o.value)") == [MODEL]
 
 
 def docx(text: str) -> bytes:

@@ -118,6 +118,26 @@ def test_instance_records_are_the_seeds(pool: Server) -> None:
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
 
 
+def test_an_instance_s_log_tail_is_bounded_and_holds_no_key(pool: Server) -> None:
+    """The last lines of an instance's llama-server log, as the console shows them: its start line (the
+    command llmserver ran) and llama-server's own lines; the instance key never in it."""
+    one = instances(pool, MODEL)[0]
+    with admin(pool) as client:
+        answer = client.get(f"/api/instances/{one['instance_id']}/log")
+        assert answer.status_code == 200, answer.text
+        tail = answer.json()
+        assert tail["instance_id"] == one["instance_id"] and tail["model"] == MODEL
+        assert 1 < len(tail["lines"]) <= 100 and any("starting:" in line for line in tail["lines"])
+        assert all(pool.instance_key not in line for line in tail["lines"])
+        assert len(client.get(f"/api/instances/{one['instance_id']}/log", params={"lines": 3}).json()["lines"]) == 3
+        for lines in (0, 1001, "many"):
+            refused = client.get(f"/api/instances/{one['instance_id']}/log", params={"lines": lines})
+            assert refused.status_code == 400, (lines, refused.text)
+            error = refused.json()["error"]
+            assert (error["type"], error["param"]) == ("invalid_request_error", "lines")
+        assert client.get("/api/instances/nope/log").status_code == 404
+
+
 def test_instance_api_is_for_admins_only(pool: Server) -> None:
     key = make_key(pool.data_dir, "plain")
     headers = {"Authorization": f"Bearer {key}"}
@@ -126,6 +146,7 @@ def test_instance_api_is_for_admins_only(pool: Server) -> None:
         ("GET", "/api/instances/x"),
         ("POST", "/api/instances"),
         ("DELETE", "/api/instances/x"),
+        ("GET", "/api/instances/x/log"),
     ]:
         response = httpx.request(method, pool.url + path, headers=headers, json={"model": MODEL})
         assert response.status_code == 403, (method, path)

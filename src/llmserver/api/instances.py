@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import Request
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from llmserver.api.access import Access, body_of, router
 from llmserver.api.deps import speed, supervisor, validate
+from llmserver.errors import Conflict, InvalidRequest
 
 admin = router(Access.ADMIN)
 routers = (admin,)
@@ -42,6 +44,26 @@ async def list_instances(request: Request) -> dict[str, Any]:
 @admin.get("/api/instances/{instance_id}")
 async def get_instance(request: Request, instance_id: str) -> dict[str, Any]:
     return supervisor(request).find(instance_id).describe()
+
+
+MAX_LOG_LINES = 1000
+
+
+@admin.get("/api/instances/{instance_id}/log")
+async def instance_log(request: Request, instance_id: str, lines: int = 100) -> dict[str, Any]:
+    """The last `lines` (1 to 1,000; at most the file's last 256 KiB) of an instance's llama-server log,
+    keys and tokens masked; for instances this server runs (a node's log is on the node's host)."""
+    if not 1 <= lines <= MAX_LOG_LINES:
+        raise InvalidRequest(f"lines: from 1 to {MAX_LOG_LINES:,}", param="lines")
+    instance = supervisor(request).find(instance_id)
+    if not instance.log_here:
+        raise Conflict(
+            f"Instance {instance_id!r} runs on the node {instance.placed_on!r}: its log is a file on that host"
+            " (the node's log folder), not here.",
+            param="instance_id",
+        )
+    tail = await asyncio.to_thread(instance.log_tail, lines)
+    return {"instance_id": instance.id, "model": instance.model.name, "lines": tail, "path": str(instance.log_path)}
 
 
 @admin.post("/api/instances", status_code=201, response_model=None)

@@ -38,6 +38,10 @@ async def list_models(request: Request) -> dict[str, Any]:
             entry["avg_tokens_per_second"] = average
         entry["vision_capable"] = model.vision_capable
         entry["embedding"] = model.embedding
+        # Whether a request for it can be served: not stopped (max_instances 0) nor blocked (a file that
+        # cannot be read, a setting that cannot run); pickers (the console's playground) list only these.
+        pool = supervisor(request).pools.get(model.name)
+        entry["available"] = model.max_instances > 0 and (pool is None or pool.blocked is None)
         data.append(entry)
     return {"object": "list", "data": data}
 

@@ -23,6 +23,7 @@ class RemoteInstance(Instance):
     """An instance a node runs on another host, as a gateway sees it."""
 
     shared: ClassVar[bool] = True
+    log_here: ClassVar[bool] = False
     last_activity: float = 0.0  # this gateway's last use (the node publishes every gateway's)
     node: str = ""
     incarnation: str = ""

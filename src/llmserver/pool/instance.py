@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -47,6 +48,24 @@ class Status(StrEnum):
     DRAINING = "draining"
     STOPPED = "stopped"
     FAILED = "failed"
+
+
+LOG_TAIL_BYTES = 256 * 1024  # the most of an instance's log file read for its last lines
+# What may be a secret in a line of llama-server's log: the value of an Authorization header (after its
+# scheme), of `Bearer`, of an api key or a token given as a flag, a header or a JSON field (`--api-key=…`,
+# `"api_key": "…"`, `--hf-token …`), and anything shaped like this server's keys or a Hugging Face token.
+SECRET_SHAPES = re.compile(
+    r"(?i)((?:authorization[\"']?\s*[:=]\s*[\"']?(?:bearer\s+|basic\s+)?|bearer\s+"
+    r"|(?:api[_-]?key|[a-z]*[_-]token)[\"']?[\s=:]+[\"']?))[^\s\"',]+"
+    r"|llms-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}"
+)
+
+
+def redact_log_line(line: str, key: str | None = None) -> str:
+    """A log line with the instance key and whatever looks like a key or token replaced by `***`."""
+    if key:
+        line = line.replace(key, "***")
+    return SECRET_SHAPES.sub(lambda m: (m.group(1) or "") + "***", line)
 
 
 class InstanceStartError(RuntimeError):
@@ -259,6 +278,7 @@ class Instance:
     # cache holds (None: not known), how many requests this gateway has pinned to it, when it was last
     # taken. Only a key's own request on an idle slot whose cache holds its own prompt may reuse it.
     shared: ClassVar[bool] = False  # other gateways send to it too (a node's instance): owners unknowable
+    log_here: ClassVar[bool] = True  # its llama-server log is a file on this host (a node's is on the node)
     _slot_owner: list[str | None] = field(default_factory=list, repr=False)
     _slot_holds: list[int] = field(default_factory=list, repr=False)
     _slot_taken: list[int] = field(default_factory=list, repr=False)
@@ -397,13 +417,18 @@ class Instance:
         }
 
     def log_tail(self, lines: int = 20) -> list[str]:
-        """The last lines llama-server wrote to its log (what it said before it failed)."""
+        """The last lines llama-server wrote to its log (what it said before it failed), at most the last
+        LOG_TAIL_BYTES of it, with anything shaped like a key or token masked."""
         try:
             with self.log_path.open("rb") as file:
-                file.seek(max(0, file.seek(0, 2) - 16384))
-                return file.read().decode(errors="replace").splitlines()[-lines:]
+                size = file.seek(0, 2)
+                file.seek(max(0, size - LOG_TAIL_BYTES))
+                text = file.read().decode(errors="replace").splitlines()
         except OSError:
             return []
+        if size > LOG_TAIL_BYTES:
+            text = text[1:]  # the first line read may be the end of a longer one
+        return [redact_log_line(line, self.api_key) for line in text[-lines:]]
 
     async def start(self, binary: Path, model_file: Path, timeout: float, mmproj: Path | None = None) -> None:
         """Spawn llama-server and wait until it answers /health; InstanceStartError otherwise."""

@@ -120,6 +120,7 @@ function forget() {
   for (const form of document.querySelectorAll("main form:not(#sign-in-form)")) form.reset();
   $("#new-key-value").textContent = "";
   $("#new-key").hidden = true;
+  closeLog();
   $("#usage-key").replaceChildren();
   $("#usage-key-field").hidden = true;
   $("#usage-keys-part").hidden = true;
@@ -204,7 +205,9 @@ async function refreshOverview() {
         el("td", { class: "num" }, i.active_users), el("td", { class: "num" }, number(i.ram_used_mb)),
         el("td", { class: "num" }, number(i.cpu_percent, 1)), el("td", {}, duration(i.uptime_seconds)),
         el("td", {}, localTime(i.last_activity)),
-        el("td", { class: "actions" }, el("button", { type: "button", onclick: () => drainInstance(i.instance_id), "aria-label": `Drain instance ${i.instance_id}` }, "Drain")),
+        el("td", { class: "actions" }, el("span", {},
+          el("button", { type: "button", onclick: () => showLog(i.instance_id), "aria-label": `Log of instance ${i.instance_id}` }, "Log"), " ",
+          el("button", { type: "button", onclick: () => drainInstance(i.instance_id), "aria-label": `Drain instance ${i.instance_id}` }, "Drain"))),
       ),
     ),
   );
@@ -251,6 +254,28 @@ function startInstance(model) {
   });
 }
 
+// An instance's last log lines, as the server reads them (keys masked), under the table.
+async function showLog(id) {
+  const panel = $("#instance-log"), lines = $("#instance-log-lines");
+  panel.hidden = false;
+  panel.dataset.instance = id;
+  $("#instance-log-title").textContent = `Log of instance ${id}: its last ${LOG_LINES} lines`;
+  lines.textContent = "Reading…";
+  $("#instance-log-title").focus();
+  try {
+    const tail = await api(`/api/instances/${encodeURIComponent(id)}/log?lines=${LOG_LINES}`);
+    lines.textContent = tail.lines.join("\n") || "(its log is empty)";
+  } catch (error) {
+    lines.textContent = error instanceof ApiError ? error.message : `The server cannot be reached (${error.message}).`;
+  }
+  lines.scrollTop = lines.scrollHeight; // the newest lines in view
+}
+
+function closeLog() {
+  $("#instance-log").hidden = true;
+  $("#instance-log-lines").textContent = "";
+}
+
 function drainInstance(id) {
   if (!confirm(`Drain instance ${id}? It takes no new requests, finishes those in flight, then stops.`)) return;
   act("overview-status", `Draining instance ${id}…`, async () => {
@@ -262,6 +287,7 @@ function drainInstance(id) {
 
 // ---- Models -----------------------------------------------------------------------------------
 
+const LOG_LINES = 100;
 const MODEL_NUMBERS = { min_instances: [0, 64], max_instances: [0, 64], parallel: [1, 256], ctx_size: [128, 1048576], idle_timeout: [1, null] };
 const MODEL_TEXTS = ["path", "hf_repo", "hf_file"];
 
@@ -883,7 +909,10 @@ async function loadPlayground() {
   try {
     const listed = await api("/v1/models");
     state.models = Object.fromEntries(listed.data.map((m) => [m.id, m]));
-    select.replaceChildren(...listed.data.filter((m) => !m.embedding).map((m) => el("option", { value: m.id }, m.vision_capable ? `${m.id} (vision)` : m.id)));
+    // Only what a chat request can reach: not embedding models, nor models stopped or blocked.
+    const usable = listed.data.filter((m) => !m.embedding && m.available !== false);
+    select.replaceChildren(...usable.map((m) => el("option", { value: m.id }, m.vision_capable ? `${m.id} (vision)` : m.id)));
+    if (!usable.length) say("play-error", "No model can answer now: ask an admin to start one.", true);
     $("#play-max-tokens").max = state.me.server.max_tokens_limit;
   } catch (error) {
     say("play-error", error.message, true);
@@ -1239,6 +1268,8 @@ document.addEventListener("DOMContentLoaded", () => {
     }
   });
   $("#model-form").addEventListener("submit", submitModel);
+  $("#instance-log-close").addEventListener("click", closeLog);
+  $("#instance-log-refresh").addEventListener("click", () => showLog($("#instance-log").dataset.instance));
   $("#model-cancel").addEventListener("click", () => modelForm(true));
   $("#play-form").addEventListener("submit", play);
   $("#play-stop").addEventListener("click", () => state.abort?.abort());
