@@ -199,6 +199,10 @@ class FieldProblem(ValueError):
         super().__init__(message)
         self.param = param
 
+    def refusal(self) -> InvalidRequest:
+        """The 400 for it, as pydantic's own errors read: `param: message`, naming the param."""
+        return InvalidRequest(f"{self.param}: {self}", param=self.param)
+
 
 def validation_error(errors: Any) -> InvalidRequest:
     """Our 400 for the first of pydantic's (or FastAPI's) validation errors, naming the parameter."""

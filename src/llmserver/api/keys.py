@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmserver.api.access import Access, body_of, caller, router
 from llmserver.api.deps import keys, lineup, quota, recorder, settings, store, validate
-from llmserver.auth.keys import LimitError, Principal, check_limits, describe, limit_fields, unmatched
-from llmserver.errors import InvalidRequest, NotFound, PermissionDenied
+from llmserver.auth.keys import Principal, check_limits, describe, limit_fields, unmatched
+from llmserver.errors import FieldProblem, InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, status_of, summarise
 from llmserver.store import STATUSES, KeyLimits, LedgerQuery
 
@@ -62,8 +62,8 @@ async def create_key(request: Request) -> JSONResponse:
     limits = _checked(request, body.limits(), body.models is not None)
     try:
         record, key = await keys(request).create(body.name, admin=body.admin, limits=limits)
-    except LimitError as exc:
-        raise InvalidRequest(str(exc), param=exc.param) from None
+    except FieldProblem as exc:
+        raise exc.refusal() from None
     # The secret, shown once: no cache along the way may keep a copy.
     return JSONResponse({**describe(record), "key": key}, status_code=201, headers={"Cache-Control": "no-store"})
 
@@ -93,10 +93,12 @@ def _checked(request: Request, limits: KeyLimits, models_given: bool) -> KeyLimi
     refuses, and nobody would know why. An empty list is kept: a key allowed no model (for later)."""
     try:
         check_limits(limits)
-    except LimitError as exc:
-        raise InvalidRequest(str(exc), param=exc.param) from None
+    except FieldProblem as exc:
+        raise exc.refusal() from None
+    if not models_given or not limits.models:
+        return limits
     names = sorted(model.name for model in lineup(request))
-    missing = unmatched(limits.models, names) if models_given else []
+    missing = unmatched(limits.models, names)
     if missing:
         known = ", ".join(names[:KNOWN_NAMED]) + (", …" if len(names) > KNOWN_NAMED else "") if names else "none"
         which = ", ".join(repr(m) for m in missing)

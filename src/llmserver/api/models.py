@@ -28,6 +28,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     principal = caller(request)
     config = settings(request)
     created = int(request.app.state.started_at)
+    pools = supervisor(request).pools
     data = []
     for model in lineup(request):
         if not may_use(principal.limits, model.name):
@@ -40,7 +41,7 @@ async def list_models(request: Request) -> dict[str, Any]:
         entry["embedding"] = model.embedding
         # Whether a request for it can be served: not stopped (max_instances 0) nor blocked (a file that
         # cannot be read, a setting that cannot run); pickers (the console's playground) list only these.
-        pool = supervisor(request).pools.get(model.name)
+        pool = pools.get(model.name)
         entry["available"] = model.max_instances > 0 and (pool is None or pool.blocked is None)
         data.append(entry)
     return {"object": "list", "data": data}

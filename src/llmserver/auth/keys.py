@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from llmserver.errors import AuthenticationError
+from llmserver.errors import AuthenticationError, FieldProblem
 from llmserver.store import NO_LIMITS, KeyLimits, KeyRecord, KeyStore
 
 KEY_PREFIX = "llms-"
@@ -38,30 +38,23 @@ PERIODS = ("day", "month", "total")
 MODEL_PATTERN = re.compile(r"^[A-Za-z0-9._:*?\[\]-]{1,128}$")
 
 
-class LimitError(ValueError):
-    """Limits that do not make sense, naming the field at fault (the error envelope's `param`)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
 def check_limits(limits: KeyLimits) -> KeyLimits:
-    """LimitError unless the limits make sense together."""
+    """FieldProblem (naming the field at fault) unless the limits make sense together."""
     if limits.quota_tokens is not None:
         if limits.quota_tokens < 1:
-            raise LimitError("must be at least 1", "quota_tokens")
+            raise FieldProblem("must be at least 1", "quota_tokens")
         if limits.quota_period not in PERIODS:
-            raise LimitError(f"a token quota needs a period: one of {', '.join(PERIODS)}", "quota_period")
+            raise FieldProblem(f"a token quota needs a period: one of {', '.join(PERIODS)}", "quota_period")
     elif limits.quota_period is not None:
-        raise LimitError("a period needs a token quota", "quota_tokens")
+        raise FieldProblem("a period needs a token quota", "quota_tokens")
     for name in ("rpm", "max_concurrency"):
         value = getattr(limits, name)
         if value is not None and value < 1:
-            raise LimitError("must be at least 1", name)
+            raise FieldProblem("must be at least 1", name)
     for pattern in limits.models or ():
         if not MODEL_PATTERN.match(pattern):
-            raise LimitError(f"{pattern!r} is not a model name or pattern (letters, digits, . _ : - * ? [ ])", "models")
+            shape = "letters, digits, . _ : - * ? [ ]"
+            raise FieldProblem(f"{pattern!r} is not a model name or pattern ({shape})", "models")
     return limits
 
 
@@ -130,7 +123,7 @@ class KeyService:
     async def create(self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
         if not name.strip():
-            raise LimitError("a key needs a non-empty name", "name")
+            raise FieldProblem("a key needs a non-empty name", "name")
         key = generate_key()
         key_hash = hash_key(key)
         record = await self._store.insert_key(

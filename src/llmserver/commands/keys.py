@@ -13,7 +13,7 @@ import click
 
 from llmserver.auth.keys import KeyService, check_limits, describe
 from llmserver.commands import F, load, settings_options, with_store
-from llmserver.errors import APIError
+from llmserver.errors import APIError, FieldProblem
 from llmserver.metrics.usage import parse_time, summarise
 from llmserver.store import KeyLimits
 
@@ -52,8 +52,8 @@ def _limits(
     limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, _models(models))
     try:
         return check_limits(limits)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    except FieldProblem as exc:
+        raise click.UsageError(f"{exc.param}: {exc}") from None
 
 
 def _models(listed: str | None) -> tuple[str, ...] | None:

@@ -1102,22 +1102,17 @@ class NotSent extends Error {
   }
 }
 
-// fetch(), except that a failure before any answer came is a NotSent (an abort stays an abort).
-async function send(path, options) {
-  try {
-    return await fetch(path, options);
-  } catch (error) {
-    throw error instanceof TypeError ? new NotSent(error) : error;
-  }
-}
+// A failure before any answer came (fetch's TypeError) as a NotSent; any other error (an abort, a
+// refusal) as it is.
+const asNotSent = (error) => (error instanceof TypeError ? new NotSent(error) : error);
 
 async function playStream(body, output) {
   const started = performance.now();
-  const answer = await send("/v1/chat/completions", {
+  const answer = await fetch("/v1/chat/completions", {
     method: "POST", signal: state.abort.signal,
     headers: authHeaders({ "Content-Type": "application/json", "X-Session-Id": sessionId() }),
     body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
-  });
+  }).catch((error) => { throw asNotSent(error); });
   if (!answer.ok) throw new ApiError(answer.status, await answer.json().catch(() => null));
   stats({ instance: answer.headers.get("x-llmserver-instance") });
   const reader = answer.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -1173,7 +1168,7 @@ async function playAsync(body, output) {
   const key = crypto.getRandomValues(new Uint8Array(32)); // made here; sent once; the result is decrypted here
   const started = performance.now();
   const job = await api("/v1/chat/completions", { method: "POST", body: { ...body, mode: "async", key: toBase64(key) }, extra: { "X-Session-Id": sessionId() } })
-    .catch((error) => { throw error instanceof TypeError ? new NotSent(error) : error; });
+    .catch((error) => { throw asNotSent(error); });
   output.textContent = `Submitted (job ${job.tracking_id}); waiting for the encrypted result…`;
   for (let delay = 250; ; delay = Math.min(2000, delay * 1.5)) {
     await new Promise((resolve) => setTimeout(resolve, delay));
