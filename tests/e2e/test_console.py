@@ -565,7 +565,7 @@ def test_the_playground_keeps_a_conversation_until_a_new_one_is_started(browser:
             page.press("#play-message", "Control+Enter")  # the keyboard's way to send
         else:
             page.click("#play-send")
-        page.wait_for_function(f"() => document.querySelectorAll('#play-history li').length === {2 * (turn + 1)}")
+        turns(page, 2 * (turn + 1))
     third, session = sent[2]
     assert [m["role"] for m in third["messages"]] == ["user", "assistant", "user", "assistant", "user"]
     assert [m["content"] for m in third["messages"][::2]] == ["My name is Ada.", "I live in Paris.", "What is my name?"]
@@ -575,9 +575,130 @@ def test_the_playground_keeps_a_conversation_until_a_new_one_is_started(browser:
     assert page.is_hidden("#play-history")
     page.fill("#play-message", "Hello again.")
     page.click("#play-send")
-    page.wait_for_function("() => document.querySelectorAll('#play-history li').length === 2")
+    turns(page, 2)
     fourth, new_session = sent[3]
     assert len(fourth["messages"]) == 1 and new_session not in (None, session)
+
+
+# Every record the playground keeps in this browser, as stored (read after the page made its database).
+KEPT = """() => new Promise((resolve, reject) => {
+  const opening = indexedDB.open('llmserver-console');
+  opening.onerror = () => reject(opening.error);
+  opening.onsuccess = () => {
+    const all = opening.result.transaction('conversations').objectStore('conversations').getAll();
+    all.onsuccess = () => resolve(all.result.map(
+      (r) => ({ slot: r.slot, nonce: Array.from(r.nonce), box: Array.from(r.box) })));
+  };
+})"""
+
+
+def turns(page: Any, count: int) -> None:
+    """Wait until the conversation shows `count` messages and Send is back (the answer kept)."""
+    page.wait_for_function(
+        f"() => document.querySelectorAll('#play-history > li').length === {count}"
+        " && !document.querySelector('#play-send').disabled",
+        timeout=60000,
+    )
+
+
+def test_conversations_are_kept_encrypted_for_their_key_across_reloads_and_sign_ins(browser: Browser) -> None:
+    """Before, a reload lost the conversation and nothing listed earlier ones. Now each is kept in the
+    browser's IndexedDB, sealed under a key derived from the API key: another key lists none of them,
+    the stored bytes hold no word of it, sign-out leaves nothing readable, and the owner finds them
+    again at the next sign-in; they rename, delete and delete all."""
+    key, stranger = user_key(browser.server, "keeper"), user_key(browser.server, "stranger")
+    page = browser.open(key)
+    page.wait_for_selector("#play-model option", state="attached")
+    page.fill("#play-max-tokens", "8")
+    page.fill("#play-message", "My secret word is PERIWINKLE.")
+    page.click("#play-send")
+    turns(page, 2)
+    page.wait_for_selector("#chats li")
+    assert page.text_content("#chats li .chat-title") == "My secret word is PERIWINKLE."
+    # The answer is shown once, in the conversation (it was also in an answer box below it).
+    assert page.evaluate("document.querySelectorAll('#playground .output').length") == 0
+    assert page.evaluate("document.querySelector('#play-history').contains(document.querySelector('#play-output'))")
+    page.reload()  # the tab keeps its sign-in, and now the conversation it had open
+    turns(page, 2)
+    assert "PERIWINKLE" in (page.text_content("#play-history") or "")
+    (record,) = page.evaluate(KEPT)
+    stored = bytes(record["box"])
+    assert b"PERIWINKLE" not in stored and b"secret" not in stored and key not in json.dumps(record)
+    assert len(record["nonce"]) == 24 and len(stored) > len("My secret word is PERIWINKLE.") + 16
+    page.click("#sign-out")
+    page.wait_for_selector("#sign-in:not([hidden])")
+    assert "PERIWINKLE" not in visible_text(page) and page.evaluate("sessionStorage.length") == 0
+
+    page.fill("#api-key", stranger)  # another key in the same browser: none of them
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_function("() => document.querySelector('#chats-status').textContent === 'None kept yet.'")
+    assert page.locator("#chats li").count() == 0 and page.is_hidden("#play-history")
+    page.click("#sign-out")
+
+    page.fill("#api-key", key)  # the owner again: the conversation is listed, and opens
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#chats li")
+    page.click("#chats li .chat-title")
+    turns(page, 2)
+    assert "PERIWINKLE" in (page.text_content("#play-history") or "")
+    page.click("#chats li button[aria-label^=Rename]")
+    page.fill("#chats li input", "Word games")
+    page.press("#chats li input", "Enter")
+    page.wait_for_function("() => document.querySelector('#chats li .chat-title')?.textContent === 'Word games'")
+    page.click("#play-clear")
+    assert page.is_hidden("#play-history")
+    page.fill("#play-message", "Hello there.")
+    page.click("#play-send")
+    turns(page, 2)
+    page.wait_for_function("() => document.querySelectorAll('#chats li').length === 2")
+    titles = page.eval_on_selector_all("#chats .chat-title", "(nodes) => nodes.map((n) => n.textContent)")
+    assert titles == ["Hello there.", "Word games"]  # the latest first
+    assert page.get_attribute("#chats li:first-child .chat-title", "aria-current") == "true"
+    browser.shoot("playground-conversations")
+    page.reload()  # renamed and kept: the titles survive a reload
+    page.wait_for_function("() => document.querySelectorAll('#chats li').length === 2")
+    assert page.eval_on_selector_all("#chats .chat-title", "(nodes) => nodes.map((n) => n.textContent)") == titles
+    page.click("#chats li:first-child button[aria-label^=Delete]")
+    page.wait_for_function("() => document.querySelectorAll('#chats li').length === 1")
+    assert page.is_hidden("#play-history")  # the open one was deleted: a new conversation
+    assert len(page.evaluate(KEPT)) == 1
+    page.click("#chats-delete-all")
+    page.wait_for_function("() => document.querySelector('#chats-status').textContent === 'None kept yet.'")
+    assert page.evaluate(KEPT) == [] and browser.dialogs[-1].startswith("Delete all 1 conversations")
+
+
+def test_each_message_copies_and_edits_and_the_last_answer_regenerates(browser: Browser) -> None:
+    sent: list[dict[str, Any]] = []
+    browser.page.on(
+        "request",
+        lambda request: sent.append(json.loads(request.post_data))
+        if request.url.endswith("/v1/chat/completions") else None,
+    )  # fmt: skip
+    page = playground(browser, "editor", "Name a fruit.", 6)
+    page.click("#play-send")
+    turns(page, 2)
+    page.fill("#play-message", "Name a colour.")
+    page.click("#play-send")
+    turns(page, 4)
+    page.click("#play-history > li:nth-child(1) button[aria-label^=Copy]")
+    assert page.evaluate("navigator.clipboard.readText()") == "Name a fruit."
+    # Regenerate: the same turns sent again, the last answer replaced (still four messages).
+    with page.expect_request("**/v1/chat/completions"):
+        page.click("#play-history button[aria-label^=Regenerate]")
+    turns(page, 4)
+    assert len(sent) == 3 and sent[2]["messages"] == sent[1]["messages"]
+    assert page.locator("#play-history button[aria-label^=Regenerate]").count() == 1
+    # Edit the first message: it and every turn after it are replaced by the edited one and its answer.
+    page.click("#play-history > li:nth-child(1) button[aria-label^=Edit]")
+    assert page.input_value("#play-message") == "Name a fruit." and page.is_visible("#play-editing")
+    page.fill("#play-message", "Name a vegetable.")
+    with page.expect_request("**/v1/chat/completions"):
+        page.click("#play-send")
+    turns(page, 2)
+    assert [m["content"] for m in sent[3]["messages"]] == ["Name a vegetable."]
+    history = page.text_content("#play-history") or ""
+    assert "Name a vegetable." in history and "Name a colour." not in history and "Name a fruit." not in history
+    assert page.input_value("#play-message") == "" and page.is_hidden("#play-editing")
 
 
 def test_copy_as_curl_in_async_mode_submits_polls_and_decrypts_as_copied(browser: Browser) -> None:

@@ -2,8 +2,9 @@
 // sessionStorage only; every call goes to this origin; nothing is loaded from anywhere else.
 
 const KEY_SLOT = "llmserver.key";
+const OPEN_SLOT = "llmserver.conversation"; // the id of the conversation open in this tab, for a reload
 const $ = (selector, root = document) => root.querySelector(selector);
-const state = { me: null, tab: null, timer: null, rows: [], abort: null, sodium: null, conversation: [], session: null };
+const state = { me: null, tab: null, timer: null, rows: [], abort: null, sodium: null, chat: null, chats: null, vault: null, editing: null };
 const PAGES = ["overview", "models", "keys", "usage", "playground"];
 const ADMIN_PAGES = ["overview", "models", "keys"];
 
@@ -98,6 +99,7 @@ async function signIn(key) {
 
 function signOut(reason = "") {
   sessionStorage.removeItem(KEY_SLOT);
+  sessionStorage.removeItem(OPEN_SLOT);
   state.me = null;
   clearInterval(state.timer);
   if (state.abort) state.abort.abort();
@@ -130,12 +132,14 @@ function forget() {
   $("#log-newer").disabled = $("#log-older").disabled = true;
   modelForm(true);
   $("#play-model").replaceChildren();
-  $("#play-output").textContent = "";
+  $("#chats").replaceChildren();
+  $("#play-editing").hidden = true;
   $("#play-code").textContent = "";
   $("#play-code").hidden = true;
   for (const stat of document.querySelectorAll("#play-stats dd")) stat.textContent = "–";
   for (const page of ["overview", "models", "keys", "usage"]) fresh(page);
-  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, conversation: [], session: null, log: null });
+  // The key derived for the kept conversations goes too: what IndexedDB holds cannot be read without the API key.
+  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, chat: newChat(), chats: null, vault: null, editing: null, log: null });
   renderConversation();
 }
 
@@ -904,6 +908,7 @@ function downloadCsv() {
 // ---- Playground -------------------------------------------------------------------------------
 
 async function loadPlayground() {
+  loadChats();
   const select = $("#play-model");
   if (select.options.length) return;
   try {
@@ -939,24 +944,38 @@ function checkFiles(files, model) {
   return null;
 }
 
-async function playRequest() {
-  const model = $("#play-model").value;
+// The message in the box as the next user turn: its text, the files chosen for it and, when an earlier
+// message is being edited, the attachments that message carried (they stay with their turn).
+async function userTurn() {
   const files = [...$("#play-files").files];
-  const problem = checkFiles(files, model);
+  const problem = checkFiles(files, $("#play-model").value);
   if (problem) throw new ApiError(400, { error: { message: problem } });
   const parts = [{ type: "text", text: $("#play-message").value }];
+  if (state.editing !== null) parts.push(...attachments(state.chat.messages[state.editing]));
   for (const file of files) {
     const data = await readDataUri(file);
     parts.push(file.type.startsWith("image/") ? { type: "image_url", image_url: { url: data } } : { type: "file", file: { filename: file.name, file_data: data } });
   }
+  return { role: "user", content: parts.length === 1 ? parts[0].text : parts };
+}
+
+const attachments = (message) => (typeof message.content === "string" ? [] : message.content.filter((p) => p.type !== "text"));
+const messageText = (message) =>
+  typeof message.content === "string" ? message.content : message.content.filter((p) => p.type === "text").map((p) => p.text).join("");
+// The turns a message in the box follows: all of them, or those before the message being edited.
+const earlierTurns = () => (state.editing === null ? state.chat.messages : state.chat.messages.slice(0, state.editing));
+
+function requestBody(history, turn) {
   const messages = [];
   if ($("#play-system").value.trim()) messages.push({ role: "system", content: $("#play-system").value });
-  messages.push(...state.conversation, { role: "user", content: parts.length === 1 ? parts[0].text : parts });
+  messages.push(...history, turn);
   return {
-    model, messages,
+    model: $("#play-model").value, messages,
     max_tokens: Number($("#play-max-tokens").value), temperature: Number($("#play-temperature").value), top_p: Number($("#play-top-p").value),
   };
 }
+
+const playRequest = async () => requestBody(earlierTurns(), await userTurn());
 
 function stats({ speed, latency, prompt, completion, instance }) {
   if (speed !== undefined) $("#stat-speed").textContent = number(speed, 1);
@@ -1033,65 +1052,135 @@ function markdown(text) {
 }
 
 // The conversation so far (the system prompt aside, read at each send): each request carries it, with
-// its id as X-Session-Id, so that affinity keeps it on the instance that holds its prompt cache.
-function renderConversation() {
-  const turns = state.conversation.map((m) => {
-    const text = typeof m.content === "string" ? m.content : m.content.filter((p) => p.type === "text").map((p) => p.text).join("");
-    const extra = typeof m.content === "string" ? "" : ` (+${m.content.length - 1} attached)`;
-    const body = m.role === "assistant" ? el("div", { class: "markdown" }, ...markdown(text)) : text + extra;
-    return el("li", { class: m.role }, el("span", { class: "who" }, m.role === "user" ? "You" : "Model"), body);
+// its session as X-Session-Id, so that affinity keeps it on the instance that holds its prompt cache.
+// While an answer comes, `pending` holds the turns it follows, the turn sent and the element the answer is
+// written into: the answer is shown once, where it stays (the latest answer is #play-output). A stopped
+// answer (`pending.stopped`) stays in view under the conversation it was not added to.
+function renderConversation(pending = null) {
+  const busy = Boolean(pending) && !pending.stopped;
+  const messages = busy ? pending.history : state.chat.messages;
+  const last = busy ? -1 : messages.length - 1;
+  const turns = messages.map((m, index) => {
+    const text = messageText(m), extra = attachments(m).length;
+    const who = m.role === "user" ? "You" : "Model";
+    const body = m.role === "assistant"
+      ? el("div", { class: "markdown", id: index === last ? "play-output" : null }, ...markdown(text))
+      : el("div", {}, text + (extra ? ` (+${extra} attached)` : ""));
+    const button = (label, action, name) => el("button", { type: "button", class: "small", "aria-label": `${name} ${who === "You" ? "your" : "the model's"} message ${index + 1}`, disabled: busy, onclick: action }, label);
+    const actions = [button("Copy", (event) => copy(text, event.target), "Copy")];
+    if (m.role === "user") actions.push(button("Edit", () => editTurn(index), "Edit"));
+    if (m.role === "assistant" && index === last) actions.push(button("Regenerate", regenerate, "Regenerate"));
+    return el("li", { class: m.role }, el("span", { class: "who" }, who), body, el("div", { class: "buttons actions" }, ...actions));
   });
+  if (busy) turns.push(el("li", { class: "user" }, el("span", { class: "who" }, "You"), el("div", {}, messageText(pending.turn))));
+  if (busy || pending?.output.textContent) {
+    pending.output.removeAttribute("id"); // #play-output is the answer being written, else the latest kept
+    if (busy) pending.output.id = "play-output";
+    turns.push(el("li", { class: "assistant" }, el("span", { class: "who" }, busy ? "Model" : "Model (stopped: not kept)"), pending.output));
+  }
   $("#play-history").replaceChildren(...turns);
   $("#play-history").hidden = !turns.length;
-  $("#play-clear").disabled = !turns.length;
+  if (pending) pending.output.scrollIntoView({ block: "nearest" });
 }
+
+function newChat() {
+  return { id: randomId(), title: "", created: Date.now(), updated: 0, session: randomId(), system: "", messages: [] };
+}
+
+// crypto.randomUUID is for secure contexts only: a console opened over plain http on a LAN address has none.
+const randomId = () => Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, "0")).join("");
 
 function newConversation() {
-  state.conversation = [];
-  state.session = null;
-  $("#play-output").textContent = "";
+  state.chat = newChat();
+  sessionStorage.removeItem(OPEN_SLOT);
+  cancelEdit();
+  $("#play-system").value = "";
   renderConversation();
+  renderChats();
 }
 
-function sessionId() {
-  state.session ??= crypto.randomUUID();
-  return state.session;
-}
+const sessionId = () => state.chat.session;
 
 async function play(event) {
   event.preventDefault();
   if ($("#play-send").disabled) return; // Ctrl+Enter while an answer is on its way
+  $("#play-send").disabled = true; // at once: the attachments are read before anything is sent
+  let turn;
+  try {
+    turn = await userTurn();
+  } catch (error) {
+    say("play-error", error.message, true);
+    $("#play-send").disabled = false;
+    return;
+  }
+  await send(earlierTurns(), turn, { fromBox: true });
+}
+
+// The last answer again: the same turns sent again, the answer replaced when the new one is complete.
+function regenerate() {
+  const messages = state.chat.messages;
+  if (messages.at(-1)?.role === "assistant") send(messages.slice(0, -2), messages.at(-2), { fromBox: false });
+}
+
+// An earlier message back in the box: sending it replaces that message and every turn after it.
+function editTurn(index) {
+  state.editing = index;
+  const message = state.chat.messages[index];
+  $("#play-message").value = messageText(message);
+  const kept = attachments(message).length;
+  $("#play-editing-text").textContent = `Editing message ${index + 1}${kept ? ` (its ${kept} attachment${kept > 1 ? "s" : ""} kept)` : ""}: Send replaces it and the ${state.chat.messages.length - index - 1} message(s) after it.`;
+  $("#play-editing").hidden = false;
+  $("#play-message").focus();
+}
+
+function cancelEdit() {
+  if (state.editing !== null) $("#play-message").value = "";
+  state.editing = null;
+  $("#play-editing").hidden = true;
+}
+
+async function send(history, turn, { fromBox }) {
   say("play-error", "");
-  const output = $("#play-output");
-  output.textContent = "";
-  output.classList.remove("markdown");
-  delete output.dataset.decrypted;
+  const output = el("div", { id: "play-output", class: "output", role: "region", "aria-live": "polite", "aria-label": "Answer" });
   stats({ speed: null, latency: null, prompt: null, completion: null, instance: null });
   $("#play-send").disabled = true;
   $("#play-stop").disabled = false;
+  for (const button of document.querySelectorAll("#chats button, #play-clear, #chats-delete-all")) button.disabled = true;
+  renderConversation({ history, turn, output });
   state.abort = new AbortController();
+  const chat = state.chat;
   try {
-    const body = await playRequest();
-    if ($("#play-async").checked) await playAsync(body, output);
-    else await playStream(body, output);
-    if (!state.abort.signal.aborted) {
-      const answer = output.textContent;
-      state.conversation.push(body.messages.at(-1), { role: "assistant", content: answer });
-      output.replaceChildren(...markdown(answer)); // streamed as text, shown formatted once complete
-      output.classList.add("markdown");
-      renderConversation();
-      // Sent and answered: the message and its attachments belong to that turn now, not to the next one.
+    const body = requestBody(history, turn);
+    const isAsync = $("#play-async").checked;
+    const answer = isAsync ? await playAsync(body, output) : await playStream(body, output);
+    if (chat !== state.chat) return; // signed out, or another conversation opened, meanwhile
+    if (state.abort.signal.aborted) throw new DOMException("stopped", "AbortError");
+    Object.assign(chat, {
+      messages: [...history, turn, { role: "assistant", content: answer }],
+      title: chat.title || messageText(turn).replace(/\s+/g, " ").trim().slice(0, 60) || "Untitled",
+      system: $("#play-system").value, updated: Date.now(),
+    });
+    // Sent and answered: the message and its attachments belong to that turn now, not to the next one.
+    if (fromBox) {
       $("#play-message").value = "";
       $("#play-files").value = "";
+      state.editing = null;
+      $("#play-editing").hidden = true;
     }
+    $("#play-send").disabled = false; // the turns' own buttons come back with the rendering below
+    renderConversation(); // the answer, streamed as text, shown formatted once complete
+    if (isAsync) $("#play-output").dataset.decrypted = "true";
+    await keepChat(chat);
   } catch (error) {
-    if (error.name === "AbortError") say("play-error", "Stopped: the answer above is as far as it got.");
+    if (chat === state.chat) renderConversation({ history, turn, output, stopped: true });
+    if (error.name === "AbortError") say("play-error", "Stopped: the answer above is as far as it got, and is not kept.");
     else if (error instanceof NotSent) say("play-error", error.message, true);
     else if (error instanceof TypeError) say("play-error", `The connection to the server was lost before the answer was complete (${error.message}).`, true);
     else say("play-error", error.message, true);
   } finally {
     $("#play-send").disabled = false;
     $("#play-stop").disabled = true;
+    if (chat === state.chat) renderChats();
   }
 }
 
@@ -1116,7 +1205,7 @@ async function playStream(body, output) {
   if (!answer.ok) throw new ApiError(answer.status, await answer.json().catch(() => null));
   stats({ instance: answer.headers.get("x-llmserver-instance") });
   const reader = answer.body.pipeThrough(new TextDecoderStream()).getReader();
-  let buffer = "", first = null, tokens = 0;
+  let buffer = "", first = null, tokens = 0, text = "";
   for (;;) {
     const { value, done } = await reader.read();
     if (done) break;
@@ -1130,11 +1219,12 @@ async function playStream(body, output) {
       if (!data || data === "[DONE]") continue;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new ApiError(500, chunk);
-      const text = chunk.choices?.[0]?.delta?.content;
-      if (text) {
+      const piece = chunk.choices?.[0]?.delta?.content;
+      if (piece) {
         first ??= performance.now();
         tokens += 1;
-        output.append(text);
+        text += piece;
+        output.append(piece);
         const seconds = (performance.now() - first) / 1000;
         if (seconds > 0) stats({ speed: tokens / seconds, completion: tokens });
       }
@@ -1142,6 +1232,7 @@ async function playStream(body, output) {
     }
   }
   stats({ latency: performance.now() - started });
+  return text;
 }
 
 async function libsodium() {
@@ -1179,10 +1270,158 @@ async function playAsync(body, output) {
     const plain = sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(null, fromBase64(polled.result), null, fromBase64(job.nonce), key);
     const result = JSON.parse(new TextDecoder().decode(plain));
     output.textContent = result.choices[0].message.content;
-    output.dataset.decrypted = "true";
     stats({ latency: performance.now() - started, prompt: result.usage.prompt_tokens, completion: result.usage.completion_tokens, instance: result.instance_id });
-    return;
+    return result.choices[0].message.content;
   }
+}
+
+// ---- Conversations kept in this browser -------------------------------------------------------
+// One IndexedDB record per conversation, {slot, nonce, box}: the box is XChaCha20-Poly1305 of the
+// conversation's JSON under a key derived from the API key (BLAKE2b, keyed by a context string: API keys
+// are random, so a slow password hash would add nothing), the slot "<owner>/<id>" with the owner another
+// BLAKE2b of the key, bound into the box as additional data. A key lists only its own records and reads
+// no other's; after sign-out the derived key is gone and nothing is readable without the API key. None
+// of it is sent anywhere.
+
+const CHATS_DB = "llmserver-console", CHATS = "conversations";
+
+function chatsDatabase() {
+  state.chatsDb ??= new Promise((resolve, reject) => {
+    const opening = indexedDB.open(CHATS_DB, 1);
+    opening.onupgradeneeded = () => opening.result.createObjectStore(CHATS, { keyPath: "slot" });
+    opening.onsuccess = () => resolve(opening.result);
+    opening.onerror = () => reject(opening.error);
+  });
+  return state.chatsDb;
+}
+
+// One transaction over the store: `work` makes its requests; the last one's result once it committed.
+async function chatStore(mode, work) {
+  const db = await chatsDatabase();
+  return new Promise((resolve, reject) => {
+    const transaction = db.transaction(CHATS, mode);
+    const request = work(transaction.objectStore(CHATS));
+    transaction.oncomplete = () => resolve(request?.result);
+    transaction.onerror = transaction.onabort = () => reject(transaction.error || new Error("the browser's storage refused"));
+  });
+}
+
+async function vault() {
+  if (state.vault) return state.vault;
+  const apiKey = sessionStorage.getItem(KEY_SLOT);
+  const sodium = await libsodium();
+  if (!apiKey || apiKey !== sessionStorage.getItem(KEY_SLOT)) throw new Error("signed out");
+  const derive = (length, context) => sodium.crypto_generichash(length, sodium.from_string(apiKey), sodium.from_string(context));
+  state.vault = { key: derive(32, "llmserver console: conversations key"), owner: sodium.to_hex(derive(16, "llmserver console: conversations owner")) };
+  return state.vault;
+}
+
+async function keepChat(chat) {
+  try {
+    const { key, owner } = await vault();
+    const sodium = state.sodium, slot = `${owner}/${chat.id}`, nonce = sodium.randombytes_buf(24);
+    const box = sodium.crypto_aead_xchacha20poly1305_ietf_encrypt(sodium.from_string(JSON.stringify(chat)), sodium.from_string(slot), null, nonce, key);
+    await chatStore("readwrite", (store) => store.put({ slot, nonce, box }));
+    sessionStorage.setItem(OPEN_SLOT, chat.id);
+    await refreshChats();
+  } catch (error) {
+    say("chats-status", `Answered, but not kept in this browser: ${error.message}`, true);
+  }
+}
+
+async function refreshChats() {
+  const { key, owner } = await vault();
+  const sodium = state.sodium;
+  const rows = await chatStore("readonly", (store) => store.getAll(IDBKeyRange.bound(`${owner}/`, `${owner}/\uffff`)));
+  const chats = [];
+  for (const row of rows) {
+    try {
+      const plain = sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(null, row.box, sodium.from_string(row.slot), row.nonce, key);
+      chats.push(JSON.parse(sodium.to_string(plain)));
+    } catch {
+      // A record that does not open under this key's: not this key's (it cannot be, by its slot) or damaged.
+    }
+  }
+  if (state.vault?.owner !== owner) return; // signed out (or in with another key) meanwhile
+  state.chats = chats.sort((a, b) => b.updated - a.updated);
+  renderChats();
+}
+
+// Once per sign-in, when the playground opens: the kept conversations listed, the one this tab had open
+// (before a reload) opened again.
+async function loadChats() {
+  if (state.chats) return;
+  state.chats = [];
+  try {
+    await refreshChats();
+    const open = sessionStorage.getItem(OPEN_SLOT);
+    if (open && !state.chat.messages.length) openChat(open);
+  } catch (error) {
+    if (state.me) say("chats-status", `Conversations cannot be kept in this browser: ${error.message}`, true);
+  }
+}
+
+function renderChats() {
+  const chats = state.chats || [], busy = $("#play-send").disabled;
+  const items = chats.map((chat) => {
+    const title = chat.title || "Untitled";
+    const open = el("button", { type: "button", class: "chat-title", "aria-current": chat.id === state.chat.id ? "true" : null, disabled: busy, onclick: () => openChat(chat.id) }, title);
+    const rename = el("button", { type: "button", class: "small", "aria-label": `Rename ${title}`, disabled: busy, onclick: () => renameChat(chat, item) }, "Rename");
+    const remove = el("button", { type: "button", class: "small", "aria-label": `Delete ${title}`, disabled: busy, onclick: () => deleteChat(chat) }, "Delete");
+    const item = el("li", {}, open, el("span", { class: "chat-actions" }, rename, " ", remove));
+    return item;
+  });
+  $("#chats").replaceChildren(...items);
+  $("#play-clear").disabled = busy;
+  $("#chats-delete-all").disabled = busy || !chats.length;
+  if (!$("#chats-status").classList.contains("error") || !chats.length) say("chats-status", chats.length ? `${chats.length} kept` : "None kept yet.");
+}
+
+function openChat(id) {
+  const chat = (state.chats || []).find((c) => c.id === id);
+  if (!chat || $("#play-send").disabled) return;
+  state.chat = structuredClone(chat);
+  sessionStorage.setItem(OPEN_SLOT, id);
+  cancelEdit();
+  $("#play-system").value = chat.system || "";
+  say("play-error", "");
+  renderConversation();
+  renderChats();
+}
+
+// The title edited in place: Enter or Save keeps it, Escape or Cancel leaves it as it was.
+function renameChat(chat, item) {
+  const field = el("input", { type: "text", value: chat.title, maxlength: "120", "aria-label": `New title for ${chat.title}` });
+  const form = el("form", { class: "rename" }, field, el("button", { type: "submit", class: "small" }, "Save"), el("button", { type: "button", class: "small", onclick: renderChats }, "Cancel"));
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const title = field.value.replace(/\s+/g, " ").trim();
+    if (!title) return renderChats();
+    const renamed = { ...chat, title };
+    if (state.chat.id === chat.id) state.chat.title = title;
+    await keepChat(renamed);
+  });
+  field.addEventListener("keydown", (event) => event.key === "Escape" && renderChats());
+  item.replaceChildren(form);
+  field.focus();
+  field.select();
+}
+
+async function deleteChat(chat) {
+  if (!confirm(`Delete the conversation "${chat.title || "Untitled"}" from this browser?`)) return;
+  const { owner } = await vault();
+  await chatStore("readwrite", (store) => store.delete(`${owner}/${chat.id}`));
+  if (state.chat.id === chat.id) newConversation();
+  await refreshChats();
+}
+
+async function deleteAllChats() {
+  const count = (state.chats || []).length;
+  if (!count || !confirm(`Delete all ${count} conversations this key keeps in this browser?`)) return;
+  const { owner } = await vault();
+  await chatStore("readwrite", (store) => store.delete(IDBKeyRange.bound(`${owner}/`, `${owner}/\uffff`)));
+  newConversation();
+  await refreshChats();
 }
 
 // The async request as a shell script: a key of the caller's own (openssl), the submission, a poll every
@@ -1269,12 +1508,15 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#play-form").addEventListener("submit", play);
   $("#play-stop").addEventListener("click", () => state.abort?.abort());
   $("#play-clear").addEventListener("click", newConversation);
+  $("#play-edit-cancel").addEventListener("click", cancelEdit);
+  $("#chats-delete-all").addEventListener("click", deleteAllChats);
   $("#play-message").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("#play-form").requestSubmit();
   });
   window.addEventListener("hashchange", () => show(pageInUrl()));
   $("#copy-curl").addEventListener("click", (event) => showCode("curl", event.target));
   $("#copy-sdk").addEventListener("click", (event) => showCode("sdk", event.target));
+  state.chat = newChat();
   const saved = sessionStorage.getItem(KEY_SLOT);
   if (saved) signIn(saved).catch((error) => signOut(`Signed out: ${error.message}`));
 });
