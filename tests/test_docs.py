@@ -123,6 +123,8 @@ def undocumented(served: set[str]) -> set[str]:
 NOT_SETTINGS = {"LLMSERVER_API_KEY", "LLMSERVER_DEBUG", "LLMSERVER_TEST_DATABASE"}
 FILE_TYPES = {"py", "yaml", "yml", "toml", "md", "json", "sh", "gguf", "txt", "service", "pem", "db"}
 OTHER_PROJECTS_FILES = {"tests/protocols/test_http.py"}  # uvicorn's, run by tests/peer/
+
+
 def made_by_a_script(path: str) -> bool:
     """An output the repository ignores (`deploy/container/wheels/`, made by scripts/container_wheels.py):
     absent from a fresh clone until its script runs (the container test made it before this test ran)."""
