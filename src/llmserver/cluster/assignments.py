@@ -62,14 +62,20 @@ class Assignments:
             "released": self.released,
         }  # fmt: skip
 
-    def release(self, name: str) -> None:
+    async def release(self, name: str) -> None:
         """An admin drains one of `name`'s instances here: not started again here; the scheduler places
-        its replacement (elsewhere when it can) and lowers this node's count."""
+        its replacement (elsewhere when it can) and lowers this node's count. Applied before the drain
+        goes on: left to the next step (up to READ_EVERY later), an instance that drained at once left its
+        pool below the old count, and the supervisor started it again here."""
         given = self._counts.get(name, 0)
         held = self.released.get(name)
         kept = held["n"] if held is not None and held["count_was"] == given else 0
         self.released[name] = {"count_was": given, "n": min(given, kept + 1)}
-        self._applied = None  # applied again at the next step, one fewer
+        self._applied = None  # applied again, one fewer
+        try:
+            await self.step()
+        except redis_unreachable():
+            pass  # the next step applies it
 
     async def run(self) -> None:
         while True:

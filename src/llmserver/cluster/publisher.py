@@ -11,7 +11,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from llmserver.cluster.records import (
@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmserver.pool.registry")  # its name before the move: log_levels name it
 
 
+async def _nothing_released(name: str) -> None:
+    """A node that runs its own [[models]]: an admin's drain there is no release for a scheduler."""
+
+
 class NodeIdInUse(Exception):
     """Another live node publishes under this node id."""
 
@@ -55,7 +59,7 @@ class Publisher:
         # More of the node's record: a node that takes assignments adds its labels and model checks.
         self.extra: Callable[[], dict[str, Any]] = dict
         self.scheduled = False  # it runs the scheduler's assignments: no start by command
-        self.on_release: Callable[[str], None] = lambda name: None  # an admin drained one of a model's
+        self.on_release: Callable[[str], Awaitable[None]] = _nothing_released  # an admin drained one of a model's
         self._in_flight: collections.Counter[str] = collections.Counter()  # per instance, every gateway's
 
     async def claim(self) -> None:
@@ -181,7 +185,7 @@ class Publisher:
                 instance = self._supervisor.find(command["instance_id"])
                 if self.scheduled:  # not started again here: the scheduler places its replacement
                     instance.status = Status.DRAINING
-                    self.on_release(instance.model.name)
+                    await self.on_release(instance.model.name)
                 await self._supervisor.drain(instance)
             else:
                 raise InvalidRequest(f"unknown command {command['op']!r}")
