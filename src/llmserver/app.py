@@ -19,9 +19,11 @@ from starlette.types import ASGIApp
 
 from llmserver import __version__, console, tracing
 from llmserver.api import anthropic, embeddings, health, instances, jobs, keys, metrics, models, native, nodes, openai
+from llmserver.api import audit as audit_api
 from llmserver.api import responses as responses_api
 from llmserver.api.access import check_routes
 from llmserver.api.deps import direct_routes
+from llmserver.auth.audit import Audit
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
@@ -48,7 +50,7 @@ from llmserver.pool.collector import PoolCollector
 from llmserver.pool.router import Router
 from llmserver.pool.supervisor import Supervisor
 from llmserver.server.front import Front
-from llmserver.settings import Settings
+from llmserver.settings import ModelConfig, Settings
 from llmserver.store import CatalogEntry, open_store
 
 log = logging.getLogger(__name__)
@@ -152,11 +154,12 @@ def create_app(settings: Settings) -> FastAPI:
             timeout=settings.limits.request_timeout,
             isolate_keys=settings.prompt_cache.isolation == "key",
         )
-        job_service = JobService(settings, store, store, store)
+        job_service = JobService(settings, store, store, store, store)
 
         app.state.settings = settings
         app.state.store = store
         app.state.keys = KeyService(store, admin_key, settings.state.key_cache_seconds)
+        app.state.audit = Audit(store, frozenset(ModelConfig.model_fields), on_recorded=_counted(metrics))
         app.state.supervisor = supervisor
         app.state.metrics = metrics
         app.state.quota = quota
@@ -253,6 +256,7 @@ def create_app(settings: Settings) -> FastAPI:
         instances,
         nodes,
         keys,
+        audit_api,
         metrics,
         health,
     )
@@ -266,11 +270,22 @@ def create_app(settings: Settings) -> FastAPI:
         stack,
         max_bytes=settings.server.max_request_bytes,
         quota=lambda: app.state.quota,
+        audit=lambda: app.state.audit,
         hot=hot,
         api_error=_api_error,
         unexpected=_unexpected,
     )
     return app
+
+
+def _counted(metrics: Metrics) -> Callable[[str, int], None]:
+    """An audited admin action's metric: counted when it went through."""
+
+    def count(action: str, status: int) -> None:
+        if status < 400:
+            metrics.admin_actions.labels(action).inc()
+
+    return count
 
 
 class Gateway(FastAPI):

@@ -9,7 +9,7 @@ import tomllib
 import click
 
 from llmserver import __version__
-from llmserver.commands import ask, config, db, extract, instances, keys, models, node, nodes, serve
+from llmserver.commands import ask, audit, config, db, extract, instances, keys, models, node, nodes, serve
 from llmserver.models.files import ModelFileError
 
 
@@ -29,6 +29,7 @@ cli.add_command(extract.extract)
 cli.add_command(db.db)
 cli.add_command(node.node)
 cli.add_command(nodes.nodes)
+cli.add_command(audit.audit)
 
 
 def main() -> None:

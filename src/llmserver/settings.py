@@ -565,6 +565,11 @@ class StateSettings(Section):
     usage_retention_days: float = Field(
         default=400.0, gt=0, description="Days the usage ledger keeps its rows (older ones are swept)."
     )
+    audit_retention_days: float = Field(
+        default=400.0,
+        gt=0,
+        description="Days the audit log keeps its rows, one per admin action through the API (older ones are swept).",
+    )
 
 
 class NodeSettings(Section):
@@ -599,7 +604,7 @@ class JobSettings(Section):
     sweep_interval: float = Field(
         default=60.0,
         gt=0,
-        description="Seconds between sweeps that delete expired async results (and old ledger rows).",
+        description="Seconds between sweeps that delete expired async results (and old ledger and audit rows).",
     )
     webhook_timeout: float = Field(default=10.0, gt=0, description="Seconds one webhook delivery attempt may take.")
     webhook_max_attempts: int = Field(

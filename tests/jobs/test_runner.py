@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,7 +21,7 @@ from llmserver.errors import InvalidRequest
 from llmserver.jobs import crypto
 from llmserver.jobs.runner import JobGone, JobService
 from llmserver.settings import Settings
-from llmserver.store import open_store
+from llmserver.store import AuditQuery, open_store
 
 ALICE = Principal("key_a", "alice", "aaaaaaaa", False)
 BOB = Principal("key_b", "bob", "bbbbbbbb", False)
@@ -33,7 +34,7 @@ async def runner(database_url: str, gateway: str = "gw1", **jobs: Any) -> AsyncI
     settings = Settings(data_dir=Path("/nonexistent"), state={"gateway_id": gateway}, jobs=jobs)
     lease = GatewayLease(store, store, gateway, lease=10.0, job_ttl=settings.jobs.result_ttl, produced=dict)
     await lease.start()
-    service = JobService(settings, store, store, store)
+    service = JobService(settings, store, store, store, store)
     await service.start()
     try:
         yield service
@@ -172,3 +173,23 @@ def test_the_outbox_stops_when_woken_at_the_stop(tmp_path: Path) -> None:
             await store.close()
 
     run(scenario)
+
+
+def test_the_sweep_removes_audit_rows_past_their_retention(database_url: str) -> None:
+    """state.audit_retention_days rides on the job sweep, with the ledger's retention."""
+
+    async def test() -> None:
+        async with runner(database_url, sweep_interval=0.05) as service:
+            row = {"key_id": "a", "key_name": "ops", "action": "keys.create", "target": None, "change": None,
+                   "status": 201, "client": None, "request_id": None}  # fmt: skip
+            now = time.time()
+            await service.audit.audit_append({**row, "time": now - 401 * 86400})
+            await service.audit.audit_append({**row, "time": now})
+            for _ in range(200):
+                kept = await service.audit.audit_page(AuditQuery())
+                if len(kept) == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert [r["time"] for r in kept] == [now]
+
+    asyncio.run(test())

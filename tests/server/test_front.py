@@ -45,6 +45,7 @@ def call(method: str, path: str, content: bytes | list[bytes] = b"{}") -> httpx.
         fallback,
         max_bytes=16,
         quota=lambda: None,  # type: ignore[arg-type,return-value]  # no principal here: never asked
+        audit=lambda: None,  # type: ignore[arg-type,return-value]  # no admin route here: never asked
         hot={"/fine": fine, "/refused": refused, "/broken": broken},
         api_error=_api_error,
         unexpected=_unexpected,
@@ -146,7 +147,7 @@ def test_a_dependency_or_a_middleware_takes_a_direct_route_through_fastapi() -> 
         app = Gateway()
         app.include_router(router)
         app.front = lambda stack, hot: Front(
-            stack, max_bytes=1024, quota=lambda: None,  # type: ignore[arg-type,return-value]
+            stack, max_bytes=1024, quota=lambda: None, audit=lambda: None,  # type: ignore[arg-type,return-value]
             hot=hot, api_error=_api_error, unexpected=_unexpected,
         )  # fmt: skip
         return app

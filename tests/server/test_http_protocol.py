@@ -513,7 +513,10 @@ def test_a_closed_connection_is_freed_without_the_garbage_collector() -> None:
         raise exc
 
     # The app's own outermost layer around the echo (it leaves the server's `send` in the scope).
-    app = Front(echo, max_bytes=1024, quota=lambda: None, hot={}, api_error=unexpected, unexpected=unexpected)  # type: ignore[arg-type, return-value]
+    app = Front(
+        echo, max_bytes=1024, quota=lambda: None, audit=lambda: None,  # type: ignore[arg-type, return-value]
+        hot={}, api_error=unexpected, unexpected=unexpected,
+    )  # fmt: skip
 
     async def test() -> tuple[int, int]:
         async with serving(app, http=Tracked) as port:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from llmserver.store import LedgerQuery, Store, UsageBatch
+from llmserver.store import AuditQuery, LedgerQuery, Store, UsageBatch
 from llmserver.store.migrations import POSTGRES
 from tests.support import with_store as run
 
@@ -272,5 +272,39 @@ def test_a_node_mark_is_set_kept_changed_and_lifted(database_url: str) -> None:
         assert await store.node_mark("worker-1", None) is None
         assert await store.node_mark("absent", None) is None  # lifting no mark is no error
         assert [m.node for m in await store.node_marks()] == ["worker-2"]
+
+    run(database_url, test)
+
+
+def test_the_audit_log_appends_pages_newest_first_with_filters_and_sweeps_by_age(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        row = {"key_id": "admin-1", "key_name": "ops", "target": None, "change": None, "status": 200,
+               "client": "127.0.0.1", "request_id": "r"}  # fmt: skip
+        for n, action in enumerate(["keys.create", "models.update", "keys.create", "nodes.drain"]):
+            await store.audit_append({**row, "time": 100.0 + n, "action": action, "target": f"t{n % 2}"})
+        await store.audit_append({**row, "time": 104.0, "action": "keys.delete", "key_id": "admin-2"})
+        newest = await store.audit_page(AuditQuery(limit=10))
+        assert [r["action"] for r in newest] == [
+            "keys.delete",
+            "nodes.drain",
+            "keys.create",
+            "models.update",
+            "keys.create",
+        ]
+        first, second = newest[0], newest[1]
+        assert (first["key_id"], first["key_name"], first["status"], first["client"]) == (
+            "admin-2",
+            "ops",
+            200,
+            "127.0.0.1",
+        )
+        page = await store.audit_page(AuditQuery(limit=2, before=int(second["id"])))
+        assert [r["action"] for r in page] == ["keys.create", "models.update"]
+        assert len(await store.audit_page(AuditQuery(action="keys.create"))) == 2
+        assert [r["time"] for r in await store.audit_page(AuditQuery(target="t1"))] == [103.0, 101.0]
+        assert [r["action"] for r in await store.audit_page(AuditQuery(key_id="admin-2"))] == ["keys.delete"]
+        assert len(await store.audit_page(AuditQuery(since=101.0, until=103.0))) == 2
+        assert await store.delete_audit_before(102.0) == 2
+        assert [r["time"] for r in await store.audit_page(AuditQuery())] == [104.0, 103.0, 102.0]
 
     run(database_url, test)

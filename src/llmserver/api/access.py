@@ -26,9 +26,11 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute, Mount
 
-from llmserver.api.deps import authenticate, header_key, json_body, settings
+from llmserver.api.deps import audit, authenticate, header_key, json_body, settings
+from llmserver.auth.audit import CHANGING
 from llmserver.auth.keys import Principal
 from llmserver.errors import APIError, InvalidRequest, PermissionDenied
+from llmserver.logs import request_id
 
 
 class Access(enum.Enum):
@@ -63,6 +65,13 @@ async def _caller(request: Request, *, admin: bool) -> Principal:
         raise PermissionDenied("This endpoint needs an admin key.")
     request.state.body = body
     request.state.body_problem = problem
+    if admin and request.method in CHANGING:  # an admin action: the front appends its row with the answer
+        route: APIRoute = request.scope["route"]
+        request.state.audit = audit(request).note(
+            method=request.method, path_format=route.path_format, path_params=request.path_params,
+            key_id=principal.key_id, key_name=principal.name, body=body, query=request.query_params,
+            client=request.client.host if request.client else None, request_id=request_id.get(),
+        )  # fmt: skip
     return principal
 
 

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED
+from llmserver.auth.audit import Audit
 from llmserver.auth.keys import KeyService, Principal
 from llmserver.auth.quota import QuotaService
 from llmserver.engine.embeddings import EmbeddingService
@@ -82,6 +83,11 @@ def lineup(request: Request) -> Lineup:
     return value
 
 
+def audit(request: Request) -> Audit:
+    value: Audit = request.app.state.audit
+    return value
+
+
 def keys(request: Request) -> KeyService:
     value: KeyService = request.app.state.keys
     return value
@@ -130,6 +136,17 @@ def jobs(request: Request) -> JobService:
 def supervisor(request: Request) -> Supervisor:
     value: Supervisor = request.app.state.supervisor
     return value
+
+
+MAX_PAGE = 500  # rows a page of the request log or the audit log may ask for
+
+
+def check_page(limit: int, before: int | None) -> None:
+    """A paged log's `limit` (1 to MAX_PAGE) and `before` (a row's id from a previous page)."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}.", param="limit")
+    if before is not None and not 1 <= before < 2**63:
+        raise InvalidRequest("before must be a row's id from a previous page (1 or more).", param="before")
 
 
 def scope_header(scope: Mapping[str, Any], name: bytes) -> bytes | None:

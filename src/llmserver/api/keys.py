@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmserver.api.access import Access, body_of, caller, router
-from llmserver.api.deps import keys, lineup, quota, recorder, settings, store, validate
+from llmserver.api.deps import check_page, keys, lineup, quota, recorder, settings, store, validate
 from llmserver.auth.keys import Principal, check_limits, describe, limit_fields, unmatched
 from llmserver.errors import FieldProblem, InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, status_of, summarise
@@ -188,9 +188,6 @@ async def usage_series(
     return await series(store(request), wanted, start, end, BUCKETS[bucket], offset_minutes)
 
 
-MAX_PAGE = 500
-
-
 @keyed.get("/api/usage/requests")
 async def usage_requests(
     request: Request,
@@ -207,12 +204,9 @@ async def usage_requests(
     or the request's fault, cancelled: its client went away), `since`/`until`; the same rules for `key`
     as /api/usage."""
     wanted = _usage_of(caller(request), key)
-    if not 1 <= limit <= MAX_PAGE:
-        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}.", param="limit")
+    check_page(limit, before)
     if status is not None and status not in STATUSES:
         raise InvalidRequest(f"status must be one of {', '.join(STATUSES)}.", param="status")
-    if before is not None and not 1 <= before < 2**63:
-        raise InvalidRequest("before must be a request's id from a previous page (1 or more).", param="before")
     query = LedgerQuery(
         key_id=wanted,
         model=model or None,

@@ -24,7 +24,7 @@ from llmserver.inputs.safe_fetch import check_url
 from llmserver.jobs import crypto
 from llmserver.jobs.webhooks import WebhookOutbox
 from llmserver.settings import Settings
-from llmserver.store import JobRecord, JobStore, OutboxStore, UsageStore
+from llmserver.store import AuditStore, JobRecord, JobStore, OutboxStore, UsageStore
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,13 @@ class JobGone(NotFound):
 
 
 class JobService:
-    def __init__(self, settings: Settings, store: JobStore, usage: UsageStore, outbox: OutboxStore) -> None:
+    def __init__(
+        self, settings: Settings, store: JobStore, usage: UsageStore, outbox: OutboxStore, audit: AuditStore
+    ) -> None:
         self.settings = settings
         self.store = store
         self.usage = usage
+        self.audit = audit
         self.gateway_id = settings.state.gateway_id
         self._outbox_store = outbox
         self.outbox = WebhookOutbox(
@@ -100,6 +103,11 @@ class JobService:
                     log.info(
                         "removed %d usage rows older than %.0f days", old, self.settings.state.usage_retention_days
                     )
+                # And the audit log's.
+                days = self.settings.state.audit_retention_days
+                audited = await self.audit.delete_audit_before(time.time() - days * 86400)
+                if audited:
+                    log.info("removed %d audit rows older than %.0f days", audited, days)
             except APIError as exc:  # the store is away: the next sweep tries again (this one died of it)
                 log.warning("the sweep of expired async results waits for the store: %s", exc.message)
 

@@ -131,6 +131,13 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.admin_actions = Counter(
+            "llmserver_admin_actions",
+            "Admin actions through the API that went through, by action (keys.create, models.update, "
+            "nodes.drain, ...); each is a row of the audit log",
+            ["action"],
+            registry=self.registry,
+        )
         self.file_extractions = Counter(
             "llmserver_file_extractions",
             "Uploaded files extracted in a child process, by outcome (ok, unextractable, memory, timeout, crashed)",

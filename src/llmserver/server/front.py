@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from llmserver import tracing
 from llmserver.api.deps import scope_header
 from llmserver.api.events import RAW_SEND
+from llmserver.auth.audit import Audit
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import QuotaService
 from llmserver.errors import APIError, RequestTooLarge
@@ -50,6 +51,7 @@ class Front:
         *,
         max_bytes: int,
         quota: Callable[[], QuotaService],
+        audit: Callable[[], Audit],
         hot: Mapping[str, Endpoint],
         api_error: ErrorHandler,
         unexpected: ErrorHandler,
@@ -57,6 +59,7 @@ class Front:
         self.app = app
         self.max_bytes = max_bytes
         self._quota = quota  # built in the app's lifespan, after this layer
+        self._audit = audit  # the same
         self.hot = hot  # path → endpoint, for POST
         self.api_error = api_error
         self.unexpected = unexpected
@@ -94,6 +97,8 @@ class Front:
                 await self._serve(scope, receive, front_send)
         finally:
             del scope[RAW_SEND]  # the server's `send` points at its connection: nothing keeps it past here
+            if (action := scope.get("state", {}).get("audit")) is not None:  # an admin action, noted by its route
+                self._audit().record(action, status or 500)
             if logged:
                 _log_access(scope, status, started)
             request_id.reset(rid_token)

@@ -10,8 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmserver.store.interfaces import (
+    AUDIT_COLUMNS,
     NO_LIMITS,
     STATUSES,
+    AuditQuery,
+    AuditStore,
     CatalogEntry,
     CatalogStore,
     GatewayHolder,
@@ -37,8 +40,11 @@ from llmserver.store.interfaces import (
 from llmserver.store.rows import redact
 
 __all__ = [
+    "AUDIT_COLUMNS",
     "NO_LIMITS",
     "STATUSES",
+    "AuditQuery",
+    "AuditStore",
     "CatalogEntry",
     "CatalogStore",
     "GatewayHolder",

@@ -135,6 +135,34 @@ class LedgerQuery:
         return " AND ".join(terms)
 
 
+AUDIT_COLUMNS = ("time", "key_id", "key_name", "action", "target", "change", "status", "client", "request_id")
+
+
+@dataclass(frozen=True)
+class AuditQuery:
+    """A page of the audit log, newest first: rows in [since, until), of one admin key, one action and
+    one target when given, older than the row `before` (the previous page's last), `limit` of them.
+    Ordered by id, the order rows were appended in."""
+
+    key_id: str | None = None
+    action: str | None = None
+    target: str | None = None
+    since: float = 0.0
+    until: float = float("inf")
+    before: int | None = None
+    limit: int = 50
+
+    def where(self, mark: Callable[[object], str]) -> str:
+        """The SQL condition, each value placed by `mark` (which returns its placeholder)."""
+        terms = [f"time >= {mark(self.since)}", f"time < {mark(self.until)}"]
+        for column, value in (("key_id", self.key_id), ("action", self.action), ("target", self.target)):
+            if value is not None:
+                terms.append(f"{column} = {mark(value)}")
+        if self.before is not None:
+            terms.append(f"id < {mark(self.before)}")
+        return " AND ".join(terms)
+
+
 def failure_webhook(tracking_id: str, error: str) -> str:
     """The webhook payload of a job a sweep failed (`error`: its stored error body, JSON), as the
     runner sends for any failed job."""
@@ -362,7 +390,17 @@ class CatalogStore(Protocol):
         ...
 
 
-class Store(KeyStore, QuotaStore, UsageStore, JobStore, OutboxStore, GatewayStore, CatalogStore, Protocol):
+class AuditStore(Protocol):
+    async def audit_append(self, row: dict[str, object]) -> None:
+        """One admin action (`AUDIT_COLUMNS`): appended; rows are never changed, only swept by age."""
+        ...
+
+    async def audit_page(self, query: AuditQuery) -> list[dict[str, object]]: ...
+
+    async def delete_audit_before(self, moment: float) -> int: ...
+
+
+class Store(KeyStore, QuotaStore, UsageStore, JobStore, OutboxStore, GatewayStore, CatalogStore, AuditStore, Protocol):
     """Everything at once: what `open_store` returns."""
 
     @property

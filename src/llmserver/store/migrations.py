@@ -150,6 +150,23 @@ MIGRATIONS: list[str] = [
         since REAL NOT NULL
     );
     """,
+    # 10: the audit log: one row per admin action through the API, appended, never changed (swept
+    # by `state.audit_retention_days`).
+    """
+    CREATE TABLE audit_log (
+        id         INTEGER PRIMARY KEY,
+        time       REAL NOT NULL,
+        key_id     TEXT NOT NULL,
+        key_name   TEXT NOT NULL,
+        action     TEXT NOT NULL,
+        target     TEXT,
+        change     TEXT,
+        status     INTEGER NOT NULL,
+        client     TEXT,
+        request_id TEXT
+    );
+    CREATE INDEX audit_by_time ON audit_log (time);
+    """,
 ]
 
 POSTGRES: list[str] = [
@@ -267,5 +284,21 @@ POSTGRES: list[str] = [
         state TEXT NOT NULL,
         since DOUBLE PRECISION NOT NULL
     );
+    """,
+    # 5: as SQLite's 10: the audit log.
+    """
+    CREATE TABLE audit_log (
+        id         BIGSERIAL PRIMARY KEY,
+        time       DOUBLE PRECISION NOT NULL,
+        key_id     TEXT NOT NULL,
+        key_name   TEXT NOT NULL,
+        action     TEXT NOT NULL,
+        target     TEXT,
+        change     TEXT,
+        status     INTEGER NOT NULL,
+        client     TEXT,
+        request_id TEXT
+    );
+    CREATE INDEX audit_by_time ON audit_log (time);
     """,
 ]

@@ -19,7 +19,9 @@ import asyncpg
 from llmserver.errors import StateUnavailable
 from llmserver.outage import Outage
 from llmserver.store.interfaces import (
+    AUDIT_COLUMNS,
     NO_LIMITS,
+    AuditQuery,
     CatalogEntry,
     GatewayHolder,
     JobRecord,
@@ -301,6 +303,29 @@ class PostgresStore:
 
     async def delete_usage_before(self, moment: float) -> int:
         return _count(await self._execute("DELETE FROM usage_ledger WHERE time < $1", moment))
+
+    # The audit log
+
+    async def audit_append(self, row: dict[str, object]) -> None:
+        marks = ", ".join(f"${n}" for n in range(1, len(AUDIT_COLUMNS) + 1))
+        await self._execute(
+            f"INSERT INTO audit_log ({', '.join(AUDIT_COLUMNS)}) VALUES ({marks})",
+            *(row.get(column) for column in AUDIT_COLUMNS),
+        )
+
+    async def audit_page(self, query: AuditQuery) -> list[dict[str, object]]:
+        params: list[object] = []
+
+        def mark(value: object) -> str:
+            params.append(value)
+            return f"${len(params)}"
+
+        where = query.where(mark)
+        sql = f"SELECT * FROM audit_log WHERE {where} ORDER BY id DESC LIMIT ${len(params) + 1}"
+        return [dict(row) for row in await self._fetch(sql, *params, query.limit)]
+
+    async def delete_audit_before(self, moment: float) -> int:
+        return _count(await self._execute("DELETE FROM audit_log WHERE time < $1", moment))
 
     async def speed_since(self, minute: int, prune: bool = True) -> list[tuple[str, int, int, float]]:
         rows = await self._fetch("SELECT model, minute, tokens, seconds FROM speed_buckets WHERE minute >= $1", minute)

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from llmserver.store.interfaces import (
+    AUDIT_COLUMNS,
     NO_LIMITS,
+    AuditQuery,
     CatalogEntry,
     GatewayHolder,
     JobRecord,
@@ -263,6 +265,34 @@ class SQLiteStore:
     def delete_usage_before(self, moment: float) -> int:
         cursor = self._db.execute("DELETE FROM usage_ledger WHERE time < ?", (moment,))
         return cursor.rowcount
+
+    # The audit log
+
+    @_in_thread
+    def audit_append(self, row: dict[str, object]) -> None:
+        columns = ", ".join(AUDIT_COLUMNS)
+        self._db.execute(
+            f"INSERT INTO audit_log ({columns}) VALUES ({', '.join('?' * len(AUDIT_COLUMNS))})",
+            [row.get(column) for column in AUDIT_COLUMNS],
+        )
+
+    @_in_thread
+    def audit_page(self, query: AuditQuery) -> list[dict[str, object]]:
+        params: list[object] = []
+
+        def mark(value: object) -> str:
+            params.append(value)
+            return "?"
+
+        where = query.where(mark)
+        rows = self._db.execute(
+            f"SELECT * FROM audit_log WHERE {where} ORDER BY id DESC LIMIT ?", [*params, query.limit]
+        )
+        return [dict(row) for row in rows.fetchall()]
+
+    @_in_thread
+    def delete_audit_before(self, moment: float) -> int:
+        return self._db.execute("DELETE FROM audit_log WHERE time < ?", (moment,)).rowcount
 
     @_in_thread
     def speed_since(self, minute: int, prune: bool = True) -> list[tuple[str, int, int, float]]:
