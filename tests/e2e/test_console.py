@@ -533,6 +533,51 @@ def test_sign_out_leaves_nothing_of_the_session_and_no_page_opens_signed_out(bro
     assert page.is_hidden("#keys") and page.is_visible("#sign-in-form")
 
 
+def test_the_audit_page_lists_the_admin_actions_just_taken_filters_and_pages(browser: Browser) -> None:
+    """An admin's actions in the console (a key created, changed, revoked) are rows of the Audit page at once:
+    who, what, on what, the change; filtered by action and target, paged; a user key has no Audit tab."""
+    page = browser.open(ADMIN)
+    page.click("#tabs button[data-tab=keys]")
+    page.fill("#key-name", "audited-in-console")
+    page.fill("#key-rpm", "30")
+    page.click("#key-submit")
+    page.wait_for_selector("#new-key:not([hidden])")
+    made = page.get_attribute("#keys-table tbody tr:has(td.name:text-is('audited-in-console'))", "data-key")
+    secret = page.text_content("#new-key-value") or ""
+    assert made and httpx.delete(f"{browser.server.url}/api/keys/{made}", headers={"Authorization": f"Bearer {ADMIN}"})
+    page.click("#tabs button[data-tab=audit]")
+    assert page.url.endswith("#/audit")
+    page.wait_for_selector(f"#audit-table tbody tr:has-text('{made}')")
+    rows = page.eval_on_selector_all(
+        "#audit-table tbody tr", "(rows) => rows.map((r) => [...r.cells].map((c) => c.textContent))"
+    )
+    revoked, created = rows[0], next(r for r in rows if r[2] == "keys.create" and "audited-in-console" in r[5])
+    assert revoked[2:5] == ["keys.delete", made, "200"] and created[3:5] == ["\N{EN DASH}", "201"]
+    assert created[1].startswith("LLMSERVER_ADMIN_KEY") and "rpm: 30" in created[5]
+    assert secret not in (page.text_content("#audit") or "")
+    browser.shoot("audit")
+    page.select_option("#audit-action", "keys.delete")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#audit-table tbody tr td:nth-child(3)')]"
+        ".every((cell) => cell.textContent === 'keys.delete')"
+    )
+    page.select_option("#audit-action", "")
+    page.fill("#audit-target", made)
+    page.press("#audit-target", "Enter")
+    page.wait_for_function("() => document.querySelectorAll('#audit-table tbody tr').length === 1")
+    page.fill("#audit-target", "")
+    page.select_option("#audit-size", "25")
+    page.wait_for_function("() => document.querySelectorAll('#audit-table tbody tr').length >= 2")
+    # A user key has no Audit tab, and its address does not open the page.
+    page.click("#sign-out")
+    page.wait_for_selector("#sign-in:not([hidden])")
+    page.goto(browser.server.url + "/console#/audit")
+    page.fill("#api-key", user_key(browser.server, "audit-less"))
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#tabs:not([hidden])")
+    assert page.is_hidden("#tabs button[data-tab=audit]") and page.is_hidden("#audit")
+
+
 def test_a_revoked_key_is_signed_out_with_the_reason(browser: Browser) -> None:
     key = user_key(browser.server, "soon-revoked")
     page = browser.open(key)
@@ -739,7 +784,7 @@ def test_a_stopped_server_is_shown_as_stale_and_the_page_recovers(chromium: Any,
         page.wait_for_function("() => document.querySelector('#models').classList.contains('stale')", timeout=10_000)
         assert (page.text_content("#catalog-status") or "").startswith("Not up to date: the server cannot be reached")
         # Keys and Usage as well (they showed a bare "Failed to fetch"), their actions disabled.
-        for tab, status in (("keys", "keys-status"), ("usage", "usage-status")):
+        for tab, status in (("keys", "keys-status"), ("usage", "usage-status"), ("audit", "audit-status")):
             page.click(f"#tabs button[data-tab={tab}]")
             page.wait_for_function(f"() => document.getElementById('{tab}').classList.contains('stale')", timeout=9000)
             assert (page.text_content(f"#{status}") or "").startswith("Not up to date: the server cannot be reached")
@@ -797,7 +842,7 @@ def test_no_page_has_a_serious_accessibility_violation_light_or_dark(browser: Br
     page.wait_for_selector("#instances-table tbody tr")
     for scheme in ("light", "dark"):
         page.emulate_media(color_scheme=scheme)
-        for tab in ("overview", "models", "keys", "usage", "playground"):
+        for tab in ("overview", "models", "keys", "usage", "audit", "playground"):
             page.click(f"#tabs button[data-tab={tab}]")
             page.wait_for_selector(f"#{tab}:not([hidden])")
             found[f"{tab} ({scheme})"] = axe.violations(page)
@@ -821,7 +866,7 @@ def test_every_page_fits_a_phone_and_row_actions_stay_in_reach(browser: Browser)
     page.click("#sign-in-form button[type=submit]")
     page.wait_for_selector("#instances-table tbody tr")
     wide, small = {}, {}
-    for tab in ("overview", "models", "keys", "usage", "playground"):
+    for tab in ("overview", "models", "keys", "usage", "audit", "playground"):
         page.click(f"#tabs button[data-tab={tab}]")
         page.wait_for_selector(f"#{tab}:not([hidden])")
         if tab == "models":

@@ -5,8 +5,8 @@ const KEY_SLOT = "llmserver.key";
 const OPEN_SLOT = "llmserver.conversation"; // the id of the conversation open in this tab, for a reload
 const $ = (selector, root = document) => root.querySelector(selector);
 const state = { me: null, tab: null, timer: null, rows: [], abort: null, sodium: null, chat: null, chats: null, vault: null, editing: null };
-const PAGES = ["overview", "models", "keys", "usage", "playground"];
-const ADMIN_PAGES = ["overview", "models", "keys"];
+const PAGES = ["overview", "models", "keys", "usage", "audit", "playground"];
+const ADMIN_PAGES = ["overview", "models", "keys", "audit"];
 
 // ---- HTTP -------------------------------------------------------------------------------------
 
@@ -137,9 +137,11 @@ function forget() {
   $("#play-code").textContent = "";
   $("#play-code").hidden = true;
   for (const stat of document.querySelectorAll("#play-stats dd")) stat.textContent = "–";
-  for (const page of ["overview", "models", "keys", "usage"]) fresh(page);
+  $("#audit-action").replaceChildren(el("option", { value: "" }, "All actions"));
+  $("#audit-newer").disabled = $("#audit-older").disabled = true;
+  for (const page of ["overview", "models", "keys", "usage", "audit"]) fresh(page);
   // The key derived for the kept conversations goes too: what IndexedDB holds cannot be read without the API key.
-  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, chat: newChat(), chats: null, vault: null, editing: null, log: null });
+  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, chat: newChat(), chats: null, vault: null, editing: null, log: null, audit: null });
   renderConversation();
 }
 
@@ -157,7 +159,7 @@ function show(tab, { focus = false } = {}) {
     button.tabIndex = button.dataset.tab === tab ? 0 : -1; // one Tab stop for the tab list; arrows move within it
   }
   if (focus) document.getElementById(`${tab}-title`).focus();
-  ({ overview: startOverview, models: startModels, keys: startKeys, usage: loadUsage, playground: loadPlayground })[tab]();
+  ({ overview: startOverview, models: startModels, keys: startKeys, usage: loadUsage, audit: startAudit, playground: loadPlayground })[tab]();
 }
 
 // The tab list as ARIA's pattern has it: Left/Right (wrapping), Home and End move to a tab and open it.
@@ -905,6 +907,54 @@ function downloadCsv() {
   URL.revokeObjectURL(link.href);
 }
 
+// ---- Audit log --------------------------------------------------------------------------------
+
+// The actions an admin can take through the API, for the filter (GET /api/audit takes any).
+const AUDIT_ACTIONS = [
+  "keys.create", "keys.update", "keys.delete", "models.create", "models.update", "models.stop", "models.start",
+  "models.delete", "instances.create", "instances.delete", "nodes.cordon", "nodes.drain", "nodes.uncordon",
+];
+
+function startAudit() {
+  if ($("#audit-action").options.length === 1) $("#audit-action").append(...AUDIT_ACTIONS.map((a) => el("option", { value: a }, a)));
+  loadAudit(state.audit?.cursors ?? []);
+}
+
+// A page of the log; `cursors` are the `before` of each page up to this one (none: the newest).
+async function loadAudit(cursors) {
+  if (!state.me?.admin) return;
+  const query = new URLSearchParams({ limit: $("#audit-size").value });
+  if ($("#audit-action").value) query.set("action", $("#audit-action").value);
+  if ($("#audit-target").value.trim()) query.set("target", $("#audit-target").value.trim());
+  if (cursors.length) query.set("before", String(cursors.at(-1)));
+  let page;
+  try {
+    page = await api(`/api/audit?${query}`);
+  } catch (error) {
+    if (error instanceof ApiError && error.status < 500) say("audit-status", error.message, true);
+    else {
+      stale("audit", "audit-status", error, 5);
+      clearTimeout(state.timer);
+      state.timer = setTimeout(() => state.tab === "audit" && loadAudit(cursors), 5000);
+    }
+    return;
+  }
+  if (state.tab !== "audit") return;
+  fresh("audit");
+  state.audit = { cursors, next: page.next_before };
+  const change = (c) => (c ? Object.entries(c).map(([name, value]) => `${name}: ${JSON.stringify(value)}`).join(", ") : "–");
+  $("#audit-table tbody").replaceChildren(...page.data.map((r) =>
+    el("tr", { "data-row": r.id },
+      el("td", {}, localTime(r.time)), el("td", { class: "name" }, `${r.key.name} (${r.key.id})`), el("td", {}, el("code", {}, r.action)),
+      el("td", { class: "name" }, r.target ?? "–"),
+      el("td", {}, el("span", { class: `badge ${r.status < 400 ? "ok" : "error"}` }, String(r.status))),
+      el("td", { class: "source" }, change(r.change)), el("td", {}, r.client ?? "–"), el("td", {}, r.request_id ? el("code", {}, r.request_id) : "–"))));
+  $("#audit-newer").disabled = cursors.length === 0;
+  $("#audit-older").disabled = !page.has_more;
+  const first = cursors.length * Number($("#audit-size").value) + 1;
+  say("audit-status", page.data.length ? `Actions ${first}–${first + page.data.length - 1}, newest first${page.has_more ? "; older ones on the next page" : ""}.` : "No admin action matches.");
+}
+
 // ---- Playground -------------------------------------------------------------------------------
 
 async function loadPlayground() {
@@ -1505,6 +1555,14 @@ document.addEventListener("DOMContentLoaded", () => {
   $("#instance-log-close").addEventListener("click", closeLog);
   $("#instance-log-refresh").addEventListener("click", () => showLog($("#instance-log").dataset.instance));
   $("#model-cancel").addEventListener("click", () => modelForm(true));
+  $("#audit-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    loadAudit([]);
+  });
+  $("#audit-action").addEventListener("change", () => loadAudit([]));
+  $("#audit-size").addEventListener("change", () => loadAudit([]));
+  $("#audit-older").addEventListener("click", () => loadAudit([...state.audit.cursors, state.audit.next]));
+  $("#audit-newer").addEventListener("click", () => loadAudit(state.audit.cursors.slice(0, -1)));
   $("#play-form").addEventListener("submit", play);
   $("#play-stop").addEventListener("click", () => state.abort?.abort());
   $("#play-clear").addEventListener("click", newConversation);
