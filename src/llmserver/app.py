@@ -123,6 +123,11 @@ def create_app(settings: Settings) -> FastAPI:
             await recorder.flush()
             await speed.refresh()
 
+        key_service = KeyService(store, admin_key, settings.state.key_cache_seconds)
+
+        async def flush_key_use() -> None:
+            await key_service.flush_used()  # each key's last_used_at, as of this beat
+
         lease = GatewayLease(
             store,
             store,
@@ -130,7 +135,7 @@ def create_app(settings: Settings) -> FastAPI:
             lease=settings.state.gateway_lease_seconds,
             job_ttl=settings.jobs.result_ttl,
             produced=recorder.produced,
-            on_beat=[refresh_speed, *([shared.resync] if shared is not None else [])],
+            on_beat=[refresh_speed, flush_key_use, *([shared.resync] if shared is not None else [])],
             on_sweep=shared.forget_gateway if shared is not None else None,
         )
         documents = DocumentService(
@@ -158,7 +163,7 @@ def create_app(settings: Settings) -> FastAPI:
 
         app.state.settings = settings
         app.state.store = store
-        app.state.keys = KeyService(store, admin_key, settings.state.key_cache_seconds)
+        app.state.keys = key_service
         app.state.audit = Audit(store, frozenset(ModelConfig.model_fields), on_recorded=_counted(metrics))
         app.state.supervisor = supervisor
         app.state.metrics = metrics

@@ -6,6 +6,7 @@ Every error any endpoint returns is `{"error": {"message", "type", "code"[, "par
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, ClassVar
 
 
@@ -105,6 +106,14 @@ class AuthenticationError(APIError):
     def __init__(self) -> None:
         # The seed fixes this message: it says nothing about whether the key exists.
         super().__init__("Invalid API key")
+
+
+class KeyExpired(AuthenticationError):
+    """A key past its `expires_at`: only its holder can see this, so it may say what happened."""
+
+    def __init__(self, expired_at: float) -> None:
+        when = datetime.datetime.fromtimestamp(expired_at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        APIError.__init__(self, f"This API key expired at {when}: ask an admin for a new key or a later expiry.")
 
 
 class PermissionDenied(APIError):

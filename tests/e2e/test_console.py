@@ -232,6 +232,44 @@ def test_an_admin_creates_a_key_that_works_at_once_edits_it_and_revokes_it(brows
     assert made["models"] == [MODEL, "SmolLM2-*"]
 
 
+def test_a_key_gets_an_expiry_and_is_rotated_from_the_keys_page(browser: Browser) -> None:
+    """The Keys page sets an expiry (a past one is a problem at its field), shows when each key expires and
+    was last used, and rotates a key: the new secret shown once, the old one still working for the grace."""
+    page = browser.open(ADMIN)
+    page.click("#tabs button[data-tab=keys]")
+    page.fill("#key-name", "expiring-in-console")
+    page.fill("#key-expires", "2001-01-01T00:00")
+    page.click("#key-submit")
+    assert "future" in (page.text_content("#key-form .field-error[data-for=expires_at]") or "")
+    page.fill("#key-expires", "2099-06-30T12:00")
+    page.click("#key-submit")
+    page.wait_for_selector("#new-key:not([hidden])")
+    old = page.text_content("#new-key-value") or ""
+    row = "#keys-table tbody tr:has(td.name:text-is('expiring-in-console'))"
+    page.wait_for_selector(row)
+    key_id = page.get_attribute(row, "data-key")
+    listed = httpx.get(browser.server.url + "/api/keys", headers={"Authorization": f"Bearer {ADMIN}"}).json()["data"]
+    expires_at = next(k for k in listed if k["id"] == key_id)["expires_at"]
+    shown = page.evaluate("(t) => new Date(t * 1000).toLocaleString()", expires_at)
+    assert shown in (page.text_content(row) or "") and expires_at > 4_000_000_000
+    assert httpx.get(browser.server.url + "/v1/models", headers={"Authorization": f"Bearer {old}"}).status_code == 200
+    page.click(f"{row} button[aria-label^=Rotate]")
+    page.wait_for_function("(old) => document.querySelector('#new-key-value').textContent !== old", arg=old)
+    new = page.text_content("#new-key-value") or ""
+    assert new.startswith("llms-") and "old one works until" in (page.text_content("#new-key-note") or "")
+    assert browser.dialogs[-1].startswith("Give the key expiring-in-console a new secret?")
+    for secret in (new, old):  # the old one through its hour of grace
+        used = httpx.get(browser.server.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"})
+        assert used.status_code == 200
+    # Used just now: the row says when, once the gateway has written it (every 2 s) and the page re-read it.
+    last_used = f"#keys-table tbody tr[data-key='{key_id}'] td:nth-child(12)"
+    page.wait_for_function(
+        f"() => (document.querySelector(\"{last_used}\")?.textContent ?? '\N{EN DASH}') !== '\N{EN DASH}'",
+        timeout=15000,
+    )
+    browser.shoot("keys-rotated")
+
+
 def test_the_key_form_questions_its_allow_list_and_shows_each_refusal_at_its_field(browser: Browser) -> None:
     """`,,,` once made a key allowed every model and `no-such-model` one allowed none, silently; the
     server's refusals were shown in the form's general line, in the API's words."""

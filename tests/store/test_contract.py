@@ -32,6 +32,35 @@ def test_keys_by_hash_and_revocation(database_url: str) -> None:
     run(database_url, test)
 
 
+def test_a_key_expires_rotates_with_a_grace_for_its_old_secret_and_records_its_last_use(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        record = await store.insert_key("key_e", "expiring", "e" * 64, "eeeeeeee", False, expires_at=2_000_000_000.0)
+        assert record.expires_at == 2_000_000_000.0 and await store.key_by_hash("e" * 64) == record
+        assert await store.set_key_expiry("key_e", None) and (await store.key_by_id("key_e")).expires_at is None  # type: ignore[union-attr]
+        assert not await store.set_key_expiry("key_missing", 1.0)
+        # Rotated: the new secret finds it; the old one only through its grace, and only until it ends.
+        assert await store.rotate_key("key_e", "f" * 64, "ffffffff", previous_until=1000.0)
+        rotated = await store.key_by_hash("f" * 64)
+        assert rotated is not None and rotated.fingerprint == "ffffffff" and rotated.previous_until == 1000.0
+        assert await store.key_by_hash("e" * 64) is None
+        assert await store.key_by_previous_hash("e" * 64, now=999.0) == rotated
+        assert await store.key_by_previous_hash("e" * 64, now=1000.0) is None
+        # A second rotation within the grace ends the first old secret's.
+        assert await store.rotate_key("key_e", "g" * 64, "gggggggg", previous_until=2000.0)
+        assert await store.key_by_previous_hash("e" * 64, now=999.0) is None
+        assert (await store.key_by_previous_hash("f" * 64, now=999.0)).id == "key_e"  # type: ignore[union-attr]
+        # Last use: the latest of what gateways write, never moved back.
+        await store.touch_keys({"key_e": 50.0})
+        await store.touch_keys({"key_e": 40.0, "key_missing": 1.0})
+        assert (await store.key_by_id("key_e")).last_used_at == 50.0  # type: ignore[union-attr]
+        # Revoked: neither secret, and no rotation.
+        assert await store.revoke_key("key_e")
+        assert await store.key_by_previous_hash("f" * 64, now=999.0) is None
+        assert not await store.rotate_key("key_e", "h" * 64, "hhhhhhhh", previous_until=3000.0)
+
+    run(database_url, test)
+
+
 def test_usage_retention_and_speed_buckets(database_url: str) -> None:
     async def test(store: Store) -> None:
         row = {

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmserver.api.access import Access, body_of, caller, router
 from llmserver.api.deps import check_page, keys, lineup, quota, recorder, settings, store, validate
-from llmserver.auth.keys import Principal, check_limits, describe, limit_fields, unmatched
+from llmserver.auth.keys import DEFAULT_GRACE, Principal, check_limits, describe, limit_fields, unmatched
 from llmserver.errors import FieldProblem, InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, status_of, summarise
 from llmserver.store import STATUSES, KeyLimits, LedgerQuery
@@ -38,7 +38,16 @@ class Limits(BaseModel):
         return KeyLimits(self.quota_tokens, self.quota_period, self.rpm, self.max_concurrency, models)
 
 
-class CreateKey(Limits):
+class Expiry(Limits):
+    expires_at: float | str | None = Field(
+        default=None, description="When the key stops being accepted: Unix seconds or ISO-8601; null: never."
+    )
+
+    def expiry(self) -> float | None:
+        return None if self.expires_at is None else parse_time(str(self.expires_at), 0.0, "expires_at")
+
+
+class CreateKey(Expiry):
     name: str = Field(min_length=1, max_length=200)
     admin: bool = False
 
@@ -61,7 +70,7 @@ async def create_key(request: Request) -> JSONResponse:
     body = validate(CreateKey, body_of(request))
     limits = _checked(request, body.limits(), body.models is not None)
     try:
-        record, key = await keys(request).create(body.name, admin=body.admin, limits=limits)
+        record, key = await keys(request).create(body.name, admin=body.admin, limits=limits, expires_at=body.expiry())
     except FieldProblem as exc:
         raise exc.refusal() from None
     # The secret, shown once: no cache along the way may keep a copy.
@@ -70,14 +79,20 @@ async def create_key(request: Request) -> JSONResponse:
 
 @admin.patch("/api/keys/{key_id}")
 async def update_key(request: Request, key_id: str) -> dict[str, Any]:
-    """Change the limits the body names (null clears one); the others stay as they are."""
-    body = validate(Limits, body_of(request))
+    """Change the limits and the expiry the body names (null clears one); the others stay as they are."""
+    body = validate(Expiry, body_of(request))
     current = await keys(request).get(key_id)
     if current is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
     given = body.limits()
-    changed = replace(current.limits, **{name: getattr(given, name) for name in body.model_fields_set})
-    found = await keys(request).update(key_id, _checked(request, changed, "models" in body.model_fields_set))
+    named = body.model_fields_set - {"expires_at"}
+    changed = replace(current.limits, **{name: getattr(given, name) for name in named})
+    found = await keys(request).update(key_id, _checked(request, changed, "models" in named))
+    if found and "expires_at" in body.model_fields_set:
+        try:
+            await keys(request).set_expiry(key_id, body.expiry())
+        except FieldProblem as exc:
+            raise exc.refusal() from None
     record = await keys(request).get(key_id) if found else None
     if record is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
@@ -108,6 +123,20 @@ def _checked(request: Request, limits: KeyLimits, models_given: bool) -> KeyLimi
             param="models",
         )
     return limits
+
+
+@admin.post("/api/keys/{key_id}/rotate", response_model=None)
+async def rotate_key(request: Request, key_id: str, grace_seconds: float = DEFAULT_GRACE) -> JSONResponse:
+    """A new secret for the key (in the answer, once); the old one is still accepted for `grace_seconds`
+    (default 3600, at most 30 days; 0: not at all), so that its users can switch without an outage."""
+    try:
+        rotated = await keys(request).rotate(key_id, grace_seconds)
+    except FieldProblem as exc:
+        raise exc.refusal() from None
+    if rotated is None:
+        raise NotFound(f"No active key with id {key_id!r}.", param="key_id")
+    record, key = rotated
+    return JSONResponse({**describe(record), "key": key}, headers={"Cache-Control": "no-store"})
 
 
 @admin.delete("/api/keys/{key_id}")

@@ -37,7 +37,10 @@ CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 VERBS = {"POST": "create", "PUT": "replace", "PATCH": "update", "DELETE": "delete"}
 # The fields whose values a row keeps, besides a model's settings (which the app adds): what admin routes
 # take that is configuration, never a credential.
-RECORDED = frozenset({*(f.name for f in dataclasses.fields(KeyLimits)), "name", "admin", "model", "node", "instances"})
+RECORDED = frozenset(
+    {*(f.name for f in dataclasses.fields(KeyLimits))}
+    | {"name", "admin", "expires_at", "grace_seconds", "model", "node", "instances"}
+)
 WITHHELD = "(withheld)"
 
 

@@ -1,7 +1,11 @@
-"""API keys: generation, hashing, verification.
+"""API keys: generation, hashing, verification, expiry and rotation.
 
-A key is shown once, at creation; the store keeps only its SHA-256. Logs name a key by its
-fingerprint (the first 8 hex digits of the hash), never by the key itself.
+A key is shown once, at creation (and a new secret once, at a rotation); the store keeps only its
+SHA-256. Logs name a key by its fingerprint (the first 8 hex digits of the hash), never by the key
+itself. A key with `expires_at` is refused from then on, with a 401 that says so (only its holder
+sees that message: an unknown key still gets "Invalid API key"). A rotation gives a key a new
+secret and keeps the old one valid for a grace period, so that its users can switch without an
+outage. Each gateway notes when it last saw each key and writes that in batches (`flush_used`).
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ import re
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from llmserver.errors import AuthenticationError, FieldProblem
+from llmserver.errors import APIError, AuthenticationError, FieldProblem, KeyExpired
 from llmserver.store import NO_LIMITS, KeyLimits, KeyRecord, KeyStore
 
 KEY_PREFIX = "llms-"
@@ -32,6 +36,8 @@ class Principal:
     fingerprint: str
     is_admin: bool
     limits: KeyLimits = NO_LIMITS
+    expires_at: float | None = None  # the key's own expiry (KeyExpired from then on)
+    retired_at: float | None = None  # a rotated-out secret's end of grace (an unknown key from then on)
 
 
 PERIODS = ("day", "month", "total")
@@ -73,6 +79,9 @@ def describe(record: KeyRecord) -> dict[str, Any]:
         "admin": record.is_admin,
         "created_at": record.created_at,
         "revoked_at": record.revoked_at,
+        "expires_at": record.expires_at,
+        "last_used_at": record.last_used_at,
+        "previous_valid_until": record.previous_until if (record.previous_until or 0) > time.time() else None,
         **limit_fields(record.limits),
     }
 
@@ -85,6 +94,19 @@ def limit_fields(limits: KeyLimits) -> dict[str, Any]:
 def may_use(limits: KeyLimits, model: str) -> bool:
     """Whether a key's allow-list (names or fnmatch patterns; none: every model) lets it use `model`."""
     return limits.models is None or any(fnmatch.fnmatchcase(model, pattern) for pattern in limits.models)
+
+
+MAX_GRACE = 30 * 86400.0  # seconds a rotated-out secret may stay valid
+DEFAULT_GRACE = 3600.0
+
+
+def check_expiry(expires_at: float | None) -> float | None:
+    """An expiry must lie ahead (a key made or set to expire in the past is a mistake, not a revocation)."""
+    if expires_at is not None and expires_at <= time.time():
+        raise FieldProblem(
+            "must be in the future (Unix seconds or ISO-8601); to stop a key now, revoke it", "expires_at"
+        )
+    return expires_at
 
 
 CACHE_ENTRIES = 10_000
@@ -119,8 +141,11 @@ class KeyService:
         # Admin keys the store confirmed, by hash → when: /metrics accepts them while the store
         # cannot be reached (an operator needs the metrics most during an outage).
         self._admins_seen: dict[str, float] = {}
+        self._used: dict[str, float] = {}  # key id → when this gateway last saw it, until flush_used
 
-    async def create(self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS) -> tuple[KeyRecord, str]:
+    async def create(
+        self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS, expires_at: float | None = None
+    ) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
         if not name.strip():
             raise FieldProblem("a key needs a non-empty name", "name")
@@ -133,8 +158,40 @@ class KeyService:
             fingerprint=fingerprint(key_hash),
             is_admin=admin,
             limits=check_limits(limits),
+            expires_at=check_expiry(expires_at),
         )
         return record, key
+
+    async def set_expiry(self, key_id: str, expires_at: float | None) -> bool:
+        changed = await self._store.set_key_expiry(key_id, check_expiry(expires_at))
+        self._cache.clear()
+        return changed
+
+    async def rotate(self, key_id: str, grace_seconds: float) -> tuple[KeyRecord, str] | None:
+        """A new secret for an active key (shown once); the old one is accepted `grace_seconds` more.
+        None for an unknown or revoked key."""
+        if not 0 <= grace_seconds <= MAX_GRACE:
+            raise FieldProblem(f"must be 0 to {MAX_GRACE:.0f} seconds (30 days)", "grace_seconds")
+        key = generate_key()
+        key_hash = hash_key(key)
+        if not await self._store.rotate_key(key_id, key_hash, fingerprint(key_hash), time.time() + grace_seconds):
+            return None
+        self._cache.clear()
+        self._admins_seen.clear()
+        record = await self._store.key_by_id(key_id)
+        return (record, key) if record is not None else None
+
+    async def flush_used(self) -> None:
+        """Write when each key was last seen here (called on each lease beat)."""
+        used, self._used = self._used, {}
+        if not used:
+            return
+        try:
+            await self._store.touch_keys(used)
+        except APIError:  # the store is away: kept for the next beat
+            for key_id, when in used.items():
+                self._used[key_id] = max(when, self._used.get(key_id, 0.0))
+            raise
 
     async def update(self, key_id: str, limits: KeyLimits) -> bool:
         changed = await self._store.update_key_limits(key_id, check_limits(limits))
@@ -153,14 +210,24 @@ class KeyService:
         self._admins_seen.clear()
         return revoked
 
+    async def _lookup(self, key_hash: str) -> Principal | None:
+        principal = _principal_of(await self._store.key_by_hash(key_hash))
+        if principal is not None:
+            return principal
+        retired = await self._store.key_by_previous_hash(key_hash, time.time())  # rotated out, in its grace
+        old = _principal_of(retired)
+        if old is None or retired is None or retired.previous_until is None:
+            return None
+        return replace(old, retired_at=retired.previous_until)
+
     async def _principal(self, key_hash: str) -> Principal | None:
         if self._cache_seconds <= 0:
-            return _principal_of(await self._store.key_by_hash(key_hash))
+            return await self._lookup(key_hash)
         now = time.monotonic()
         cached = self._cache.get(key_hash)
         if cached is not None and cached[1] > now:
             return cached[0]
-        principal = _principal_of(await self._store.key_by_hash(key_hash))
+        principal = await self._lookup(key_hash)
         if len(self._cache) >= CACHE_ENTRIES:  # a flood of made-up keys cannot grow it without bound
             self._cache.clear()
         self._cache[key_hash] = (principal, now + self._cache_seconds)
@@ -177,6 +244,13 @@ class KeyService:
         if principal is None:
             self._admins_seen.pop(key_hash, None)
             raise AuthenticationError()
+        if principal.expires_at is not None or principal.retired_at is not None:
+            now = time.time()
+            if principal.retired_at is not None and now >= principal.retired_at:
+                raise AuthenticationError()  # its grace is over: as unknown as any other
+            if principal.expires_at is not None and now >= principal.expires_at:
+                raise KeyExpired(principal.expires_at)
+        self._used[principal.key_id] = time.time()
         if principal.is_admin and len(self._admins_seen) < ADMINS_REMEMBERED:
             self._admins_seen[key_hash] = time.monotonic()
         return principal
@@ -194,4 +268,4 @@ def _principal_of(record: KeyRecord | None) -> Principal | None:
     """The caller a stored key stands for; None for no key or a revoked one."""
     if record is None or not record.active:
         return None
-    return Principal(record.id, record.name, record.fingerprint, record.is_admin, record.limits)
+    return Principal(record.id, record.name, record.fingerprint, record.is_admin, record.limits, record.expires_at)

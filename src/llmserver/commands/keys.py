@@ -1,7 +1,8 @@
-"""`llmserver keys`: create, list and revoke API keys in the data folder's database."""
+"""`llmserver keys`: create, list, change, rotate and revoke API keys in the data folder's database."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -11,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from llmserver.auth.keys import KeyService, check_limits, describe
+from llmserver.auth.keys import DEFAULT_GRACE, MAX_GRACE, KeyService, check_expiry, check_limits, describe
 from llmserver.commands import F, load, settings_options, with_store
 from llmserver.errors import APIError, FieldProblem
 from llmserver.metrics.usage import parse_time, summarise
@@ -69,11 +70,28 @@ def _models(listed: str | None) -> tuple[str, ...] | None:
     return names
 
 
+def _expiry(expires: str | None) -> float | None:
+    if expires is None:
+        return None
+    try:
+        return check_expiry(parse_time(expires, 0.0, "--expires"))
+    except APIError as exc:
+        raise click.BadParameter(exc.message, param_hint="--expires") from None
+    except FieldProblem as exc:
+        raise click.BadParameter(str(exc), param_hint="--expires") from None
+
+
+expires_option = click.option(
+    "--expires", default=None, help="When the key stops being accepted: Unix seconds or ISO-8601 (UTC if no offset)."
+)
+
+
 @keys.command()
 @settings_options
 @click.option("--name", required=True, help="Who or what the key is for.")
 @click.option("--admin", is_flag=True, help="Allow the admin API.")
 @limit_options
+@expires_option
 def create(
     config_file: Path | None,
     data_dir: Path | None,
@@ -84,10 +102,14 @@ def create(
     rpm: int | None,
     max_concurrency: int | None,
     models: str | None,
+    expires: str | None,
 ) -> None:
     """Create a key and print it, alone on the last line. It is shown only this once."""
     limits = _limits(quota_tokens, quota_period, rpm, max_concurrency, models)
-    record, key = _keys(config_file, data_dir, lambda service: service.create(name, admin=admin, limits=limits))
+    expires_at = _expiry(expires)
+    record, key = _keys(
+        config_file, data_dir, lambda service: service.create(name, admin=admin, limits=limits, expires_at=expires_at)
+    )
     click.echo(
         f"created {'admin ' if record.is_admin else ''}key {record.id} ({record.name}); it is shown only once:",
         err=True,
@@ -104,23 +126,33 @@ def list_keys(config_file: Path | None, data_dir: Path | None, as_json: bool) ->
     if as_json:
         click.echo(json.dumps([describe(record) for record in records], indent=2))
         return
-    click.echo(f"{'ID':<18} {'NAME':<24} {'ADMIN':<6} {'FINGERPRINT':<12} {'QUOTA':<16} {'CREATED':<26} REVOKED")
+    click.echo(
+        f"{'ID':<18} {'NAME':<24} {'ADMIN':<6} {'FINGERPRINT':<12} {'QUOTA':<16} {'CREATED':<26} {'EXPIRES':<20} "
+        f"{'LAST USED':<20} REVOKED"
+    )
     for r in records:
         quota = f"{r.limits.quota_tokens}/{r.limits.quota_period}" if r.limits.quota_tokens else "-"
         click.echo(
             f"{r.id:<18} {r.name[:24]:<24} {'yes' if r.is_admin else 'no':<6} {r.fingerprint:<12} {quota:<16} "
-            f"{r.created_at:<26} {r.revoked_at or '-'}"
+            f"{r.created_at:<26} {_when(r.expires_at):<20} {_when(r.last_used_at):<20} {r.revoked_at or '-'}"
         )
 
 
+def _when(moment: float | None) -> str:
+    return (
+        "-" if moment is None else datetime.datetime.fromtimestamp(moment, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    )
+
+
 CLEARABLE = {"quota": ("quota_tokens", "quota_period"), "rpm": ("rpm",),
-             "max-concurrency": ("max_concurrency",), "models": ("models",)}  # fmt: skip
+             "max-concurrency": ("max_concurrency",), "models": ("models",), "expires": ()}  # fmt: skip
 
 
 @keys.command()
 @settings_options
 @click.argument("key_id")
 @limit_options
+@expires_option
 @click.option(
     "--clear", "cleared", multiple=True, type=click.Choice(list(CLEARABLE)), help="Remove a limit. Repeatable."
 )
@@ -133,9 +165,12 @@ def update(
     rpm: int | None,
     max_concurrency: int | None,
     models: str | None,
+    expires: str | None,
     cleared: tuple[str, ...],
 ) -> None:
-    """Change the limits given (as PATCH /api/keys/ID does); the others stay; --clear removes one."""
+    """Change the limits and expiry given (as PATCH /api/keys/ID does); the others stay; --clear removes one
+    (--clear expires: the key never expires)."""
+    expires_at = _expiry(expires)
 
     async def change(service: KeyService) -> bool:
         record = await service.get(key_id)
@@ -145,9 +180,12 @@ def update(
         changes: dict[str, Any] = {name: value for name, value in asdict(given).items() if value is not None}
         changes.update({field: None for name in cleared for field in CLEARABLE[name]})
         try:
-            return await service.update(key_id, replace(record.limits, **changes))
+            updated = await service.update(key_id, replace(record.limits, **changes))
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
+        if expires_at is not None or "expires" in cleared:
+            await service.set_expiry(key_id, expires_at)
+        return updated
 
     if not _keys(config_file, data_dir, change):
         raise click.ClickException(f"no key with id {key_id}")
@@ -168,6 +206,28 @@ def usage(config_file: Path | None, data_dir: Path | None, key_id: str, since: s
         raise click.UsageError(exc.message) from None
     summary = with_store(settings, lambda store: summarise(store, key_id, start, end))
     click.echo(json.dumps(summary, indent=2))
+
+
+@keys.command()
+@settings_options
+@click.argument("key_id")
+@click.option(
+    "--grace",
+    type=click.FloatRange(0, MAX_GRACE),
+    default=DEFAULT_GRACE,
+    show_default=True,
+    help="Seconds the old secret is still accepted (0: not at all; at most 30 days).",
+)
+def rotate(config_file: Path | None, data_dir: Path | None, key_id: str, grace: float) -> None:
+    """Give the key a new secret and print it, alone on the last line (shown only this once); the old
+    one keeps working for --grace seconds."""
+    rotated = _keys(config_file, data_dir, lambda service: service.rotate(key_id, grace))
+    if rotated is None:
+        raise click.ClickException(f"no active key with id {key_id}")
+    record, key = rotated
+    click.echo(f"rotated key {record.id} ({record.name}); the old secret works for {grace:.0f} s more; the new one "
+               "is shown only once:", err=True)  # fmt: skip
+    click.echo(key)
 
 
 @keys.command()

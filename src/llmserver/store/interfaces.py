@@ -42,6 +42,9 @@ class KeyRecord:
     created_at: str
     revoked_at: str | None
     limits: KeyLimits = NO_LIMITS
+    expires_at: float | None = None  # Unix seconds: refused from then on; None: never
+    last_used_at: float | None = None  # as of the last batch a gateway wrote (every lease beat)
+    previous_until: float | None = None  # the secret a rotation replaced is accepted until then
 
     @property
     def active(self) -> bool:
@@ -175,12 +178,34 @@ def utc_now() -> str:
 
 class KeyStore(Protocol):
     async def insert_key(
-        self, key_id: str, name: str, key_hash: str, fingerprint: str, is_admin: bool, limits: KeyLimits = NO_LIMITS
+        self,
+        key_id: str,
+        name: str,
+        key_hash: str,
+        fingerprint: str,
+        is_admin: bool,
+        limits: KeyLimits = NO_LIMITS,
+        expires_at: float | None = None,
     ) -> KeyRecord: ...
 
     async def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool: ...
 
     async def key_by_hash(self, key_hash: str) -> KeyRecord | None: ...
+
+    async def key_by_previous_hash(self, key_hash: str, now: float) -> KeyRecord | None:
+        """The active key whose secret before its last rotation this is, while its grace lasts (`now`)."""
+        ...
+
+    async def set_key_expiry(self, key_id: str, expires_at: float | None) -> bool: ...
+
+    async def rotate_key(self, key_id: str, key_hash: str, fingerprint: str, previous_until: float) -> bool:
+        """A new secret for an active key; the one it replaces is accepted until `previous_until` (a
+        rotation within another's grace ends that one's)."""
+        ...
+
+    async def touch_keys(self, used: dict[str, float]) -> None:
+        """Each key's last use (key id → Unix seconds), kept if later than the stored one."""
+        ...
 
     async def key_by_id(self, key_id: str) -> KeyRecord | None: ...
 

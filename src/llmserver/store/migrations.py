@@ -167,6 +167,15 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX audit_by_time ON audit_log (time);
     """,
+    # 11: keys that expire and rotate: when a key stops being accepted, when it was last used (written
+    # in batches), and the secret a rotation replaced, accepted until the end of its grace period.
+    """
+    ALTER TABLE api_keys ADD COLUMN expires_at REAL;
+    ALTER TABLE api_keys ADD COLUMN last_used_at REAL;
+    ALTER TABLE api_keys ADD COLUMN previous_hash TEXT;
+    ALTER TABLE api_keys ADD COLUMN previous_until REAL;
+    CREATE INDEX api_keys_by_previous_hash ON api_keys (previous_hash);
+    """,
 ]
 
 POSTGRES: list[str] = [
@@ -300,5 +309,13 @@ POSTGRES: list[str] = [
         request_id TEXT
     );
     CREATE INDEX audit_by_time ON audit_log (time);
+    """,
+    # 6: as SQLite's 11: keys that expire and rotate, and when each was last used.
+    """
+    ALTER TABLE api_keys ADD COLUMN expires_at DOUBLE PRECISION;
+    ALTER TABLE api_keys ADD COLUMN last_used_at DOUBLE PRECISION;
+    ALTER TABLE api_keys ADD COLUMN previous_hash TEXT;
+    ALTER TABLE api_keys ADD COLUMN previous_until DOUBLE PRECISION;
+    CREATE INDEX api_keys_by_previous_hash ON api_keys (previous_hash);
     """,
 ]

@@ -131,6 +131,10 @@ class PostgresStore:
         async with self._conn() as conn:
             return str(await conn.execute(query, *args))
 
+    async def _executemany(self, query: str, args: list[tuple[Any, ...]]) -> None:
+        async with self._conn() as conn:
+            await conn.executemany(query, args)
+
     async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         async with self._conn() as conn:
             return list(await conn.fetch(query, *args))
@@ -142,16 +146,23 @@ class PostgresStore:
     # API keys
 
     async def insert_key(
-        self, key_id: str, name: str, key_hash: str, fingerprint: str, is_admin: bool, limits: KeyLimits = NO_LIMITS
+        self,
+        key_id: str,
+        name: str,
+        key_hash: str,
+        fingerprint: str,
+        is_admin: bool,
+        limits: KeyLimits = NO_LIMITS,
+        expires_at: float | None = None,
     ) -> KeyRecord:
         created = utc_now()
         await self._execute(
             "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at,"
-            " quota_tokens, quota_period, rpm, max_concurrency, models)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
-            key_id, name, key_hash, fingerprint, is_admin, created, *limit_values(limits),
+            " quota_tokens, quota_period, rpm, max_concurrency, models, expires_at)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+            key_id, name, key_hash, fingerprint, is_admin, created, *limit_values(limits), expires_at,
         )  # fmt: skip
-        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits)
+        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits, expires_at)
 
     async def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
         status = await self._execute(
@@ -164,6 +175,31 @@ class PostgresStore:
     async def key_by_hash(self, key_hash: str) -> KeyRecord | None:
         row = await self._fetchrow("SELECT * FROM api_keys WHERE key_hash = $1", key_hash)
         return key_record(row) if row is not None else None
+
+    async def key_by_previous_hash(self, key_hash: str, now: float) -> KeyRecord | None:
+        row = await self._fetchrow(
+            "SELECT * FROM api_keys WHERE previous_hash = $1 AND previous_until > $2 AND revoked_at IS NULL",
+            key_hash, now,
+        )  # fmt: skip
+        return key_record(row) if row is not None else None
+
+    async def set_key_expiry(self, key_id: str, expires_at: float | None) -> bool:
+        status = await self._execute("UPDATE api_keys SET expires_at = $1 WHERE id = $2", expires_at, key_id)
+        return status == "UPDATE 1"
+
+    async def rotate_key(self, key_id: str, key_hash: str, fingerprint: str, previous_until: float) -> bool:
+        status = await self._execute(
+            "UPDATE api_keys SET previous_hash = key_hash, previous_until = $1, key_hash = $2, fingerprint = $3"
+            " WHERE id = $4 AND revoked_at IS NULL",
+            previous_until, key_hash, fingerprint, key_id,
+        )  # fmt: skip
+        return status == "UPDATE 1"
+
+    async def touch_keys(self, used: dict[str, float]) -> None:
+        await self._executemany(
+            "UPDATE api_keys SET last_used_at = GREATEST(COALESCE(last_used_at, 0), $1) WHERE id = $2",
+            [(when, key_id) for key_id, when in used.items()],
+        )
 
     async def key_by_id(self, key_id: str) -> KeyRecord | None:
         row = await self._fetchrow("SELECT * FROM api_keys WHERE id = $1", key_id)

@@ -34,6 +34,9 @@ def key_record(row: Row) -> KeyRecord:
             row["max_concurrency"],
             tuple(json.loads(row["models"])) if row["models"] is not None else None,
         ),
+        expires_at=row["expires_at"],
+        last_used_at=row["last_used_at"],
+        previous_until=row["previous_until"],
     )
 
 

@@ -111,15 +111,22 @@ class SQLiteStore:
 
     @_in_thread
     def insert_key(
-        self, key_id: str, name: str, key_hash: str, fingerprint: str, is_admin: bool, limits: KeyLimits = NO_LIMITS
+        self,
+        key_id: str,
+        name: str,
+        key_hash: str,
+        fingerprint: str,
+        is_admin: bool,
+        limits: KeyLimits = NO_LIMITS,
+        expires_at: float | None = None,
     ) -> KeyRecord:
         created = utc_now()
         self._db.execute(
-            "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at,"
-            " quota_tokens, quota_period, rpm, max_concurrency, models) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (key_id, name, key_hash, fingerprint, int(is_admin), created, *limit_values(limits)),
+            "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at, quota_tokens,"
+            " quota_period, rpm, max_concurrency, models, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (key_id, name, key_hash, fingerprint, int(is_admin), created, *limit_values(limits), expires_at),
         )
-        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits)
+        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits, expires_at)
 
     @_in_thread
     def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
@@ -134,6 +141,35 @@ class SQLiteStore:
     def key_by_hash(self, key_hash: str) -> KeyRecord | None:
         row = self._db.execute("SELECT * FROM api_keys WHERE key_hash = ?", (key_hash,)).fetchone()
         return key_record(row) if row is not None else None
+
+    @_in_thread
+    def key_by_previous_hash(self, key_hash: str, now: float) -> KeyRecord | None:
+        row = self._db.execute(
+            "SELECT * FROM api_keys WHERE previous_hash = ? AND previous_until > ? AND revoked_at IS NULL",
+            (key_hash, now),
+        ).fetchone()
+        return key_record(row) if row is not None else None
+
+    @_in_thread
+    def set_key_expiry(self, key_id: str, expires_at: float | None) -> bool:
+        return self._db.execute("UPDATE api_keys SET expires_at = ? WHERE id = ?", (expires_at, key_id)).rowcount == 1
+
+    @_in_thread
+    def rotate_key(self, key_id: str, key_hash: str, fingerprint: str, previous_until: float) -> bool:
+        cursor = self._db.execute(
+            "UPDATE api_keys SET previous_hash = key_hash, previous_until = ?, key_hash = ?, fingerprint = ?"
+            " WHERE id = ? AND revoked_at IS NULL",
+            (previous_until, key_hash, fingerprint, key_id),
+        )
+        return cursor.rowcount == 1
+
+    @_in_thread
+    def touch_keys(self, used: dict[str, float]) -> None:
+        with self._transaction() as db:
+            db.executemany(
+                "UPDATE api_keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?",
+                [(when, key_id) for key_id, when in used.items()],
+            )
 
     @_in_thread
     def key_by_id(self, key_id: str) -> KeyRecord | None:

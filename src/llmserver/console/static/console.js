@@ -524,9 +524,11 @@ async function loadKeys() {
         el("td", { class: "num" }, number(k.quota_tokens)), el("td", {}, k.quota_period || "–"), el("td", { class: "quota" }, quotaText(k.quota)),
         el("td", { class: "num" }, number(k.rpm)), el("td", { class: "num" }, number(k.max_concurrency)),
         el("td", { class: "models" }, k.models ? k.models.join(", ") || "none" : "all"),
-        el("td", {}, localTime(k.created_at)), el("td", {}, localTime(k.revoked_at)),
+        el("td", {}, localTime(k.created_at)), el("td", { class: k.expires_at && k.expires_at * 1000 <= Date.now() ? "error" : null }, localTime(k.expires_at)),
+        el("td", {}, localTime(k.last_used_at)), el("td", {}, localTime(k.revoked_at)),
         el("td", { class: "actions" }, k.revoked_at ? "" : el("span", {},
           el("button", { type: "button", onclick: () => editKey(k), "aria-label": `Edit the limits of ${k.name}` }, "Edit"), " ",
+          el("button", { type: "button", onclick: () => rotateKey(k), "aria-label": `Rotate ${k.name}` }, "Rotate"), " ",
           el("button", { type: "button", onclick: () => revokeKey(k), "aria-label": `Revoke ${k.name}` }, "Revoke"))),
       ),
     ),
@@ -566,6 +568,8 @@ function editKey(k) {
   form.elements.rpm.value = k.rpm ?? "";
   form.elements.max_concurrency.value = k.max_concurrency ?? "";
   form.elements.models.value = k.models ? k.models.join(", ") : "";
+  form.elements.expires_at.value = k.expires_at ? localInput(k.expires_at) : "";
+  form.elements.expires_at.dataset.was = form.elements.expires_at.value; // sent only when changed
   // An allow-list of no model ([]) has no text of its own: kept as it is unless the field is changed.
   form.elements.models.dataset.was = form.elements.models.value;
   form.elements.models.dataset.list = JSON.stringify(k.models);
@@ -586,6 +590,8 @@ function keyProblems(form, creating) {
   }
   if (form.elements.quota_tokens.value.trim() && !form.elements.quota_period.value) problems.quota_period = "A token quota needs a period: a day, a month or in total.";
   if (!form.elements.quota_tokens.value.trim() && form.elements.quota_period.value) problems.quota_tokens = "A period needs a token quota.";
+  const expires = form.elements.expires_at;
+  if (expires.value && expires.value !== expires.dataset.was && !(new Date(expires.value).getTime() > Date.now())) problems.expires_at = "A time in the future, or empty for never (to stop a key now, revoke it).";
   if (allowList(form.elements.models.value) === undefined) problems.models = "An entry between two commas is empty: remove it (an empty field means every model).";
   return problems;
 }
@@ -636,20 +642,44 @@ async function submitKey(event) {
     quota_tokens: value("quota_tokens"), quota_period: value("quota_period"), rpm: value("rpm"), max_concurrency: value("max_concurrency"),
     models: id && form.elements.models.value === form.elements.models.dataset.was ? JSON.parse(form.elements.models.dataset.list) : allowList(form.elements.models.value),
   };
+  const expires = form.elements.expires_at;
+  if (!id || expires.value !== expires.dataset.was) limits.expires_at = expires.value ? new Date(expires.value).getTime() / 1000 : null;
   try {
     if (id) {
       await api(`/api/keys/${encodeURIComponent(id)}`, { method: "PATCH", body: limits });
       say("keys-status", `Limits of ${form.elements.name.value} saved.`);
     } else {
       const created = await api("/api/keys", { method: "POST", body: { name: value("name") ?? "", admin: form.elements.admin.checked, ...limits } });
-      $("#new-key-value").textContent = created.key;
-      $("#new-key").hidden = false;
+      showNewKey(created.key, "The new key, shown once: copy it now.");
       say("keys-status", `Key ${created.name} created.`);
     }
     keyForm(true);
     loadKeys();
   } catch (error) {
     showRefusal(form, error, "key-error");
+  }
+}
+
+function showNewKey(key, note) {
+  $("#new-key-note").textContent = note;
+  $("#new-key-value").textContent = key;
+  $("#new-key").hidden = false;
+}
+
+// A datetime-local field's value for a Unix time, in the browser's time zone.
+const localInput = (seconds) => new Date(seconds * 1000 - new Date(seconds * 1000).getTimezoneOffset() * 60000).toISOString().slice(0, 16);
+
+const ROTATION_GRACE = 3600; // seconds the old secret keeps working (the API's default)
+
+async function rotateKey(k) {
+  if (!confirm(`Give the key ${k.name} a new secret? The old one keeps working for one hour, then is refused.`)) return;
+  try {
+    const rotated = await api(`/api/keys/${encodeURIComponent(k.id)}/rotate?grace_seconds=${ROTATION_GRACE}`, { method: "POST" });
+    showNewKey(rotated.key, `The new secret of ${k.name}, shown once: copy it now. The old one works until ${localTime(rotated.previous_valid_until)}.`);
+    say("keys-status", `Key ${k.name} rotated.`);
+    loadKeys();
+  } catch (error) {
+    say("keys-status", error.message, true);
   }
 }
 
