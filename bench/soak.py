@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import bisect
 import collections
 import contextlib
 import json
@@ -77,6 +78,7 @@ DRAIN_TIMEOUT = 20.0
 # Growth allowed after warm-up (the first 40% of a gateway process's life) to its end.
 RSS_GROWTH_LIMIT_MB = 40.0
 FD_GROWTH_LIMIT = 16
+RECOVERY_WINDOW = 5.0  # seconds between a fault's end and the next within which an answer must come
 SERVING = ("ready", "busy")
 STATE_UNAVAILABLE = "The database cannot be reached"
 INTERRUPTED = "The gateway running this job stopped before it finished"  # the sweep of a dead gateway
@@ -513,6 +515,7 @@ class Fault:
     at: float
     kind: str
     detail: str = ""
+    ended: float = 0.0  # when the action returned: the fault over and, where it waits for it, recovery seen
 
 
 class Chaos:
@@ -640,7 +643,7 @@ class Chaos:
                 next_fault += interval
             at = time.time()
             detail = await action()
-            self.faults.append(Fault(at, action.__name__, detail))
+            self.faults.append(Fault(at, action.__name__, detail, time.time()))
             log(f"fault {action.__name__}: {detail}")
 
 
@@ -842,6 +845,22 @@ def interrupted(job: dict[str, Any]) -> bool:
     return job["status"] == "failed" and str(error.get("message", "")).startswith(INTERRUPTED)
 
 
+def unserved_after(faults: list[Fault], calls: list[Call]) -> list[Fault]:
+    """The faults after which the server answered no generating request with a 200 before the next fault
+    began (or the traffic stopped): a check that it served again after each, whatever the machine's speed.
+    A window under RECOVERY_WINDOW seconds (the next fault due at once) proves nothing either way: skipped."""
+    served = sorted(c.ended for c in calls if c.generating and c.status == 200 and not c.error_type)
+    last = max((c.started for c in calls), default=0.0)
+    unserved = []
+    for fault, upcoming in zip(faults, [*(f.at for f in faults[1:]), last], strict=True):
+        if upcoming - fault.ended < RECOVERY_WINDOW:
+            continue
+        first = bisect.bisect_left(served, fault.ended)
+        if first == len(served) or served[first] > upcoming:
+            unserved.append(fault)
+    return unserved
+
+
 def answered_before_kill(gateway: Gateway, call: Call) -> bool:
     """An answer given in the second before its gateway was killed -9: its ledger row may still have been
     in the write batch (written every WRITE_DELAY, 0.2 s, once the event loop gets to it: on this loaded
@@ -908,6 +927,7 @@ async def count(
     growth = sampler.growth()
 
     counters = {
+        "faults not followed by an answer": len(unserved_after(chaos.faults, calls)),
         "requests accepted and never answered": len(unanswered),
         "streams without [DONE]": len(no_done),
         "tokens settled over a quota": max(0, used - QUOTA_TOKENS) + max(0, quota_ledger - QUOTA_TOKENS),

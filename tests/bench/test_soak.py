@@ -26,11 +26,13 @@ def test_two_minute_soak_loses_nothing(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     summary = json.loads((tmp_path / "soak.json").read_text())
     assert summary["counters"] and not any(summary["counters"].values())
-    # Every kind of fault happened, and the traffic was real: answers, refusals and jobs.
+    # Every kind of fault happened, the server answered again after each (a counter above, whatever the
+    # machine's speed), and the traffic was real: answers, refusals and jobs.
     assert {fault["kind"] for fault in summary["faults"]} == {
         "kill_instance", "leave_burst", "fill_queue", "restart_gateway"
     }  # fmt: skip
-    assert summary["generating answered"] > 300 and summary["ledger rows"] == summary["generating answered"]
+    assert "faults not followed by an answer" in summary["counters"]
+    assert summary["generating answered"] > 0 and summary["ledger rows"] == summary["generating answered"]
     outcomes = summary["outcomes"]
     assert (
         "429 insufficient_quota" in outcomes["quota"]
@@ -58,6 +60,6 @@ def test_two_minute_cluster_soak_loses_nothing(tmp_path: Path) -> None:
         "kill_instance", "restart_postgres", "leave_burst", "kill_node", "fill_queue", "restart_redis",
         "kill_gateway", "restart_gateway",
     }  # fmt: skip
-    assert summary["generating answered"] > 200
+    assert "faults not followed by an answer" in summary["counters"] and summary["generating answered"] > 0
     assert summary["refused while the database was unreachable"] > 0  # the outage was seen, and refused
     assert {row["incarnation"].split(" ")[0] for row in summary["growth"]} == {"gw-1", "gw-2"}
