@@ -469,10 +469,11 @@ class Supervisor:
             pool.fetching = {"bytes": done, "total": total}
 
         try:
-            self._files[pool.name] = await asyncio.to_thread(self._model_file, pool.config, progress)
-            self._mmproj[pool.name] = await asyncio.to_thread(mmproj_path, pool.config, cache, endpoint)
+            model_file = await asyncio.to_thread(self._model_file, pool.config, progress)
+            projector = await asyncio.to_thread(mmproj_path, pool.config, cache, endpoint)
         except ModelFileError as exc:
             self._files.pop(pool.name, None)
+            self._mmproj.pop(pool.name, None)
             reason = f"its model file cannot be had here ({exc})"
             if reason != pool.unstartable:  # one line per new reason, not one per retry
                 log.error("model %s cannot run: %s; other models are not affected, tried again with backoff",
@@ -483,6 +484,10 @@ class Supervisor:
             return False
         finally:
             pool.fetching = None
+        # Both at once: an instance may start as soon as its model's file is known (`_may_autostart`), and
+        # it needs the projector's too (set one await apart, a start in between failed with a KeyError and
+        # left the model with an instance that never started).
+        self._files[pool.name], self._mmproj[pool.name] = model_file, projector
         if pool.unstartable is not None:
             log.info("model %s: its files are found now", pool.name)
         pool.blocked = pool.unstartable = None
@@ -754,7 +759,7 @@ class Supervisor:
 
 
 # Settings a running instance takes without a restart (the gateway and supervisor read them).
-LIVE_SETTINGS = ("min_instances", "max_instances", "idle_timeout", "max_queue")
+LIVE_SETTINGS = ("min_instances", "max_instances", "idle_timeout", "max_queue", "prices")
 
 
 def restart_settings(model: ModelConfig) -> dict[str, object]:
