@@ -3,11 +3,17 @@ budget (least recently used removed first), and the folders' permissions."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
+from llmserver.llama.client import LlamaServerClient
+from llmserver.models.files import embedded_model_path, llama_server_binary
 from llmserver.pool.saved_prompts import SavedPrompts, entry_name, identity
+from tests.support import free_port
 
 
 def args(model: Path, **flags: str) -> list[str]:
@@ -65,3 +71,68 @@ def test_the_disk_budget_removes_the_least_recently_used_first(tmp_path: Path) -
     assert left == {entry_name("k", n) for n in (0, 3, 4)}
     assert saved.disk_bytes == 3 * 2**20 <= saved.budget_bytes
     assert sum(path.stat().st_size for path in folder.iterdir()) == saved.disk_bytes
+
+
+@dataclass
+class Running:
+    """One real llama-server of the embedded model, as SavedPrompts sees an instance."""
+
+    id: str
+    prompt_folder: Path
+    process: subprocess.Popen[bytes]
+    client: LlamaServerClient
+
+    @property
+    def exited(self) -> bool:
+        return self.process.poll() is not None
+
+
+def test_a_conversation_one_instance_saves_while_another_restores_it_is_never_read_half_written(
+    tmp_path: Path,
+) -> None:
+    """Two instances of a model share their folder: one saves a conversation's next turn as the other
+    restores it (the affinity test's lockstep turns under least_loaded routing). Written in place, the
+    restore read a half-written file and llama-server aborted (`GGML_ASSERT(nread <= state_size)`), its
+    request failing with 504; written aside and renamed, each restore reads one whole file."""
+    folder = tmp_path / "prompt-cache"
+    folder.mkdir()
+    instances = []
+    for name in ("saver", "restorer"):
+        port = free_port()
+        process = subprocess.Popen(
+            [str(llama_server_binary(None)), "--model", str(embedded_model_path()), "--host", "127.0.0.1",
+             "--port", str(port), "--ctx-size", "2048", "--parallel", "1", "--threads", "1",
+             "--slot-save-path", str(folder)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        instances.append(Running(name, folder, process, LlamaServerClient(f"http://127.0.0.1:{port}")))
+    saver, restorer = instances
+    saved = SavedPrompts(tmp_path / "unused", budget_mb=1000, min_tokens=1)
+
+    async def race() -> int:
+        for instance in instances:
+            for _ in range(300):
+                if await instance.client.healthy():
+                    break
+                await asyncio.sleep(0.1)
+        long = "Remember these rivers: " + ", ".join(f"river {n} of the north" for n in range(150))
+        await saver.client.post_json(
+            "/completion", {"prompt": long, "n_predict": 1, "id_slot": 0, "cache_prompt": True}
+        )
+        assert await saved.keep(saver, 0, "key", 7)  # type: ignore[arg-type]
+        restored = 0
+        for _ in range(25):
+            _, ok = await asyncio.gather(saved.keep(saver, 0, "key", 7), saved.restore(restorer, 0, "key", 7))  # type: ignore[arg-type]
+            restored += ok
+            assert not restorer.exited, "llama-server aborted on a restore"
+        for instance in instances:
+            await instance.client.close()
+        return restored
+
+    try:
+        assert asyncio.run(race()) == 25 and saved.restore_failures == 0
+        assert sorted(p.name for p in folder.iterdir()) == [entry_name("key", 7)]  # no partial file left
+    finally:
+        for instance in instances:
+            instance.process.kill()
+            instance.process.wait()

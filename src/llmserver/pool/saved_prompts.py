@@ -14,7 +14,10 @@ everything that shapes the KV state (llama-server's build, the model's files, ev
 threads and keys); an instance of a changed model starts on a new identity and removes the old ones.
 The file's name is a hash of the key's id and the conversation's start, so another key never finds it.
 Files are the server user's alone (0600 in a 0700 folder); the least recently used are removed past
-`prompt_cache_disk_mb`.
+`prompt_cache_disk_mb`. A save is written under a name of its own and renamed into place once complete:
+one instance restores a conversation while another saves its next turn (two instances of a model share
+the folder), and a file read half-written made llama-server abort (`GGML_ASSERT(nread <= state_size)`
+in `state_seq_load_file`, its requests failing with 504).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Instance(Protocol):
 log = logging.getLogger(__name__)
 
 SUFFIX = ".slot"
+PARTIAL = ".part"  # a save being written; renamed to its SUFFIX name once complete
 # llama-server flags that do not change what a slot's KV state is: where it listens, how many threads
 # read and write, the RAM prompt cache, TLS files, its alias and the save path itself.
 NEUTRAL = {
@@ -170,20 +174,27 @@ class SavedPrompts:
     async def _save_slot(
         self, instance: Instance, folder: Path, slot: int, key_id: str, start: int, timeout: float
     ) -> int:
-        """Save one slot's cache as `key_id`'s conversation `start`: 1 if kept, else 0."""
+        """Save one slot's cache as `key_id`'s conversation `start`: 1 if kept, else 0. Written under a
+        name of its own (this instance's, this slot's) and renamed into place: a restore elsewhere reads
+        the earlier file or this one whole, never one half-written."""
         assert instance.client is not None
         name = entry_name(key_id, start)
+        partial = f"{name}.{instance.id}.{slot}{PARTIAL}"
         try:
-            answer = await instance.client.post_json(f"/slots/{slot}?action=save", {"filename": name}, timeout=timeout)
+            answer = await instance.client.post_json(
+                f"/slots/{slot}?action=save", {"filename": partial}, timeout=timeout
+            )
         except APIError as exc:
             log.warning("instance %s: slot %d's prompt cache not saved: %s", instance.id, slot, exc.message)
+            with contextlib.suppress(OSError):
+                (folder / partial).unlink()
             return 0
-        path = folder / name
         with contextlib.suppress(OSError):
             if int(answer.get("n_saved", 0)) < self.min_tokens:
-                path.unlink()
+                (folder / partial).unlink()
                 return 0
-            os.chmod(path, 0o600)
+            os.chmod(folder / partial, 0o600)
+            os.replace(folder / partial, folder / name)
             return 1
         return 0
 
@@ -210,7 +221,12 @@ class SavedPrompts:
         return True
 
     def trim(self) -> None:
-        """Remove the least recently used saved prompts until they fit the disk budget."""
+        """Remove the least recently used saved prompts until they fit the disk budget (and saves left
+        unfinished by an instance that died while writing them)."""
+        for partial in self.root.glob(f"*/*/*{PARTIAL}"):
+            with contextlib.suppress(OSError):
+                if time.time() - partial.stat().st_mtime > SAVE_TIMEOUT:
+                    partial.unlink()
         files = []
         for path in self.root.glob(f"*/*/*{SUFFIX}"):
             with contextlib.suppress(OSError):
