@@ -303,3 +303,18 @@ def test_an_unknown_name_says_what_it_may_have_meant() -> None:
     assert meant(("limits", "images", "max_byte"))[0] == "max_bytes"
     assert meant(("max_image_byte",))[0] == "max_image_bytes"  # an old name, still read
     assert meant(("zzz",)) == []
+
+
+def test_a_model_s_prices_cost_its_tokens_and_refuse_what_is_no_price() -> None:
+    model = ModelConfig.model_validate({"name": "m", "prices": {"input": 3, "cached_input": 0.3, "output": 15}})
+    assert model.prices is not None
+    # 1,000 prompt tokens of which 400 from the cache, 200 completion tokens.
+    assert model.prices.cost(1000, 400, 200) == pytest.approx((600 * 3 + 400 * 0.3 + 200 * 15) / 1e6)
+    assert model.prices.cost(10, 50, 0) == pytest.approx(10 * 0.3 / 1e6)  # never more cached than read
+    unset = ModelConfig.model_validate({"name": "m", "prices": {"input": 2, "output": 4}})
+    assert unset.prices is not None and unset.prices.cost(100, 100, 0) == pytest.approx(100 * 2 / 1e6)
+    for wrong in ({"input": -1, "output": 1}, {"input": 1}, {"input": 1, "output": 1, "per": "token"}):
+        with pytest.raises(ValidationError):
+            ModelConfig.model_validate({"name": "m", "prices": wrong})
+    with pytest.raises(ValidationError):
+        Settings(billing={"currency": "dollars"})

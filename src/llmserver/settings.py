@@ -112,6 +112,24 @@ class FileRoots:
         return [Path(os.path.normpath(path)), Path(os.path.normpath(path.expanduser()))]
 
 
+class Prices(BaseModel):
+    """What a model's tokens cost, per million, in the server's `billing.currency`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: float = Field(ge=0, le=1e6, description="Per million prompt tokens read (not from the prompt cache).")
+    cached_input: float | None = Field(
+        default=None, ge=0, le=1e6, description="Per million prompt tokens taken from the prompt cache; empty: input's."
+    )
+    output: float = Field(ge=0, le=1e6, description="Per million completion tokens.")
+
+    def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
+        """A request's cost: its prompt read, its prompt from the cache, its completion."""
+        cached = min(cached_tokens, prompt_tokens)
+        cached_price = self.input if self.cached_input is None else self.cached_input
+        return ((prompt_tokens - cached) * self.input + cached * cached_price + completion_tokens * self.output) / 1e6
+
+
 class ModelConfig(BaseModel):
     """One model the server offers, and how its llama-server instances are started."""
 
@@ -206,6 +224,11 @@ class ModelConfig(BaseModel):
     )
     pooling: Literal["mean", "cls", "last"] | None = Field(
         default=None, description="Embedding models: how token vectors become one; empty: the model's own."
+    )
+    prices: Prices | None = Field(
+        default=None,
+        description="What its tokens cost (`input`, `cached_input`, `output` per million, in billing.currency): each "
+        "ledger row records its cost at the prices of its time; empty: no cost recorded.",
     )
 
     @field_validator("name")
@@ -615,6 +638,14 @@ class JobSettings(Section):
     )
 
 
+class BillingSettings(Section):
+    """What the models' prices are counted in."""
+
+    currency: str = Field(
+        default="USD", pattern="^[A-Z]{3}$", description="The currency of the models' prices and of spend (ISO 4217)."
+    )
+
+
 class ObservabilitySettings(Section):
     """Logs, metrics and traces."""
 
@@ -810,6 +841,7 @@ class Settings(BaseSettings):
     state: StateSettings = Field(default_factory=StateSettings, description="Shared state.")
     node: NodeSettings = Field(default_factory=NodeSettings, description="`llmserver node`.")
     jobs: JobSettings = Field(default_factory=JobSettings, description="Async jobs and webhooks.")
+    billing: BillingSettings = Field(default_factory=BillingSettings, description="Prices and spend.")
     observability: ObservabilitySettings = Field(
         default_factory=ObservabilitySettings, description="Logs, metrics, traces."
     )

@@ -1196,8 +1196,11 @@ def test_the_usage_page_shows_each_key_and_model_the_quota_and_pages_the_request
         r"of 90,000 used today \(UTC\); [\d,]+ left, resets ", row.locator("td.quota").text_content() or ""
     )
     page.select_option("#usage-key", key_id)
-    page.wait_for_function("() => document.querySelector('#usage-status').textContent.startsWith('27 requests')")
-    assert page.is_hidden("#usage-keys-part")  # one key: its quota above, no per-key table
+    # One key: its quota above, no per-key table (waited for: alone, every key's total is 27 requests too).
+    page.wait_for_function(
+        "() => document.querySelector('#usage-status').textContent.startsWith('27 requests')"
+        " && document.querySelector('#usage-keys-part').hidden"
+    )
     assert page.text_content("#usage-quota").startswith("Quota of logged: ")
     assert page.locator("#usage-models tbody tr").count() == 1
     assert page.text_content("#usage-models tbody td:nth-child(2)") == "27"
@@ -1214,7 +1217,8 @@ def test_the_usage_page_shows_each_key_and_model_the_quota_and_pages_the_request
     assert ids == [r["id"] for r in logged["data"][:25]]
     first = page.locator("#log-table tbody tr").first
     assert first.locator("td").nth(1).text_content() == "logged" and first.locator("td").nth(4).text_content() == "ok"
-    assert first.locator("td").nth(9).text_content() == logged["data"][0]["instance_id"]
+    assert first.locator("td").nth(10).text_content() == logged["data"][0]["instance_id"]
+    assert first.locator("td").nth(9).text_content() == "\N{EN DASH}"  # its model has no prices: no cost
     page.click("#log-older")
     page.wait_for_function("() => document.querySelectorAll('#log-table tbody tr').length === 2")
     assert page.text_content("#log-status-line").startswith("Requests 26\u201327") and page.is_disabled("#log-older")

@@ -67,9 +67,9 @@ def test_usage_retention_and_speed_buckets(database_url: str) -> None:
             "key_id": "k", "model": "m", "instance_id": None, "endpoint": "/api/generate", "prompt_tokens": 1,
             "completion_tokens": 1, "latency_ms": 1.0, "ttft_ms": None, "tokens_per_second": None, "outcome": "ok",
         }  # fmt: skip
-        await store.record(UsageBatch(rows=[{**row, "time": 100.0}, {**row, "time": 200.0}]))
+        await store.record(UsageBatch(rows=[{**row, "time": 100.0}, {**row, "time": 200.0, "cost": 0.000125}]))
         assert await store.delete_usage_before(150.0) == 1
-        assert [r["time"] for r in await store.usage_rows(None, 0, 1000)] == [200.0]
+        assert [(r["time"], r["cost"]) for r in await store.usage_rows(None, 0, 1000)] == [(200.0, 0.000125)]
         assert await store.usage_rows("other", 0, 1000) == []
         await store.record(UsageBatch(speeds=[("m", 10, 5.0, 1.0), ("m", 11, 7.0, 2.0)]))
         await store.record(UsageBatch(speeds=[("m", 11, 3.0, 1.0)]))  # another gateway, the same minute

@@ -157,7 +157,7 @@ async def usage(
     start = parse_time(since, 0.0, "since")
     end = parse_time(until, time.time() + 1, "until")
     await recorder(request).flush()  # rows of requests that just finished
-    return await summarise(store(request), wanted, start, end)
+    return await summarise(store(request), wanted, start, end, settings(request).billing.currency)
 
 
 def _usage_of(principal: Principal, key: str | None) -> str | None:
@@ -267,4 +267,5 @@ def _logged(row: dict[str, object]) -> dict[str, Any]:
         "latency_ms": row["latency_ms"],
         "ttft_ms": row["ttft_ms"],
         "tokens_per_second": row["tokens_per_second"],
+        "cost": row.get("cost"),
     }

@@ -204,7 +204,7 @@ def usage(config_file: Path | None, data_dir: Path | None, key_id: str, since: s
         start, end = parse_time(since, 0.0, "since"), parse_time(until, time.time() + 1, "until")
     except APIError as exc:
         raise click.UsageError(exc.message) from None
-    summary = with_store(settings, lambda store: summarise(store, key_id, start, end))
+    summary = with_store(settings, lambda store: summarise(store, key_id, start, end, settings.billing.currency))
     click.echo(json.dumps(summary, indent=2))
 
 

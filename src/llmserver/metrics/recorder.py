@@ -20,6 +20,7 @@ from llmserver.logs import background
 from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.outage import Outage
+from llmserver.settings import Prices
 from llmserver.store import Settlement, UsageBatch, UsageStore
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,19 @@ class Tally:
     closed: bool = False
     settlement: Settlement | None = None  # its quota settlement, until written
     span: Any = None  # its streamed instance call's trace span, ended when it closes (tracing.py)
+    prices: Prices | None = None  # its model's, when it was admitted: the ledger row's cost
 
 
 WRITE_DELAY = 0.2  # seconds
+
+
+def cost_of(tally: Tally, charged: int) -> float | None:
+    """A closed request's cost at its model's prices (None without prices; 0 when nothing was charged)."""
+    if tally.prices is None:
+        return None
+    if not charged:
+        return 0.0
+    return tally.prices.cost(tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens)
 
 
 class UsageRecorder:
@@ -193,6 +204,7 @@ class UsageRecorder:
                 "ttft_ms": round(tally.ttft * 1000, 1) if tally.ttft is not None else None,
                 "tokens_per_second": round(speed, 2) if speed else None,
                 "outcome": outcome,
+                "cost": cost_of(tally, charged),
             }
         )
         if charged:

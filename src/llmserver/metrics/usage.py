@@ -33,24 +33,30 @@ def parse_time(value: str | None, default: float, param: str) -> float:
     return seconds
 
 
-async def summarise(store: UsageStore, key_id: str | None, since: float, until: float) -> dict[str, Any]:
+async def summarise(
+    store: UsageStore, key_id: str | None, since: float, until: float, currency: str = "USD"
+) -> dict[str, Any]:
+    """Requests and tokens, and spend where models have prices (`cost`, in `currency`: None when no row of
+    the range had a price), in total, per model and (for all keys) per key."""
     rows = await store.usage_rows(key_id, since, until)
-    by_model: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.Counter())
-    by_key: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.Counter())
+    by_model: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    by_key: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     by_outcome: collections.Counter[str] = collections.Counter()
     prompt = completion = 0
+    spent: float | None = None
     for row in rows:
         p, c = int(row["prompt_tokens"]), int(row["completion_tokens"])  # type: ignore[call-overload]
+        cost = float(row["cost"]) if row.get("cost") is not None else None  # type: ignore[arg-type]
         prompt, completion = prompt + p, completion + c
-        model = by_model[str(row["model"])]
-        model["requests"] += 1
-        model["prompt_tokens"] += p
-        model["completion_tokens"] += c
-        if key_id is None:
-            of_key = by_key[str(row["key_id"])]
-            of_key["requests"] += 1
-            of_key["prompt_tokens"] += p
-            of_key["completion_tokens"] += c
+        groups = [by_model[str(row["model"])], *([by_key[str(row["key_id"])]] if key_id is None else [])]
+        for group in groups:
+            group["requests"] += 1
+            group["prompt_tokens"] += p
+            group["completion_tokens"] += c
+            if cost is not None:
+                group["cost"] += cost
+        if cost is not None:
+            spent = (spent or 0.0) + cost
         by_outcome[str(row["outcome"])] += 1
     return {
         "key": key_id,
@@ -60,10 +66,24 @@ async def summarise(store: UsageStore, key_id: str | None, since: float, until: 
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "by_model": {name: dict(counts) for name, counts in by_model.items()},
+        "cost": _money(spent),
+        "currency": currency,
+        "by_model": {name: _counts(counts) for name, counts in by_model.items()},
         "by_outcome": dict(by_outcome),
-        **({"by_key": {key: dict(counts) for key, counts in by_key.items()}} if key_id is None else {}),
+        **({"by_key": {key: _counts(counts) for key, counts in by_key.items()}} if key_id is None else {}),
     }
+
+
+def _money(amount: float | None) -> float | None:
+    return None if amount is None else round(amount, 6)
+
+
+def _counts(counts: dict[str, float]) -> dict[str, Any]:
+    """A group's requests and tokens as integers, its cost (when any row had one) to a millionth."""
+    shown: dict[str, Any] = {name: int(value) for name, value in counts.items() if name != "cost"}
+    if "cost" in counts:
+        shown["cost"] = _money(counts["cost"])
+    return shown
 
 
 MAX_BUCKETS = 2000

@@ -183,7 +183,7 @@ class Admission:
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
-        tally = Tally(principal, endpoint, model, reservation)
+        tally = Tally(principal, endpoint, model, reservation, prices=lease.pool.config.prices)
         self._recorder.opened(tally)
         return Ticket(tally, lease, self, places)
 

@@ -176,6 +176,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE api_keys ADD COLUMN previous_until REAL;
     CREATE INDEX api_keys_by_previous_hash ON api_keys (previous_hash);
     """,
+    # 12: what each request cost, at its model's prices of the time (NULL: the model had none).
+    """
+    ALTER TABLE usage_ledger ADD COLUMN cost REAL;
+    """,
 ]
 
 POSTGRES: list[str] = [
@@ -317,5 +321,9 @@ POSTGRES: list[str] = [
     ALTER TABLE api_keys ADD COLUMN previous_hash TEXT;
     ALTER TABLE api_keys ADD COLUMN previous_until DOUBLE PRECISION;
     CREATE INDEX api_keys_by_previous_hash ON api_keys (previous_hash);
+    """,
+    # 7: as SQLite's 12: each request's cost.
+    """
+    ALTER TABLE usage_ledger ADD COLUMN cost DOUBLE PRECISION;
     """,
 ]

@@ -303,7 +303,7 @@ class PostgresStore:
                 await conn.copy_records_to_table(
                     "usage_ledger",
                     columns=LEDGER_COLUMNS,
-                    records=[tuple(row[column] for column in LEDGER_COLUMNS) for row in batch.rows],
+                    records=[tuple(row.get(column) for column in LEDGER_COLUMNS) for row in batch.rows],
                 )
             await conn.executemany(
                 "INSERT INTO speed_buckets (model, minute, tokens, seconds) VALUES ($1, $2, $3, $4)"
@@ -606,7 +606,7 @@ class PostgresStore:
 
 LEDGER_COLUMNS = [
     "time", "key_id", "model", "instance_id", "endpoint", "prompt_tokens", "completion_tokens",
-    "latency_ms", "ttft_ms", "tokens_per_second", "outcome",
+    "latency_ms", "ttft_ms", "tokens_per_second", "outcome", "cost",
 ]  # fmt: skip
 
 

@@ -244,10 +244,10 @@ class SQLiteStore:
         with self._transaction() as db:
             db.executemany(
                 "INSERT INTO usage_ledger (time, key_id, model, instance_id, endpoint, prompt_tokens,"
-                " completion_tokens, latency_ms, ttft_ms, tokens_per_second, outcome) VALUES"
+                " completion_tokens, latency_ms, ttft_ms, tokens_per_second, outcome, cost) VALUES"
                 " (:time, :key_id, :model, :instance_id, :endpoint, :prompt_tokens, :completion_tokens,"
-                " :latency_ms, :ttft_ms, :tokens_per_second, :outcome)",
-                batch.rows,
+                " :latency_ms, :ttft_ms, :tokens_per_second, :outcome, :cost)",
+                [{"cost": None, **row} for row in batch.rows],
             )
             db.executemany(
                 "INSERT INTO speed_buckets (model, minute, tokens, seconds) VALUES (?, ?, ?, ?)"

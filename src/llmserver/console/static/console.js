@@ -726,7 +726,8 @@ async function loadUsage(event) {
     fresh("usage");
     drawUsage(series, since, until);
     drawTotals(summary);
-    say("usage-status", `${summary.requests} requests from ${localTime(since)} to ${localTime(until)}.`);
+    const spend = summary.cost === null ? "" : `, ${money(summary.cost, summary.currency)} spent`;
+    say("usage-status", `${summary.requests} requests${spend} from ${localTime(since)} to ${localTime(until)}.`);
   } catch (error) {
     // As of the last answer, greyed, until the server answers again (tried every 5 s while shown).
     if (error instanceof ApiError && error.status < 500) say("usage-status", error.message, true);
@@ -757,11 +758,19 @@ function quotaText(quota) {
   return `${number(quota.used)} of ${number(quota.limit)} used ${when}${held}; ${number(quota.left)} left, ${resets}`;
 }
 
+// An amount of the server's currency (models without prices: none, "–"); small amounts keep their digits.
+function money(amount, currency) {
+  if (amount === null || amount === undefined) return "–";
+  const digits = amount !== 0 && Math.abs(amount) < 0.01 ? 6 : 2;
+  return amount.toLocaleString(undefined, { style: "currency", currency: currency || "USD", minimumFractionDigits: 2, maximumFractionDigits: digits });
+}
+
 function drawTotals(summary) {
+  state.currency = summary.currency;
   const total = (c) => c.prompt_tokens + c.completion_tokens;
   const mostFirst = (counts) => Object.entries(counts).sort((a, b) => total(b[1]) - total(a[1]));
   const row = (c) => [el("td", { class: "num" }, number(c.requests)), el("td", { class: "num" }, number(c.prompt_tokens)),
-    el("td", { class: "num" }, number(c.completion_tokens)), el("td", { class: "num" }, number(total(c)))];
+    el("td", { class: "num" }, number(c.completion_tokens)), el("td", { class: "num" }, number(total(c))), el("td", { class: "num" }, money(c.cost, summary.currency))];
   $("#usage-models tbody").replaceChildren(...mostFirst(summary.by_model).map(([name, c]) => el("tr", {}, el("td", {}, name), ...row(c))));
   const byKey = summary.by_key;
   $("#usage-keys-part").hidden = !byKey;
@@ -796,6 +805,7 @@ async function loadLog(cursors) {
         el("td", {}, el("span", { class: `badge ${r.status}`, title: r.outcome }, r.status === "error" ? r.outcome : r.status)),
         el("td", { class: "num" }, number(r.prompt_tokens)), el("td", { class: "num" }, number(r.completion_tokens)),
         el("td", { class: "num" }, number(r.latency_ms)), el("td", { class: "num" }, number(r.ttft_ms)),
+        el("td", { class: "num" }, money(r.cost, state.currency)),
         el("td", {}, r.instance_id ? el("code", {}, r.instance_id) : "–"))));
     $("#log-newer").disabled = cursors.length === 0;
     $("#log-older").disabled = !page.has_more;
