@@ -124,10 +124,6 @@ def create_app(settings: Settings) -> FastAPI:
             await speed.refresh()
 
         key_service = KeyService(store, admin_key, settings.state.key_cache_seconds)
-
-        async def flush_key_use() -> None:
-            await key_service.flush_used()  # each key's last_used_at, as of this beat
-
         lease = GatewayLease(
             store,
             store,
@@ -135,7 +131,7 @@ def create_app(settings: Settings) -> FastAPI:
             lease=settings.state.gateway_lease_seconds,
             job_ttl=settings.jobs.result_ttl,
             produced=recorder.produced,
-            on_beat=[refresh_speed, flush_key_use, *([shared.resync] if shared is not None else [])],
+            on_beat=[refresh_speed, key_service.flush_used, *([shared.resync] if shared is not None else [])],
             on_sweep=shared.forget_gateway if shared is not None else None,
         )
         documents = DocumentService(
