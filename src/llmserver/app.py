@@ -124,6 +124,16 @@ def create_app(settings: Settings) -> FastAPI:
             await speed.refresh()
 
         key_service = KeyService(store, admin_key, settings.state.key_cache_seconds)
+
+        async def use_models(catalog_entries: list[CatalogEntry]) -> None:
+            models = model_catalog.served(catalog_entries, settings, own)
+            await supervisor.apply(models)
+            app.state.generation.use_models(models)
+            app.state.embeddings.use_models(models)
+            inputs.vision_models = {model.name for model in models if model.vision_capable}
+
+        catalog = app.state.catalog = model_catalog.CatalogFollower(store, use_models)
+        # The gateway's periodic store work, all in its heartbeat: one wake-up every 2 s, not one per task.
         lease = GatewayLease(
             store,
             store,
@@ -131,7 +141,12 @@ def create_app(settings: Settings) -> FastAPI:
             lease=settings.state.gateway_lease_seconds,
             job_ttl=settings.jobs.result_ttl,
             produced=recorder.produced,
-            on_beat=[refresh_speed, key_service.flush_used, *([shared.resync] if shared is not None else [])],
+            on_beat=[
+                refresh_speed,
+                key_service.flush_used,
+                catalog.follow,
+                *([shared.resync] if shared is not None else []),
+            ],
             on_sweep=shared.forget_gateway if shared is not None else None,
         )
         documents = DocumentService(
@@ -172,15 +187,6 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.jobs = job_service
         app.state.started_at = time.time()
         registry = app.state.registry = supervisor.remote = _registry(settings, supervisor)
-
-        async def use_models(catalog_entries: list[CatalogEntry]) -> None:
-            models = model_catalog.served(catalog_entries, settings, own)
-            await supervisor.apply(models)
-            app.state.generation.use_models(models)
-            app.state.embeddings.use_models(models)
-            inputs.vision_models = {model.name for model in models if model.vision_capable}
-
-        catalog = app.state.catalog = model_catalog.CatalogFollower(store, use_models)
         scheduler = None
         if registry is not None:
             supervisor.on_new_pool = registry.adopt

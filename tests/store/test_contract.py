@@ -164,21 +164,21 @@ def test_leases_and_the_sweep_of_a_lapsed_gateway(database_url: str) -> None:
         holder = await store.gateway_holder("gw1")
         assert holder is not None and (holder.host, holder.pid) == ("host-a", 100) and 29 < holder.seconds_left <= 30
         assert await store.gateway_take("gw2", "host-b", 200, 0.05, None) is True
-        assert await store.gateway_renew("gw1", 100, 30.0) is True
-        assert await store.gateway_renew("gw1", 999, 30.0) is False  # not the holder
+        assert await store.gateway_renew("gw1", 100, 30.0) is not None  # renewed (gw2 may have lapsed already)
+        assert await store.gateway_renew("gw1", 999, 30.0) is None  # not the holder
         await store.insert_job("running-on-gw2", "k", "n", 1.0, "gw2")
         await store.insert_job("running-on-gw1", "k", "n", 1.0, "gw1")
         await store.insert_job("ready", "k", "n", 1.0, "gw1")
         await store.finish_job("ready", result="c", error=None, now=1.0, expires_at=1e12)
         assert await store.claim_job("ready", "k", 2.0, "gw2") is not None  # gw2 was handing it out
         await asyncio.sleep(0.1)
-        assert await store.gateways_lapsed() == ["gw2"]
+        assert await store.gateway_renew("gw1", 100, 30.0) == ["gw2"]
         assert await store.sweep_gateway("gw1", error="{}", expires_at=1e12, only_if_lapsed=True) is None  # alive
         error = json.dumps({"error": {"message": "gone", "type": "server_error", "code": 500}})
         swept = await store.sweep_gateway("gw2", error=error, expires_at=1e12, only_if_lapsed=True)
         assert swept is not None and swept.jobs_failed == 1
         assert await store.sweep_gateway("gw2", error=error, expires_at=1e12, only_if_lapsed=True) is None  # once
-        assert await store.gateways_lapsed() == []
+        assert await store.gateway_renew("gw1", 100, 30.0) == []
         states = {t: await store.job(t, "k", 3.0) for t in ("running-on-gw2", "running-on-gw1", "ready")}
         assert {t: j.status for t, j in states.items() if j} == {
             "running-on-gw2": "failed", "running-on-gw1": "pending", "ready": "ready",

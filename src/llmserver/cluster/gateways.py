@@ -168,13 +168,15 @@ class GatewayLease:
 
     async def beat(self) -> None:
         """One heartbeat: renew, write progress, sweep the dead, then the other periodic work."""
-        if not await self._store.gateway_renew(self.gateway_id, self.pid, self.lease):
+        lapsed = await self._store.gateway_renew(self.gateway_id, self.pid, self.lease)
+        if lapsed is None:
             log.error(
                 "gateway %s lost its lease (it could not renew it for %.0f s and was swept): taking it again; "
                 "requests that were in flight may be charged twice",
                 self.gateway_id, self.lease,
             )  # fmt: skip
             await self._take()
+            lapsed = []
         self._outage.recovered("gateway %s renews its lease again", self.gateway_id)
         now = self.renewed_at = time.monotonic()
         if self._healthy_since is None:
@@ -186,7 +188,7 @@ class GatewayLease:
         # After an outage every lease looks lapsed: sweep only once this gateway has renewed for a whole
         # lease period, so that the others have had their chance to renew too.
         if now - self._healthy_since >= self.lease:
-            for other in await self._store.gateways_lapsed():
+            for other in lapsed:
                 if other != self.gateway_id:
                     await self._sweep_dead(other)
         for work in self._on_beat:

@@ -3,7 +3,8 @@
 Each row is a model's settings (a `ModelConfig`, as the JSON of the fields that differ from the
 defaults), where they came from, and a revision that counts its changes. The admin API
 (`/api/models`) and `llmserver models add|update|remove` write rows; every gateway reads them at
-start and every `CATALOG_READ_EVERY` seconds after (and at once after its own API's changes), and
+start and at each heartbeat of its lease after (`cluster/gateways.py`: every fifth of
+`state.gateway_lease_seconds`, 2 s by default; and at once after its own API's changes), and
 hands the models to its supervisor (`Supervisor.apply`: a new model gets a pool, a changed one rolls
 its instances over one by one, a removed one is drained and its requests answered 404). A node reads
 none of this: the scheduler (cluster/scheduler.py) hands it the models it is to run.
@@ -27,7 +28,6 @@ Config files and the catalog, exactly:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -42,7 +42,6 @@ from llmserver.store import CatalogEntry, CatalogStore, is_postgres
 log = logging.getLogger("llmserver.model_catalog")  # its name before the move: log_levels name it
 
 FILE, API = "file", "api"
-CATALOG_READ_EVERY = 2.0  # seconds between a gateway's reads of the catalog
 
 
 class CatalogConflict(Exception):
@@ -149,38 +148,43 @@ Apply = Callable[[list[CatalogEntry]], Awaitable[None]]
 
 
 class CatalogFollower:
-    """A gateway's side: the catalog read every few seconds, each change handed to `apply`."""
+    """A gateway's side: the catalog read at each heartbeat of the gateway's lease (`follow`, one of
+    its `on_beat` works: one wake-up and a burst of store calls every 2 s rather than a timer of its
+    own), each change handed to `apply`."""
 
     def __init__(self, store: CatalogStore, apply: Apply) -> None:
         self._store = store
         self._apply = apply
         self._seen: dict[str, int] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._following = False
         self._lock = asyncio.Lock()
         self.entries: list[CatalogEntry] = []
 
     def start(self, entries: list[CatalogEntry]) -> None:
         self.entries = entries
         self._seen = {entry.name: entry.revision for entry in entries}
-        self._task = asyncio.create_task(self._run(), name="model-catalog")
+        self._following = True
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """No change is applied after this (the heartbeat goes on until the lease is let go)."""
+        self._following = False
+        async with self._lock:  # a change being applied finishes first
+            pass
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(CATALOG_READ_EVERY)
-            try:
-                await self.refresh()
-            except Exception as exc:  # the database's outage is logged by the store; the models stay as they are
-                log.debug("model catalog not read: %s", exc)
+    async def follow(self) -> None:
+        """A heartbeat's read: what changed since the last one applied (between start and stop)."""
+        if not self._following:
+            return
+        try:
+            await self.refresh()
+        except Exception as exc:  # the database's outage is logged by the store; the models stay as they are
+            log.debug("model catalog not read: %s", exc)
 
     async def refresh(self) -> None:
         """Read the catalog now and apply what changed."""
         async with self._lock:
+            if not self._following:
+                return
             entries = await self._store.catalog()
             seen = {entry.name: entry.revision for entry in entries}
             if seen == self._seen:

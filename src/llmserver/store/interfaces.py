@@ -345,13 +345,12 @@ class GatewayStore(Protocol):
         """Hold the id for `lease` seconds, if its holder is still `previous` (None: nobody)."""
         ...
 
-    async def gateway_renew(self, gateway_id: str, pid: int, lease: float) -> bool:
-        """Extend this process's lease; False when it no longer holds it (it was swept)."""
+    async def gateway_renew(self, gateway_id: str, pid: int, lease: float) -> list[str] | None:
+        """Extend this process's lease and name the gateways whose leases have lapsed (one round trip:
+        a heartbeat's); None when this process no longer holds its lease (it was swept)."""
         ...
 
     async def gateway_release(self, gateway_id: str, pid: int) -> None: ...
-
-    async def gateways_lapsed(self) -> list[str]: ...
 
     async def sweep_gateway(
         self, gateway_id: str, *, error: str, expires_at: float, only_if_lapsed: bool

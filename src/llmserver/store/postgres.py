@@ -483,17 +483,20 @@ class PostgresStore:
             )  # fmt: skip
         return True
 
-    async def gateway_renew(self, gateway_id: str, pid: int, lease: float) -> bool:
-        status = await self._execute(
-            f"UPDATE gateways SET lease_until = {NOW} + $1 WHERE id = $2 AND pid = $3", lease, gateway_id, pid
-        )
-        return status == "UPDATE 1"
+    async def gateway_renew(self, gateway_id: str, pid: int, lease: float) -> list[str] | None:
+        # One statement: the lapsed are read from the snapshot before the update (this gateway's own row
+        # may be among them; the caller skips itself).
+        row = await self._fetchrow(
+            f"WITH renewed AS (UPDATE gateways SET lease_until = {NOW} + $1 WHERE id = $2 AND pid = $3 RETURNING id)"
+            f" SELECT (SELECT count(*) FROM renewed) AS renewed,"
+            f" ARRAY(SELECT id FROM gateways WHERE lease_until < {NOW} ORDER BY id) AS lapsed",
+            lease, gateway_id, pid,
+        )  # fmt: skip
+        assert row is not None
+        return list(row["lapsed"]) if row["renewed"] == 1 else None
 
     async def gateway_release(self, gateway_id: str, pid: int) -> None:
         await self._execute("DELETE FROM gateways WHERE id = $1 AND pid = $2", gateway_id, pid)
-
-    async def gateways_lapsed(self) -> list[str]:
-        return [row["id"] for row in await self._fetch(f"SELECT id FROM gateways WHERE lease_until < {NOW}")]
 
     async def sweep_gateway(
         self, gateway_id: str, *, error: str, expires_at: float, only_if_lapsed: bool

@@ -461,20 +461,18 @@ class SQLiteStore:
         return True
 
     @_in_thread
-    def gateway_renew(self, gateway_id: str, pid: int, lease: float) -> bool:
+    def gateway_renew(self, gateway_id: str, pid: int, lease: float) -> list[str] | None:
+        now = time.time()
         cursor = self._db.execute(
-            "UPDATE gateways SET lease_until = ? WHERE id = ? AND pid = ?", (time.time() + lease, gateway_id, pid)
+            "UPDATE gateways SET lease_until = ? WHERE id = ? AND pid = ?", (now + lease, gateway_id, pid)
         )
-        return cursor.rowcount == 1
+        if cursor.rowcount != 1:
+            return None
+        return [row["id"] for row in self._db.execute("SELECT id FROM gateways WHERE lease_until < ?", (now,))]
 
     @_in_thread
     def gateway_release(self, gateway_id: str, pid: int) -> None:
         self._db.execute("DELETE FROM gateways WHERE id = ? AND pid = ?", (gateway_id, pid))
-
-    @_in_thread
-    def gateways_lapsed(self) -> list[str]:
-        rows = self._db.execute("SELECT id FROM gateways WHERE lease_until < ?", (time.time(),)).fetchall()
-        return [row["id"] for row in rows]
 
     @_in_thread
     def sweep_gateway(self, gateway_id: str, *, error: str, expires_at: float, only_if_lapsed: bool) -> Sweep | None:
