@@ -219,6 +219,16 @@ def test_a_model_at_zero_starts_on_its_first_request_through_the_other_gateway(c
     assert metric(first, ADMIN, "llmserver_cold_starts_total", model="cold") == 0
     assert wait_for(lambda: cluster.instances(second, "cold") == [], 30)  # idle 4 s: stopped
     print(f"cold start across hosts: first request answered in {took:.1f} s")
+    # A request's keep_alive reaches the node that runs the instance (through the gateway's load): the
+    # instance is kept past its idle_timeout until then, by the node and the scheduler alike, and goes after.
+    kept = httpx.post(first.url + "/api/generate", timeout=120, headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "cold", "prompt": "Hi.", "max_tokens": 4, "keep_alive": 12})  # fmt: skip
+    assert kept.status_code == 200, kept.text
+    keep_until = time.monotonic() + 12
+    while time.monotonic() < keep_until - 1:  # three idle_timeouts and more: still there all along
+        assert len(cluster.instances(first, "cold")) == 1
+        time.sleep(0.5)
+    assert wait_for(lambda: cluster.instances(first, "cold") == [], 30)  # the keep over: stopped
 
 
 def test_a_killed_node_s_instance_is_placed_again_while_requests_go_on(cluster: Cluster) -> None:

@@ -87,15 +87,21 @@ class Publisher:
         live = [i for i in self._supervisor.all_instances() if i.status in PUBLISHED and i.client is not None]
         in_flight: collections.Counter[str] = collections.Counter()
         active: dict[str, float] = {}
+        kept: dict[str, float] = {}
         with contextlib.suppress(*redis_unreachable()):  # then publish() below logs the outage
             for load in await scan_json(self._redis, LOAD_KEY):
                 in_flight.update(load["in_flight"])
                 for instance_id, when in load.get("active", {}).items():
                     active[instance_id] = max(active.get(instance_id, 0.0), float(when))
+                for instance_id, until in load.get("kept", {}).items():  # an older gateway sends none
+                    kept[instance_id] = max(kept.get(instance_id, 0.0), float(until))
         self._in_flight = in_flight
         for instance in live:  # the gateways' requests are its activity (idle_timeout counts from it)
             if active.get(instance.id, 0.0) > instance.last_activity:
                 instance.last_activity = active[instance.id]
+            # ... and their requests' keep_alive its keep_until (neither this node nor the scheduler
+            # stops it for idleness before)
+            instance.keep_until = max(instance.keep_until, kept.get(instance.id, 0.0))
             if in_flight[instance.id]:
                 instance.last_activity = max(instance.last_activity, time.time())
         pools = self._supervisor.pools.items()

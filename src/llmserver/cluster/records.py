@@ -43,5 +43,8 @@ def record(instance: Instance, node_id: str, incarnation: str, in_flight: int = 
         "node": node_id,
         "incarnation": incarnation,
         "scheme": "http" if instance.tls is None else "https",
-        "idle_seconds": 0.0 if in_flight else round(max(0.0, time.time() - instance.last_activity), 1),
+        # Kept by a request's keep_alive: not idle for the scheduler until then.
+        "idle_seconds": 0.0
+        if in_flight or instance.keep_until > time.time()
+        else round(max(0.0, time.time() - instance.last_activity), 1),
     }

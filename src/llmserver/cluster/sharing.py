@@ -3,7 +3,9 @@ on the channel `llmserver:load` as soon as they change (coalesced) and keeps the
 `llmserver:load:GATEWAY` (expiring after a lease, read with the registry: a gateway that stopped
 drops out), so that routing counts every gateway's requests on an instance, the queue's `max_queue`
 bounds every gateway's waiters together, and a gateway holding more than its share of a model's
-slots while others' requests wait lets them have the next ones (pool/pool.py). The counts are a
+slots while others' requests wait lets them have the next ones (pool/pool.py). It also says when it
+last used each instance and until when a request's `keep_alive` keeps one (`kept`): the node that runs
+the instance counts its idleness from those (cluster/publisher.py). The counts are a
 Redis round trip old; llama-server queues a request that lands on a slot taken meanwhile. A
 request's end is the exception: its answer waits until the freed slot has been published
 (`shared`), so that the client's next request, to whichever gateway, finds the slot free.
@@ -143,7 +145,8 @@ class LoadSharing:
 
     def own(self) -> dict[str, Any]:
         self._sequence = max(self._sequence + 1, time.time_ns())
-        recent = time.time() - ACTIVE_WINDOW
+        now = time.time()
+        recent = now - ACTIVE_WINDOW
         return {
             "gateway": self._gateway,
             "sequence": self._sequence,
@@ -154,6 +157,10 @@ class LoadSharing:
                 for p in self._pools.values()
                 for i in p.instances
                 if i.last_activity > recent
+            },
+            # Until when a request's keep_alive keeps each instance from idling out (the node stops none before).
+            "kept": {
+                i.id: round(i.keep_until, 3) for p in self._pools.values() for i in p.instances if i.keep_until > now
             },
             "queued": {name: pool.queue_depth for name, pool in self._pools.items() if pool.queue_depth},
         }
