@@ -1,0 +1,101 @@
+"""The watchdog on a worker host, against a real hang: a gateway of role `gateway` sends the pattern that
+holds llama-server's main loop (its /health still answering) to the instance an `llmserver node` runs.
+The node sees no request of its own, yet it probes its instances' /slots (an instance it has not heard
+answer is probed like an idle one) and restarts the one that makes no progress: the request fails long
+before the gateway's request_timeout, and the model serves again (issue 58: "a stuck one there ended
+only by request_timeout")."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import MODEL, Server, create_key, free_port_range, shared_servers, spawn, wait_for
+
+pytestmark = pytest.mark.slow
+
+SECRET = "node-watchdog-instance-key-0123456789"
+ADMIN = "node-watchdog-admin-key-0123456789ab"
+MODELS = f"""
+[[models]]
+name = "{MODEL}"
+parallel = 2
+ctx_size = 1024
+threads = 1
+min_instances = 1
+max_instances = 1
+"""
+HANGS = "^((a{0,99}){0,99}){0,99}$"
+
+
+@dataclass
+class Host:
+    gateway: Server
+    node_log: Path
+
+    def instances(self) -> list[dict[str, object]]:
+        listed = httpx.get(self.gateway.url + "/api/instances", headers={"Authorization": f"Bearer {ADMIN}"})
+        return [i for i in listed.json()["data"] if i["status"] in ("ready", "busy")]
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    root = tmp_path_factory.mktemp("node-watchdog")
+    _, redis_server = shared_servers()
+    redis_server.flush()
+    data = root / "node"
+    data.mkdir()
+    (data / "config.toml").write_text(MODELS)
+    env = {**os.environ, "LLMSERVER_NODE__ID": "watched", "LLMSERVER_NODE__PORT": "0",
+           "LLMSERVER_INSTANCES__API_KEY": SECRET, "LLMSERVER_INSTANCES__BASE_PORT": str(free_port_range(4)),
+           "LLMSERVER_INSTANCES__STALL_TIMEOUT": "3", "LLMSERVER_INSTANCES__HEALTH_INTERVAL": "0.5"}  # fmt: skip
+    node = spawn(
+        [sys.executable, "-m", "llmserver", "node", "--config", str(data / "config.toml"), "--data-dir", str(data),
+         "--redis-url", redis_server.url],
+        root / "node.log", env,
+    )  # fmt: skip
+    # The pattern check opened up (as test_watchdog.py does on one host): the hang is what is tested.
+    gateway = Server(
+        data_dir=root / "gateway", config="limits.max_pattern_cost = 1000000000000\n" + MODELS,
+        env={"LLMSERVER_ROLE": "gateway", "LLMSERVER_STATE__REDIS_URL": redis_server.url, "LLMSERVER_ADMIN_KEY": ADMIN},
+        instance_key=SECRET,
+    )  # fmt: skip
+    try:
+        running = Host(gateway.start(), root / "node.log")
+        assert wait_for(lambda: len(running.instances()) == 1, 120), running.node_log.read_text()
+        yield running
+    finally:
+        gateway.stop()
+        node.terminate()
+        node.wait(30)
+
+
+def test_a_node_restarts_its_instance_that_makes_no_progress_on_a_gateways_request(host: Host) -> None:
+    key = create_key(host.gateway.data_dir, "hanging")
+    headers = {"Authorization": f"Bearer {key}"}
+    (before,) = host.instances()
+    body = {
+        "messages": [{"role": "user", "content": "Say a."}],
+        "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"pattern": HANGS}}},
+    }
+    sent = time.monotonic()
+    answer = httpx.post(host.gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+    took = time.monotonic() - sent
+    assert answer.status_code >= 500, answer.text  # the instance it was on was restarted under it
+    assert took < 60, took  # the gateway's request_timeout is 600 s
+    # The node restarted it: the same instance, a new process, serving again.
+    assert wait_for(lambda: [i["pid"] for i in host.instances()] not in ([], [before["pid"]]), 60)
+    (after,) = host.instances()
+    assert after["instance_id"] == before["instance_id"]
+    again = httpx.post(host.gateway.url + "/api/generate", json={"prompt": "Hi", "max_tokens": 2}, headers=headers,
+                       timeout=120)  # fmt: skip
+    assert again.status_code == 200, again.text
+    print(f"\nthe hung request failed after {took:.1f} s ({answer.status_code}: {answer.text[:160]})")
