@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -63,7 +62,7 @@ class InstanceCalls:
                     answer = await _client(ticket).post_json(path, sent, fresh=attempt > 1, timeout=self.timeout)
                     if span is not None:
                         _first_token_event(span, answer)
-                _answered(ticket)
+                ticket.lease.answered()
                 return answer
             except ContextLengthExceeded as exc:
                 _name_prompt(exc, ticket)
@@ -84,7 +83,7 @@ class InstanceCalls:
                 sent = await self._isolated(ticket, path, payload)
                 events = _client(ticket).stream(path, sent, fresh=attempt > 1, timeout=self.timeout)
                 first = await anext(events)
-                _answered(ticket)
+                ticket.lease.answered()
                 if span is not None:
                     span.add_event("first token")
                     ticket.tally.span = span  # ended with the request (metrics/recorder.py, close)
@@ -160,17 +159,11 @@ def _name_prompt(exc: ContextLengthExceeded, ticket: Ticket) -> None:
     exc.param = PROMPT_PARAM.get(ticket.tally.endpoint, "prompt")
 
 
-def _answered(ticket: Ticket) -> None:
-    """The instance answered: proof enough that it is alive (the supervisor skips its next probe)."""
-    if ticket.lease.instance is not None:
-        ticket.lease.instance.answered_at = time.monotonic()
-
-
 def _client(ticket: Ticket) -> LlamaServerClient:
-    instance = ticket.lease.instance
-    if instance is None or instance.client is None:
+    client = ticket.lease.client
+    if client is None:
         raise InstanceUnavailable("The instance went away.")
-    return instance.client
+    return client
 
 
 def _call_attributes(ticket: Ticket, attempt: int) -> dict[str, str | int]:

@@ -303,7 +303,7 @@ class GenerationService:
         images count as their place in the template only); nothing is generated or charged."""
         payload, _ = await self._call_first(ticket, lambda: self._chat_payload(ticket, request, counting=True))
         with closed_on_failure(ticket):
-            client = ticket.lease.instance.client if ticket.lease.instance is not None else None
+            client = ticket.lease.client
             if client is None:
                 raise ServerError("The instance went away.")
             template = {key: payload[key] for key in TEMPLATE_FIELDS if key in payload}

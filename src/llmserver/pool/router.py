@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 
 from llmserver.errors import ModelNotFound
+from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.instance import Instance
 from llmserver.pool.pool import ModelPool
 
@@ -40,6 +41,16 @@ class Lease:
         if self.keep_alive is not None:
             self.instance.keep_until = max(self.instance.keep_until, time.time() + self.keep_alive)
         return self.instance
+
+    @property
+    def client(self) -> LlamaServerClient | None:
+        """The client of the instance it holds a slot on (None: none, or the instance went away)."""
+        return self.instance.client if self.instance is not None else None
+
+    def answered(self) -> None:
+        """Its instance answered: proof enough that it is alive (the supervisor skips its next probe)."""
+        if self.instance is not None:
+            self.instance.answered_at = time.monotonic()
 
     def release(self, finished: bool = True) -> None:
         """Give the slot back; `finished`: the request ended normally (else its slot may still be
