@@ -39,6 +39,7 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
         loop.add_signal_handler(stop_signal, stop.set)
     publisher = Publisher(client, supervisor, node_id)
     supervisor.drain_wait = publisher.settle  # a drain waits for the gateways' requests on the instance
+    supervisor.on_stall = publisher.stalled  # the gateways learn why their requests on it were dropped
     assignments = Assignments(client, supervisor, settings, node_id) if not models else None
     if assignments is not None:
         publisher.extra, publisher.scheduled, publisher.on_release = assignments.record, True, assignments.release

@@ -22,6 +22,8 @@ from llmserver.cluster.records import (
     PUBLISH_EVERY,
     PUBLISHED,
     READ_EVERY,
+    STALL_KEY,
+    STALL_NOTE_SECONDS,
     STOPPED_MS,
     record,
     scan_json,
@@ -82,6 +84,13 @@ class Publisher:
         while True:
             await self.publish()
             await asyncio.sleep(PUBLISH_EVERY)
+
+    async def stalled(self, instance: Instance, bound: float) -> None:
+        """Before the watchdog restarts an instance that made no progress (the supervisor's `on_stall`):
+        a note of its process and why, so that a gateway whose request that process drops fails it with
+        the reason instead of sending it again to hang the restarted one (cluster/registry.py)."""
+        note = {"pid": instance.pid, "failure": f"made no progress for {bound:.0f} s on node {self.node_id}"}
+        await self._redis.set(STALL_KEY + instance.id, json.dumps(note), ex=STALL_NOTE_SECONDS)
 
     async def publish(self) -> None:
         live = [i for i in self._supervisor.all_instances() if i.status in PUBLISHED and i.client is not None]

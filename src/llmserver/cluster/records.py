@@ -19,6 +19,10 @@ NODE_KEY = "llmserver:node:"
 LOAD_KEY = "llmserver:load:"
 LOAD_CHANNEL = "llmserver:load"
 ASSIGN_KEY = "llmserver:assign:"  # + node id: what the scheduler (cluster/scheduler.py) has it run
+# + instance id: the process of a node's instance that its watchdog restarted, and why (cluster/publisher.py
+# `stalled`): a gateway whose request that process drops fails it with the reason rather than sending it again.
+STALL_KEY = "llmserver:stalled:"
+STALL_NOTE_SECONDS = 300
 STATUS_KEY = "llmserver:schedule"  # the scheduler's last round: the catalog, and what it could not place
 LEASE_MS = 3000
 STOPPED_MS = 5000  # how long a cleanly stopped node's instances stay in the registry, marked stopped

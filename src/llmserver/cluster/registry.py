@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmserver.cluster.commands import NodeCommands
-from llmserver.cluster.records import KEY, LEASE_MS, LOAD_KEY, READ_EVERY, STATUS_KEY, scan_json
+from llmserver.cluster.records import KEY, LEASE_MS, LOAD_KEY, READ_EVERY, STALL_KEY, STATUS_KEY, scan_json
 from llmserver.cluster.remote import RemoteInstance
 from llmserver.cluster.sharing import LoadSharing
 from llmserver.errors import InvalidRequest, NotFound
@@ -317,6 +317,17 @@ class Registry:
         if joined is None:
             raise NotFound("The node started the instance but it is not in the registry yet; list instances again.")
         return joined
+
+    async def stall_reason(self, instance: RemoteInstance, pid: int | None) -> str | None:
+        """Why its node's watchdog restarted the process `pid` of the instance, if it did (its note)."""
+        try:
+            note = await self._redis.get(STALL_KEY + instance.id)
+        except Exception:  # Redis unreachable: a dropped connection, as far as this gateway knows
+            return None
+        if not note or pid is None:
+            return None
+        stalled = json.loads(note)
+        return str(stalled["failure"]) if stalled.get("pid") == pid else None
 
     async def drain(self, instance: RemoteInstance, timeout: float) -> None:
         """Drain an instance on its node; it leaves this gateway's pool at once."""

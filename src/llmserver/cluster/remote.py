@@ -16,6 +16,7 @@ class Home(Protocol):
 
     def unreachable(self, instance: RemoteInstance) -> None: ...
     async def drain(self, instance: RemoteInstance, timeout: float) -> None: ...
+    async def stall_reason(self, instance: RemoteInstance, pid: int | None) -> str | None: ...
 
 
 @dataclass(eq=False)
@@ -67,7 +68,10 @@ class RemoteInstance(Instance):
         return True
 
     async def answers_slots(self, timeout: float) -> bool:
-        return True  # a node's: its gateways' request_timeout applies (the node sees no requests)
+        return True  # its node's watchdog probes it (the node sees no requests: it probes them all)
+
+    async def stall_reason(self, pid: int | None) -> str | None:
+        return None if self.registry is None else await self.registry.stall_reason(self, pid)
 
     async def stop(self, grace: float = 10.0) -> None:
         if self.client is not None:

@@ -56,6 +56,7 @@ class InstanceCalls:
     async def call(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
         """One non-streamed call's JSON answer."""
         for attempt in range(1, self.attempts + 1):
+            pid = _pid(ticket)
             try:
                 sent = await self._isolated(ticket, path, payload)
                 with tracing.span("instance call", _call_attributes(ticket, attempt)) as span:
@@ -68,7 +69,7 @@ class InstanceCalls:
                 _name_prompt(exc, ticket)
                 raise
             except InstanceUnavailable:
-                await self._after_failure(ticket, attempt)
+                await self._after_failure(ticket, attempt, pid)
         raise AssertionError("unreachable")
 
     async def open_stream(
@@ -79,6 +80,7 @@ class InstanceCalls:
         for attempt in range(1, self.attempts + 1):
             # A generator that raised is finished: nothing to close but on success.
             span = tracing.start("instance call", _call_attributes(ticket, attempt)) if tracing.on() else None
+            pid = _pid(ticket)
             try:
                 sent = await self._isolated(ticket, path, payload)
                 events = _client(ticket).stream(path, sent, fresh=attempt > 1, timeout=self.timeout)
@@ -97,17 +99,18 @@ class InstanceCalls:
                 raise UpstreamError("The instance closed the stream without sending anything.") from None
             except InstanceUnavailable as exc:
                 tracing.end(span, exc)
-                await self._after_failure(ticket, attempt)
+                await self._after_failure(ticket, attempt, pid)
             except BaseException as exc:
                 tracing.end(span, exc)
                 raise
         raise AssertionError("unreachable")
 
-    async def _after_failure(self, ticket: Ticket, attempt: int) -> None:
+    async def _after_failure(self, ticket: Ticket, attempt: int, pid: int | None) -> None:
         """Report the instance to its pool and give its slot back; then raise on the last attempt, or
-        take a fresh slot for the next one."""
+        take a fresh slot for the next one. Not sent again when the watchdog restarted its instance's
+        process `pid` under it (here or on its node)."""
         instance = ticket.lease.instance
-        stalled = stalled_error(ticket)
+        stalled = await stalled_error(ticket, pid)
         if stalled is not None:
             ticket.lease.failed()
             raise stalled  # sent again, it would hold the next instance the same way
@@ -125,15 +128,25 @@ class InstanceCalls:
         await self._admission.take_slot(ticket)
 
 
-def stalled_error(ticket: Ticket) -> GatewayTimeout | None:
-    """The error for a request whose instance the watchdog restarted (its main loop made no progress)."""
+async def stalled_error(ticket: Ticket, pid: int | None = None) -> GatewayTimeout | None:
+    """The error for a request whose instance's process (`pid`: the one it was sent to; by default the
+    instance's) the watchdog restarted, here or on its node: its main loop made no progress."""
     instance = ticket.lease.instance
-    if instance is None or not instance.stalled:
+    if instance is None:
+        return None
+    reason = await instance.stall_reason(pid if pid is not None else instance.pid)
+    if reason is None:
         return None
     return GatewayTimeout(
-        f"The model's instance {instance.failure or 'made no progress'}, so it was restarted and this request "
-        "ended. A JSON schema whose pattern nests repetitions, or a very long prompt on a slow machine, can cause this."
+        f"The model's instance {reason}, so it was restarted and this request ended. A JSON schema whose "
+        "pattern nests repetitions, or a very long prompt on a slow machine, can cause this."
     )
+
+
+def _pid(ticket: Ticket) -> int | None:
+    """The process of the instance a call goes to (a node restarts its instance under a new one)."""
+    instance = ticket.lease.instance
+    return instance.pid if instance is not None else None
 
 
 def _prompt_identity(payload: JSON) -> tuple[int, int]:

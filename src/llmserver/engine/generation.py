@@ -485,7 +485,7 @@ class GenerationService:
                     batch = None
             outcome = "ok"
         except APIError as exc:
-            exc = stalled_error(ticket) or exc  # its instance was restarted under it: say why
+            exc = await stalled_error(ticket) or exc  # its instance was restarted under it: say why
             outcome = exc.type
             yield voice.error(exc.body())
         except Exception:

@@ -547,6 +547,11 @@ class Instance:
             return False
         return await asyncio.to_thread(self.client.health_in_thread, timeout)
 
+    async def stall_reason(self, pid: int | None) -> str | None:
+        """Why the watchdog restarted the process `pid` of this instance (a request it dropped ends with it,
+        not sent again); None when it did not."""
+        return (self.failure or "made no progress") if self.stalled else None
+
     async def answers_slots(self, timeout: float) -> bool:
         """Whether llama-server's main loop answers /slots within `timeout` seconds. /health is answered
         by its HTTP threads alone; /slots waits for the loop that runs every slot, so an instance whose

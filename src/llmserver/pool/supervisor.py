@@ -95,6 +95,8 @@ class Supervisor:
         self.remote: Nodes | None = None  # a gateway of role `gateway`: the nodes' instances
         # A node's: waits for the gateways' requests on a draining instance (Publisher.settle).
         self.drain_wait: Callable[[Instance, float], Awaitable[None]] | None = None
+        # A node: told (bound in seconds) before the watchdog restarts an instance that made no progress.
+        self.on_stall: Callable[[Instance, float], Awaitable[None]] | None = None
         # Conversations' prompt caches saved when an instance stops on purpose, restored by the next one.
         self.saved_prompts: SavedPrompts | None = None
         if settings.prompt_cache.isolation == "key" and settings.prompt_cache.disk_mb > 0:
@@ -647,6 +649,12 @@ class Supervisor:
                 "instance %s of %s made no progress for %.0f s with %s; key(s) %s sent what it was working on",
                 instance.id, instance.model.name, bound, flight, ", ".join(blamed) or "unknown",
             )  # fmt: skip
+            if self.on_stall is not None:  # before the process goes: its gateways then know why
+                try:
+                    async with asyncio.timeout(1.0):
+                        await self.on_stall(instance, bound)
+                except Exception as exc:  # Redis unreachable: the restart does not wait for it
+                    log.debug("the stall of instance %s was not published: %s", instance.id, exc)
             self.crashed(instance, f"made no progress for {bound:.0f} s with {flight}")
         finally:
             self._progress_probes.discard(instance.id)
