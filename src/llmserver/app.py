@@ -237,6 +237,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await recorder.flush()
             except APIError as exc:
                 log.error("usage rows and settlements could not be written before stopping: %s", exc.message)
+            await app.state.audit.flush()  # the rows of the last admin actions, written after their answers
             await lease.stop()
             if shared is not None:
                 await shared.close()

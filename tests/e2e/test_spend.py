@@ -66,6 +66,8 @@ def test_each_request_costs_its_tokens_at_its_model_s_prices_and_usage_reports_t
     admin = httpx.get(priced.url + "/api/usage", params={"key": "*"}, headers={"Authorization": f"Bearer {ADMIN}"})
     by_key = admin.json()["by_key"]
     assert [k["cost"] for k in by_key.values()] == [summary["cost"]]
+    points = httpx.get(priced.url + "/api/usage/series", params={"bucket": "hour"}, headers=headers).json()["points"]
+    assert sum(p["cost"] for p in points) == pytest.approx(summary["cost"], abs=1e-6)  # the chart's spend
 
 
 def test_a_model_without_prices_records_no_cost_until_the_catalog_gives_it_prices(priced: Server) -> None:

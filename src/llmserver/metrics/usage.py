@@ -107,7 +107,8 @@ def status_of(outcome: object) -> str:
 async def series(
     store: UsageStore, key_id: str | None, since: float, until: float, bucket: int, offset_minutes: int
 ) -> dict[str, Any]:
-    """The ledger per time bucket and model: requests, errors, cancelled, tokens, latency p50/p95. Buckets of
+    """The ledger per time bucket and model: requests, errors, cancelled, tokens, cost (None where no row of
+    the bucket was priced), latency p50/p95. Buckets of
     `bucket` seconds start at local midnight (or hour) for a clock `offset_minutes` ahead of UTC, so
     that a browser's days are its own."""
     if (until - since) / bucket > MAX_BUCKETS:
@@ -121,6 +122,7 @@ async def series(
     points = []
     for (start, model), rows in sorted(grouped.items()):
         latencies = [float(r["latency_ms"]) for r in rows]  # type: ignore[arg-type]
+        costs = [float(r["cost"]) for r in rows if r.get("cost") is not None]  # type: ignore[arg-type]
         points.append(
             {
                 "start": start,
@@ -130,6 +132,7 @@ async def series(
                 "cancelled": sum(1 for r in rows if status_of(r["outcome"]) == "cancelled"),
                 "prompt_tokens": sum(int(r["prompt_tokens"]) for r in rows),  # type: ignore[call-overload]
                 "completion_tokens": sum(int(r["completion_tokens"]) for r in rows),  # type: ignore[call-overload]
+                "cost": sum(costs) if costs else None,
                 "latency_p50_ms": round(_percentile(latencies, 0.5), 1),
                 "latency_p95_ms": round(_percentile(latencies, 0.95), 1),
             }
