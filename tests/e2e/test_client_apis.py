@@ -23,8 +23,8 @@ import openai
 import pytest
 
 from llmserver.models.files import embedded_model_path
-from tests.e2e.test_compat import Person
 from tests.support import COUNTING, MODEL, Server, assert_error, make_key_record, started, store_rows, wait_for
+from tests.support.structured import Person
 
 THINK = "smol-think"
 TEMPLATE = Path(__file__).parent.parent / "templates" / "chatml_think.jinja"

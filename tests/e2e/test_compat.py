@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel
 
 from llmserver.models.files import embedded_model_path as model_file
 from tests.support import MODEL, Server, assert_error, make_key
 from tests.support.jobs import independent_decrypt, new_key, poll_until_done
+from tests.support.structured import Person
 
 EMBED = "smol-embed"
 NATIVE = "smol-tools"
@@ -63,11 +63,6 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-class Person(BaseModel):
-    name: str
-    age: int
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,6 @@ import pytest
 import redis
 
 from llmserver.models.files import embedded_model_path
-from tests.e2e.test_worker_hosts import Node, add_host, ip
 from tests.support import (
     Server,
     SteadyStreams,
@@ -42,6 +41,7 @@ from tests.support import (
     stream,
     wait_for,
 )
+from tests.support.hosts import NodeProcess, add_host, ip
 from tests.support.services import Postgres, Redis
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ COMPOSE_VALUES = {
 CHAT = {"name": "chat", "min_instances": 2, "max_instances": 3, "parallel": 2, "ctx_size": 512, "threads": 1}
 
 
-class ScheduledNode(Node):
+class ScheduledNode(NodeProcess):
     """A worker host whose node has no [[models]]: it runs what the scheduler assigns it, its instances
     on plain HTTP (a private test network), its home folder its own (a model path `~/…` is per host)."""
 

@@ -38,6 +38,7 @@ from tests.support import (
     tls_certificates,
     wait_for,
 )
+from tests.support.hosts import NodeProcess, add_host, ip
 from tests.support.services import Postgres, Redis
 
 # Four hosts, nodes killed and restarted, about 90 s: selected out by -m 'not slow'.
@@ -63,17 +64,8 @@ instance_queue = 0  # what these tests count: the slots and the gateways' one qu
 """
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-@dataclass
-class Node:
-    index: int
-    root: Path
-    redis_url: str
-    process: subprocess.Popen[bytes] | None = None
-    starts: int = 0
+class Node(NodeProcess):
+    """A worker host's node: its own [[models]], its instances on HTTPS with the instance key."""
 
     @property
     def namespace(self) -> str:
@@ -82,10 +74,6 @@ class Node:
     @property
     def address(self) -> str:
         return f"{NET}.{10 + self.index}"
-
-    @property
-    def log(self) -> Path:
-        return self.root / f"node{self.index}-{self.starts}.log"
 
     def start(self) -> Node:
         self.starts += 1
@@ -104,19 +92,6 @@ class Node:
             self.log, env,
         )  # fmt: skip
         return self
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @dataclass
@@ -189,20 +164,6 @@ def tls_files(root: Path) -> tuple[Path, Path, Path]:
     return paths
 
 
-def add_host(index: int, namespace: str, bridge: str = BRIDGE, net: str = NET, veth: str = "llms-") -> None:
-    """A test host: a network namespace with its veth pair (`veth`h/n + index) on the bridge, at net.(10 + index)."""
-    subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)  # left by a killed run
-    outside, inside = f"{veth}h{index}", f"{veth}n{index}"
-    ip("netns", "add", namespace)
-    ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-    ip("link", "set", inside, "netns", namespace)
-    ip("link", "set", outside, "master", bridge)
-    ip("link", "set", outside, "up")
-    ip("netns", "exec", namespace, "ip", "addr", "add", f"{net}.{10 + index}/24", "dev", inside)
-    ip("netns", "exec", namespace, "ip", "link", "set", inside, "up")
-    ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
-
-
 WORKERS = {1: "llms-w1", 2: "llms-w2"}  # NET.11, NET.12
 GUIDE_HOST = 3  # NET.13: the worker host of the Worker hosts guide, run as written
 GATEWAYS = {11: "llms-g1", 12: "llms-g2"}  # NET.21, NET.22
@@ -222,7 +183,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     redis = postgres = running = None
     try:
         for index, namespace in {**WORKERS, **GATEWAYS}.items():
-            add_host(index, namespace)
+            add_host(index, namespace, BRIDGE, NET)
         redis = Redis(bind=f"{NET}.1 127.0.0.1").start()
         postgres = Postgres(listen=f"{NET}.1,127.0.0.1", trust=f"{NET}.0/24").start()
         running = Hosts(root, redis)
@@ -759,7 +720,7 @@ def test_the_worker_hosts_guide_runs_as_written(hosts: Hosts, tmp_path: Path) ->
     for old, new in replacements.items():
         lines = [line.replace(old, new) for line in lines]
     namespace = f"llms-w{GUIDE_HOST}"
-    add_host(GUIDE_HOST, namespace)
+    add_host(GUIDE_HOST, namespace, BRIDGE, NET)
     processes = []
     try:
         for where, line in ((namespace, lines[0]), ("llms-g1", lines[1])):
