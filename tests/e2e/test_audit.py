@@ -59,11 +59,11 @@ def test_every_admin_action_is_one_row_naming_who_what_and_the_change_never_a_se
 
     rows = [row for row in audited(server, admin, limit=50)["data"] if row["id"] > start][::-1]
     assert [(r["action"], r["target"], r["status"]) for r in rows] == [
-        ("keys.create", None, 201),
+        ("keys.create", made_id, 201),  # a create's target is what its answer names
         ("keys.update", made_id, 200),
         ("keys.update", made_id, 400),
         ("keys.delete", made_id, 200),
-        ("models.create", None, 201),
+        ("models.create", "audited-model", 201),
         ("models.start", "audited-model", 200),
         ("models.delete", "audited-model", 200),
         ("nodes.drain", "no-such-node", 404),
@@ -82,7 +82,7 @@ def test_every_admin_action_is_one_row_naming_who_what_and_the_change_never_a_se
     first = audited(server, admin, target=made_id, limit=2)
     assert [r["action"] for r in first["data"]] == ["keys.delete", "keys.update"] and first["has_more"]
     rest = audited(server, admin, target=made_id, limit=2, before=first["next_before"])
-    assert [r["action"] for r in rest["data"]] == ["keys.update"] and not rest["has_more"]
+    assert [r["action"] for r in rest["data"]] == ["keys.update", "keys.create"] and not rest["has_more"]
     assert audited(server, admin, key=me["id"], since=rows[0]["time"])["data"][-1]["id"] == rows[0]["id"]
 
     # Counted when it went through (the refused change and the unknown node are not).
@@ -96,7 +96,7 @@ def test_every_admin_action_is_one_row_naming_who_what_and_the_change_never_a_se
     listed = cli(server.data_dir, "audit", "list", "--url", server.url, "--key", admin, "--target", made_id)
     assert listed.returncode == 0, listed.stderr
     assert [line.split()[2:4] for line in listed.stdout.splitlines()] == [
-        ["keys.delete", made_id], ["keys.update", made_id], ["keys.update", made_id]
+        ["keys.delete", made_id], ["keys.update", made_id], ["keys.update", made_id], ["keys.create", made_id]
     ]  # fmt: skip
     as_json = cli(server.data_dir, "audit", "list", "--url", server.url, "--key", admin, "--action", "keys.create",
                   "--json", "--limit", "1")  # fmt: skip

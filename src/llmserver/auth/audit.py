@@ -119,7 +119,10 @@ class Audit:
         change = change_of(body, query, self._recorded)
         return Action(time.time(), key_id, key_name, action, target, change, client, request_id)
 
-    def record(self, action: Action, status: int) -> None:
+    def record(self, action: Action, status: int, created: str | None = None) -> None:
+        """Write the action's row with its answer's status (`created`: what a create made, its target)."""
+        if action.target is None and created is not None:
+            action = dataclasses.replace(action, target=created)
         task = asyncio.get_running_loop().create_task(self._write(action, status))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)

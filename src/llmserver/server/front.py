@@ -23,6 +23,7 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -72,13 +73,16 @@ class Front:
         logged = access_log.isEnabledFor(logging.INFO)
         started = time.perf_counter() if logged else 0.0
         status = 0
+        created: str | None = None  # what an audited create made (its answer names it)
         sent_id = scope_header(scope, b"x-request-id")
         rid = new_request_id(sent_id.decode("latin-1") if sent_id is not None else None)
         rid_token = request_id.set(rid)  # in every log line of this request, and its tasks'
         id_header = (b"x-request-id", rid.encode())
 
         async def front_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, created
+            if status == 201 and created is None and "audit" in scope.get("state", {}):
+                created = created_name(message.get("body", b""))
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message = {**message, "headers": [*message.get("headers", []), id_header]}
@@ -98,7 +102,7 @@ class Front:
         finally:
             del scope[RAW_SEND]  # the server's `send` points at its connection: nothing keeps it past here
             if (action := scope.get("state", {}).get("audit")) is not None:  # an admin action, noted by its route
-                self._audit().record(action, status or 500)
+                self._audit().record(action, status or 500, created)
             if logged:
                 _log_access(scope, status, started)
             request_id.reset(rid_token)
@@ -134,6 +138,19 @@ class Front:
             return start  # the database went away after the answer was made: send it without them
         extra = [(k.encode(), v.encode()) for k, v in headers.items()]
         return {**start, "headers": [*start.get("headers", []), *extra]}
+
+
+def created_name(body: bytes) -> str | None:
+    """What a create's JSON answer names the new thing by (a key's id, an instance's, a model's name)."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(answer, dict):
+        for field in ("id", "instance_id", "name"):
+            if isinstance(answer.get(field), str):
+                return str(answer[field])
+    return None
 
 
 def _content_length(scope: Scope) -> int | None:
