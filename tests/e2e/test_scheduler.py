@@ -219,8 +219,19 @@ def test_a_model_at_zero_starts_on_its_first_request_through_the_other_gateway(c
     assert metric(first, ADMIN, "llmserver_cold_starts_total", model="cold") == 0
     assert wait_for(lambda: cluster.instances(second, "cold") == [], 30)  # idle 4 s: stopped
     print(f"cold start across hosts: first request answered in {took:.1f} s")
+
     # A request's keep_alive reaches the node that runs the instance (through the gateway's load): the
     # instance is kept past its idle_timeout until then, by the node and the scheduler alike, and goes after.
+    # (Once the stopped one is gone from both gateways: one that still routes to it would send the request
+    # to an instance its node is already stopping.)
+    def listed_anywhere() -> bool:
+        return any(
+            i["model"] == "cold"
+            for g in cluster.gateways
+            for i in cluster.call(g, "GET", "/api/instances").json()["data"]
+        )
+
+    assert wait_for(lambda: not listed_anywhere(), 30)
     kept = httpx.post(first.url + "/api/generate", timeout=120, headers={"Authorization": f"Bearer {key}"},
                       json={"model": "cold", "prompt": "Hi.", "max_tokens": 4, "keep_alive": 12})  # fmt: skip
     assert kept.status_code == 200, kept.text
