@@ -367,6 +367,13 @@ class LimitSettings(Section):
         description="Seconds a request may wait in the gateway's queue for a free slot or instance_queue place (or a "
         "cold start) before it fails with 504 (503); one an instance holds waits there under request_timeout.",
     )
+    fair_slice: float = Field(
+        default=2.0,
+        ge=0,
+        description="Seconds a streamed generation runs before, while another key waits with fewer than its share "
+        "of the model's slots, it gives its slot back and goes on from where it stopped once one frees (its "
+        "client sees a pause, nothing lost); 0: a request keeps its slot to its end.",
+    )
     max_keep_alive: float = Field(
         default=3600.0, ge=0, description="Most seconds a request's keep_alive may keep its instance from idling out."
     )

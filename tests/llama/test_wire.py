@@ -417,3 +417,55 @@ def test_https_verifies_the_instance_certificate_and_refuses_an_unknown_one(tmp_
             await listener.wait_closed()
 
     run(test)
+
+
+def test_a_stopped_stream_raises_preempted_wherever_it_waits_and_its_connection_closes() -> None:
+    """`Stopper.stop()` from another task ends a stream before its headers, mid-body (also while a pump
+    takes the events), or before it is sent at all: wire.Preempted (not an instance failure), the
+    connection closed (what tells llama-server to stop generating) and never reused."""
+
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        if b"/silent" in head:
+            await asyncio.sleep(3600)
+        if b"/stream" in head:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            event = b'data: {"choices":[{"text":"x"}]}\n\n'
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(3600)
+        return await json_answer()(head, writer)
+
+    async def test() -> None:
+        async with serving(answer) as (server, _):
+            client = LlamaServerClient(f"http://127.0.0.1:{server.port}")
+            loop = asyncio.get_running_loop()
+            stopper = wire.Stopper()
+            loop.call_later(0.2, stopper.stop)
+            with pytest.raises(wire.Preempted):
+                await anext(client.stream("/silent", {}, stopper=stopper))  # waiting for the headers
+            assert stopper.connection is None and not client._pool._busy and not client._pool._idle
+
+            for pumped in (False, True):
+                stopper = wire.Stopper()
+                events = client.stream("/stream", {}, stopper=stopper)
+                assert await anext(events) == [b'{"choices":[{"text":"x"}]}']
+                loop.call_later(0.2, stopper.stop)
+                with pytest.raises(wire.Preempted):  # waiting for the next piece, read or pumped
+                    await events.asend((lambda batch: True) if pumped else None)
+                assert stopper.connection is None and not client._pool._busy and not client._pool._idle
+
+            stopper = wire.Stopper()
+            stopper.stop()
+            sent = len(server.heads)
+            with pytest.raises(wire.Preempted):
+                await anext(client.stream("/stream", {}, stopper=stopper))
+            assert len(server.heads) == sent  # stopped before it was sent: nothing sent
+
+            ok = wire.Stopper()
+            assert await client.post_json("/ok", {}) == {"ok": True}  # the pool serves on
+            ok.stop()  # a stopper whose request is over touches nothing
+            assert await client.post_json("/ok", {}) == {"ok": True}
+            assert server.connections == 4  # the three stopped ones were not reused
+            await client.close()
+
+    run(test)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from llmserver.errors import GatewayTimeout, Overloaded
 from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.affinity import Candidate, ranked
 from llmserver.pool.instance import Status, llama_server_args, slot_context
-from llmserver.pool.pool import ModelPool
+from llmserver.pool.pool import ModelPool, Turn
 from llmserver.pool.router import Lease
 from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.pool.supervisor import Supervisor
@@ -409,3 +410,83 @@ def test_with_saved_prompts_requests_on_one_slot_run_in_turn_and_a_cancelled_wai
         await close(instance)
 
     run(scenario)
+
+
+def test_a_key_below_its_share_gets_a_slot_given_back_within_the_slice() -> None:
+    """Fair shares bounded in time (pool/pool.py): one key's streams hold both slots and both places in
+    the instance's queue. Alone, it keeps them all. When another key's request comes, the streams still
+    queued in llama-server give their places back at once, a running one only once it has run
+    `fair_slice` seconds; the waiting key takes a free slot, never a queue place behind the generations."""
+
+    async def scenario() -> None:
+        pool, _ = make_pool(max_queue=8, parallel=2, instance_queue=2)
+        pool.fair_slice = 0.3
+        instance = await ready_instance(pool.config, 1)
+        pool.instances.append(instance)
+        asked: list[str] = []
+        turns = {}
+        for name, running in (("run1", True), ("run2", True), ("queued1", False), ("queued2", False)):
+            assert await pool.acquire("heavy") is instance
+            turns[name] = Turn("heavy", lambda name=name: asked.append(name), running)
+            pool.offer(turns[name])
+        own = asyncio.create_task(pool.acquire("heavy"))  # the same key waiting: nothing given back
+        await asyncio.sleep(0)
+        assert asked == [] and not own.done()
+
+        light = asyncio.create_task(pool.acquire("light"))
+        await asyncio.sleep(0)
+        assert sorted(asked) == ["queued1", "queued2"]  # they lose nothing: at once
+        for _ in asked:
+            pool.release(instance, "heavy")  # they stop, and would wait again (resumed)
+        await asyncio.sleep(0)
+        assert not light.done()  # a free place in the instance's queue, not a slot: it waits
+        assert await wait_until(lambda: len(asked) == 3, 5)
+        assert asked[2] in ("run1", "run2") and pool.yields == 3
+        pool.release(instance, "heavy")
+        assert await light is instance  # the slot given back
+        # The heavy key's own new request may queue in the instance behind its own generation; the ones that
+        # gave their places back wait for a free slot (engine/generation.py sends them with resumed=True).
+        assert await own is instance and instance.load == 3
+        resumed = asyncio.create_task(pool.acquire("heavy", resumed=True))
+        await asyncio.sleep(0)
+        assert not resumed.done()
+        pool.release(instance, "light")
+        await asyncio.sleep(0)
+        assert not resumed.done()  # two requests on two slots (one in fact queued): still no free slot
+        pool.release(instance, "heavy")
+        assert await resumed is instance
+        for _ in range(2):
+            pool.release(instance, "heavy")
+        assert instance.load == 0
+        await close(instance)
+
+    run(scenario)
+
+
+def test_fair_slice_zero_keeps_every_slot_to_its_end() -> None:
+    async def scenario() -> None:
+        pool, _ = make_pool(max_queue=8, parallel=1)
+        pool.fair_slice = 0.0
+        instance = await ready_instance(pool.config, 1)
+        pool.instances.append(instance)
+        asked: list[str] = []
+        await pool.acquire("heavy")
+        pool.offer(Turn("heavy", lambda: asked.append("heavy"), running=True, since=0.0))
+        light = asyncio.create_task(pool.acquire("light"))
+        await asyncio.sleep(0.05)
+        assert asked == [] and not light.done() and pool.yields == 0
+        pool.release(instance, "heavy")
+        assert await light is instance
+        pool.release(instance, "light")
+        await close(instance)
+
+    run(scenario)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True

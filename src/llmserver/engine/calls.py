@@ -20,6 +20,7 @@ import orjson
 
 from llmserver import tracing
 from llmserver.errors import ContextLengthExceeded, GatewayTimeout, InstanceUnavailable, UpstreamError
+from llmserver.llama import wire
 from llmserver.llama.client import LlamaServerClient, Sink
 from llmserver.pool.admission import Admission, Ticket
 
@@ -73,17 +74,18 @@ class InstanceCalls:
         raise AssertionError("unreachable")
 
     async def open_stream(
-        self, ticket: Ticket, path: str, payload: JSON
+        self, ticket: Ticket, path: str, payload: JSON, stopper: wire.Stopper | None = None
     ) -> tuple[list[bytes], AsyncGenerator[list[bytes], Sink | None]]:
         """A streamed call's first events' data, and the rest of them, in the batches they arrived in
-        (the caller closes them); the whole stream is bounded by the timeout."""
+        (the caller closes them); the whole stream is bounded by the timeout. `stopper` may end it early
+        (wire.Preempted, from here or from the rest of the events)."""
         for attempt in range(1, self.attempts + 1):
             # A generator that raised is finished: nothing to close but on success.
             span = tracing.start("instance call", _call_attributes(ticket, attempt)) if tracing.on() else None
             pid = _pid(ticket)
             try:
                 sent = await self._isolated(ticket, path, payload)
-                events = _client(ticket).stream(path, sent, fresh=attempt > 1, timeout=self.timeout)
+                events = _client(ticket).stream(path, sent, fresh=attempt > 1, timeout=self.timeout, stopper=stopper)
                 first = await anext(events)
                 ticket.lease.answered()
                 if span is not None:

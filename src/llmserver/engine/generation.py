@@ -26,13 +26,14 @@ from typing import Any, TypeVar
 
 from llmserver.asgi_ext import Writer  # bytes straight to a stream's client; False: no more for now
 from llmserver.auth.keys import Principal
-from llmserver.engine import reasoning, shapes, translate
+from llmserver.engine import reasoning, resume, shapes, translate
 from llmserver.engine.calls import InstanceCalls, stalled_error
 from llmserver.engine.schemas import check_schema
 from llmserver.engine.tools import ToolPlan, added_prompt, check_request, json_schema_format
 from llmserver.errors import APIError, ContextLengthExceeded, InvalidRequest, ServerError
 from llmserver.inputs.documents import native_file_parts
 from llmserver.inputs.prepare import CHAT, InputService, NativeWhere, Where, text_bound
+from llmserver.llama import wire
 from llmserver.llama.client import Sink, parse_event
 from llmserver.llama.template import Template
 from llmserver.metrics.recorder import Tally, UsageRecorder
@@ -391,7 +392,8 @@ class GenerationService:
     ) -> AsyncGenerator[bytes, Writer | None]:
         """The stream's SSE body, in `voice`'s events. Where the server sends in a `Writer`
         (`api/events.py`), the events after the first are pumped: each batch shaped and written in the
-        callback that received it."""
+        callback that received it. A resumable stream (engine/resume.py) may be asked to give its slot
+        back to another key's request: it waits for a slot again and goes on from where it stopped."""
         tally = ticket.tally
         outcome = "client_closed"
         events: AsyncGenerator[list[bytes], Sink | None] | None = None
@@ -399,8 +401,11 @@ class GenerationService:
             # Progress events carry the prompt's token count up front: a client that leaves early is
             # still charged for its prompt, not only for the tokens it received.
             payload, shape = await prepared()
+            payload = {**payload, "return_progress": True}
+            pool = ticket.lease.pool
+            yields = bool(pool.fair_slice) and resume.resumable(path, payload, pool.config, shape.tokens is not None)
             with schema_errors(shape.schema_param):
-                first, events = await self.calls.open_stream(ticket, path, {**payload, "return_progress": True})
+                first, events = await self._opened(ticket, path, payload, yields)
         except BaseException as exc:
             ticket.close(outcome_of(exc))
             raise
@@ -412,25 +417,34 @@ class GenerationService:
         text_of, pieces_of = voice.text, voice.pieces
         named_stop: str | None = None  # "" or the stop sequence, once llama.cpp's `__verbose` has come
         quiet_since = time.monotonic()  # when the client last got bytes
+        said: list[bytes | str] | None = [] if yields else None  # the answer's text so far, while resumable
+        cut = 0  # characters at the start of a resumed chat's stream that repeat what was said
+        # Once resumed: the first prompt's tokens, those read from the cache, and the tokens generated
+        # before the current call (the usage counts the first prompt once and every generated token).
+        before: tuple[int, int, int] | None = None
 
         def shaped(batch: list[bytes]) -> bytes:
             """Our chunks for a batch of llama-server's events: what arrived together goes out together."""
-            nonlocal sent_any, usage, named_stop, quiet_since
+            nonlocal sent_any, usage, named_stop, quiet_since, said, cut
             out: list[bytes] = []
             for data in batch:
-                if tokens is not None and (text := tokens.text(data)) is not None:
+                if tokens is not None and not cut and (text := tokens.text(data)) is not None:
                     if text != b'""':
                         token(tally)
                     sent_any = True
+                    if said is not None:
+                        said.append(text)
                     out.append(text_of(tokens, text))
                     continue
                 event = parse_event(data)
                 progress = event.get("prompt_progress")
-                if isinstance(progress, dict):
+                if isinstance(progress, dict) and before is None:
                     tally.prompt_tokens = int(progress.get("total") or 0)
                 choices = event.get("choices") or []
                 if "usage" in event:
                     usage = translate.usage(event)
+                    if before is not None:
+                        usage = _resumed_usage(usage, before)
                     tally.prompt_tokens, tally.completion_tokens = (
                         usage["prompt_tokens"],
                         usage["completion_tokens"],
@@ -438,17 +452,24 @@ class GenerationService:
                     tally.cached_tokens = translate.cached_tokens(usage)
                 if "__verbose" in event:
                     named_stop = shapes.stopping_word(event) or ""
-                if progress is not None and sent_any:
+                if progress is not None and sent_any and not cut:  # (a resumed chat's repeated text comes with it)
                     # The prompt is still being read (minutes, on a CPU, for an agent's prompt): after a
                     # quiet while, a comment that keeps the stream alive, which the other APIs turn into
                     # their own keepalive.
                     if time.monotonic() - quiet_since >= KEEPALIVE_SECONDS:
                         out.append(voice.reading())
                 elif choices:
-                    if _generated(choices[0]):
+                    choice = choices[0]
+                    if said is not None:
+                        choice, cut = _said(choice, said, cut)
+                        if choice is None:  # reasoning or a tool call: its rest could not be asked for
+                            said = None
+                            ticket.lease.keeps()
+                            choice = choices[0]
+                    if _generated(choice):
                         token(tally)
                     sent_any = True
-                    pieces = shape.pieces(choices[0])
+                    pieces = shape.pieces(choice)
                     if named_stop is not None:
                         for piece in pieces:
                             if piece.get("finish_reason"):
@@ -483,6 +504,20 @@ class GenerationService:
                     batch = await events.asend(pumped if writer is not None else None)
                 except StopAsyncIteration:
                     batch = None
+                except wire.Preempted:
+                    # Its slot went to a key below its share: wait for one again, then ask for the rest.
+                    await events.aclose()
+                    if before is None:
+                        before = (tally.prompt_tokens, tally.cached_tokens, 0)
+                    rest = resume.rest(path, payload, resume.said(said or []), tally.completion_tokens)
+                    if rest is None:  # max_tokens was reached as it stopped
+                        usage = _tallied(tally)
+                        writer = (yield pieces_of(shape.pieces(_LENGTH[path]))) or writer
+                        break
+                    continued, cut = rest
+                    await self.admission.requeue(ticket)
+                    batch, events = await self._opened(ticket, path, continued, True)
+                    before = (before[0], before[1], tally.completion_tokens)
             outcome = "ok"
         except APIError as exc:
             exc = await stalled_error(ticket) or exc  # its instance was restarted under it: say why
@@ -498,6 +533,65 @@ class GenerationService:
         await ticket.shared()  # before the client hears the end
         if closing := voice.closing(usage):
             yield closing
+
+    async def _opened(
+        self, ticket: Ticket, path: str, payload: JSON, yields: bool
+    ) -> tuple[list[bytes], AsyncGenerator[list[bytes], Sink | None]]:
+        """The stream's call opened (`calls.open_stream`). One that `yields` is offered to the pool as one
+        that can give its slot back: asked to before its first event (it waited in llama-server's queue),
+        it waits for a slot again and is sent again."""
+        while True:
+            stopper = wire.Stopper() if yields else None
+            if stopper is not None:
+                ticket.lease.yields(stopper.stop, running=False)
+            try:
+                first, events = await self.calls.open_stream(ticket, path, payload, stopper)
+            except wire.Preempted:
+                await self.admission.requeue(ticket)
+                continue
+            if stopper is not None:
+                ticket.lease.yields(stopper.stop, running=True)
+            return first, events
+
+
+# A stream's end when max_tokens was reached just as it gave its slot back.
+_LENGTH = {
+    resume.CHAT: {"index": 0, "delta": {}, "finish_reason": "length"},
+    resume.COMPLETION: {"index": 0, "text": "", "finish_reason": "length"},
+}
+
+
+def _said(choice: JSON, said: list[bytes | str], cut: int) -> tuple[JSON | None, int]:
+    """A parsed event's choice of a resumable stream: its text kept in `said`, less the first `cut`
+    characters of a resumed chat's stream (llama-server repeats the text it continues); None when it
+    carries what a continuation could not reproduce (reasoning, a tool call)."""
+    delta = choice.get("delta")
+    if delta is None:  # a completion's
+        text = choice.get("text")
+    else:
+        if delta.get("reasoning_content") or delta.get("tool_calls"):
+            return None, 0
+        text = delta.get("content")
+        if cut and text:
+            dropped = min(cut, len(text))
+            cut -= dropped
+            text = text[dropped:]
+            shorter = {**delta, "content": text} if text else {k: v for k, v in delta.items() if k != "content"}
+            choice = {**choice, "delta": shorter}
+    if text:
+        said.append(text)
+    return choice, cut
+
+
+def _resumed_usage(usage: JSON, before: tuple[int, int, int]) -> JSON:
+    """A resumed stream's usage: its first prompt (and what of it came from the cache) once, the tokens
+    generated before this call and in it."""
+    prompt, cached, generated = before
+    completion = generated + int(usage.get("completion_tokens", 0))
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }  # fmt: skip
 
 
 def _include_usage(request: ChatRequest | CompletionRequest) -> bool:

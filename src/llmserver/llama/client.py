@@ -107,14 +107,21 @@ class LlamaServerClient:
             raise _unreachable(exc) from None
 
     def _request(
-        self, method: str, path: str, payload: JSON | None = None, fresh: bool = False, deadline: float | None = None
+        self,
+        method: str,
+        path: str,
+        payload: JSON | None = None,
+        fresh: bool = False,
+        deadline: float | None = None,
+        stopper: wire.Stopper | None = None,
     ) -> AbstractAsyncContextManager[wire.Response]:
         """Send once. A connection that drops before any answer (llama-server may close connections
         just after a streamed answer ends) is InstanceUnavailable, which the one retry policy
         (`engine/calls.py`) sends again; `fresh`: on a new connection (a retry: the pool's other
-        kept-alive ones may be as stale); `deadline`: the whole answer's (`wire.Pool.send`)."""
+        kept-alive ones may be as stale); `deadline`: the whole answer's (`wire.Pool.send`); `stopper`:
+        ends it early from elsewhere (wire.Preempted)."""
         body = None if payload is None else orjson.dumps(payload)
-        return _Sent(self._pool, method, path, body, fresh, deadline)
+        return _Sent(self._pool, method, path, body, fresh, deadline, stopper)
 
     async def post_json(self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None) -> JSON:
         """POST and read the JSON answer within `timeout` seconds (GatewayTimeout past it); `fresh`:
@@ -129,7 +136,13 @@ class LlamaServerClient:
             raise _unreachable(exc) from None
 
     async def stream(
-        self, path: str, payload: JSON, *, fresh: bool = False, timeout: float | None = None
+        self,
+        path: str,
+        payload: JSON,
+        *,
+        fresh: bool = False,
+        timeout: float | None = None,
+        stopper: wire.Stopper | None = None,
     ) -> AsyncGenerator[list[bytes], Sink | None]:
         """POST with `stream: true` and yield the events' data (JSON text, unparsed: the relay parses
         only what it must) until `[DONE]`, as they arrived: one list per read from the socket (several
@@ -141,10 +154,11 @@ class LlamaServerClient:
         own callback (`_Pump`); they are yielded again once it asks to stop (its client is slow).
 
         Leaving the iteration early (a client that went away) closes the connection, which makes
-        llama-server stop generating and free the slot.
+        llama-server stop generating and free the slot; so does `stopper.stop()`, from any task, after
+        which the iteration raises wire.Preempted.
         """
         try:
-            async with asyncio.timeout(timeout), self._request("POST", path, payload, fresh) as response:
+            async with asyncio.timeout(timeout), self._request("POST", path, payload, fresh, None, stopper) as response:
                 if response.status != 200:
                     await _json_or_raise(response)
                 events = EventSplitter()
@@ -268,17 +282,24 @@ class _Sent(AbstractAsyncContextManager[wire.Response]):
     an @asynccontextmanager generator: every call to an instance goes through it, and a generator's
     context manager costs a few times as much to enter and leave."""
 
-    __slots__ = ("_body", "_deadline", "_fresh", "_method", "_path", "_pool", "_response")
+    __slots__ = ("_body", "_deadline", "_fresh", "_method", "_path", "_pool", "_response", "_stopper")
 
     def __init__(
-        self, pool: wire.Pool, method: str, path: str, body: bytes | None, fresh: bool, deadline: float | None
+        self,
+        pool: wire.Pool,
+        method: str,
+        path: str,
+        body: bytes | None,
+        fresh: bool,
+        deadline: float | None,
+        stopper: wire.Stopper | None = None,
     ) -> None:
         self._pool, self._method, self._path, self._body = pool, method, path, body
-        self._fresh, self._deadline = fresh, deadline
+        self._fresh, self._deadline, self._stopper = fresh, deadline, stopper
 
     async def __aenter__(self) -> wire.Response:
         self._response = await self._pool.send(
-            self._method, self._path, self._body, fresh=self._fresh, deadline=self._deadline
+            self._method, self._path, self._body, fresh=self._fresh, deadline=self._deadline, stopper=self._stopper
         )
         return self._response
 

@@ -53,6 +53,27 @@ class TimedOut(WireError):
     """No whole answer by the request's deadline: its connection was closed (llama-server stops)."""
 
 
+class Preempted(Exception):
+    """The request was stopped on purpose (`Stopper.stop`): its connection is closed, which tells
+    llama-server to stop generating and free the slot. Not a WireError: nothing failed."""
+
+
+class Stopper:
+    """Lets another task end one request early, whatever it is waiting for (a connection, the headers,
+    the next piece of a stream): the pool's fair shares take a slot back this way (pool/pool.py)."""
+
+    __slots__ = ("connection", "stopped")
+
+    def __init__(self) -> None:
+        self.connection: Connection | None = None  # while the request is sent and answered
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.connection is not None:
+            self.connection.preempt()
+
+
 class Tap(Protocol):
     """Takes an answer's body pieces as the parser decodes them (`Response.tap`)."""
 
@@ -181,6 +202,7 @@ class Connection(asyncio.Protocol):
         self.reusable = False  # the last answer was whole and the peer keeps the connection open
         self.expiry: asyncio.TimerHandle | None = None  # the request's deadline, while it has one
         self.idle_since = 0.0  # time.monotonic() when it was last given back to its pool
+        self.stopper: Stopper | None = None  # what may end its request early (`Pool.send`)
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -236,6 +258,13 @@ class Connection(asyncio.Protocol):
 
     def expire(self) -> None:
         self._broken(TimedOut("no whole answer by the deadline"))
+
+    def preempt(self) -> None:
+        error = Preempted("the request was stopped to give its slot to another")
+        self._headed(error)
+        if self.response is not None:
+            self.response._fail(error)
+        self.close()
 
     def _broken(self, error: WireError) -> None:
         self._headed(error)
@@ -304,16 +333,26 @@ class Pool:
         self._busy: set[Connection] = set()
 
     async def send(
-        self, method: str, path: str, body: bytes | None = None, *, fresh: bool = False, deadline: float | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        *,
+        fresh: bool = False,
+        deadline: float | None = None,
+        stopper: Stopper | None = None,
     ) -> Response:
         """Send a request and return its answer once its status and headers came; `fresh`: on a new
         connection. The caller gives the answer back with `release`, whatever happens. Unreachable
         when the connection cannot be made or drops before the headers; Broken when they are not HTTP;
-        TimedOut when the whole answer has not come by `deadline` (the loop's clock), from then on.
+        TimedOut when the whole answer has not come by `deadline` (the loop's clock), from then on;
+        Preempted once `stopper` is stopped.
 
         The deadline is a timer on the connection, which fails the answer's waits and closes it: an
         `asyncio.timeout` around the call would cost a few times as much on every request."""
         loop = asyncio.get_running_loop()
+        if stopper is not None and stopper.stopped:
+            raise Preempted("the request was stopped before it was sent")
         if deadline is not None and self._slots.locked():
             try:
                 async with asyncio.timeout_at(deadline):
@@ -333,6 +372,10 @@ class Pool:
                 head += f"X-Request-Id: {rid}\r\n"
             if body is not None:
                 head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            if stopper is not None:
+                if stopper.stopped:
+                    raise Preempted("the request was stopped before it was sent")
+                connection.stopper, stopper.connection = stopper, connection
             headed = connection.headed = loop.create_future()
             response = connection.send(head.encode("latin-1") + b"\r\n", body or b"")
             if deadline is not None:
@@ -340,7 +383,10 @@ class Pool:
         except BaseException:
             if connection is not None:
                 self._busy.discard(connection)
+                connection.stopper = None
                 connection.close()
+            if stopper is not None:
+                stopper.connection = None
             self._slots.release()
             raise
         try:
@@ -357,6 +403,9 @@ class Pool:
         if connection.expiry is not None:
             connection.expiry.cancel()
             connection.expiry = None
+        if connection.stopper is not None:
+            connection.stopper.connection = None
+            connection.stopper = None
         if connection not in self._busy:
             return
         self._busy.discard(connection)

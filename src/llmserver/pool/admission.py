@@ -199,6 +199,13 @@ class Admission:
         self._metrics.queue_wait.observe(ticket.lease.pool.name, time.perf_counter() - started)
         ticket.tally.instance_id = instance.id
 
+    async def requeue(self, ticket: Ticket) -> None:
+        """It gave its slot back to a key below its share (pool/pool.py): wait for one again, first among
+        its key's requests and without the queue's timeout."""
+        ticket.lease.release(finished=False)
+        instance = await ticket.lease.acquire(resumed=True)
+        ticket.tally.instance_id = instance.id
+
     async def resize(self, ticket: Ticket, tokens: int) -> None:
         """Hold `tokens` instead, now that the inputs are known (429 insufficient_quota if it grew
         past what is left): before anything reaches an instance."""

@@ -44,6 +44,12 @@ class PoolCollector(Collector):
             "Watchdog restarts by the key whose request the instance was working on (key ids, made by admins)",
             labels=["model", "key"],
         )
+        yields = CounterMetricFamily(
+            "llmserver_slot_yields",
+            "Streamed requests that gave their slot to another key below its share of the model's slots, and went "
+            "on from where they stopped once they had one again (limits.fair_slice)",
+            labels=["model"],
+        )
         depth = GaugeMetricFamily("llmserver_queue_depth", "Requests waiting for a slot", labels=["model"])
         flight = GaugeMetricFamily("llmserver_in_flight", "Requests on instances", labels=["model"])
         instances = GaugeMetricFamily(
@@ -66,6 +72,7 @@ class PoolCollector(Collector):
             cold.add_metric([name], pool.cold_starts)
             cold_seconds.add_metric([name], pool.cold_start_seconds)
             evictions.add_metric([name], pool.evictions)
+            yields.add_metric([name], pool.yields)
             stalls.add_metric([name], pool.stalls)
             for key, count in pool.stalls_by_key.items():
                 stalls_by_key.add_metric([name, key], count)
@@ -82,7 +89,7 @@ class PoolCollector(Collector):
                 for status in STATUSES:
                     instances.add_metric([name, node, status], counts[status])
         yield from (depth, flight, instances, open_, blocked, cold, cold_seconds, evictions, crashes, stalls)
-        yield stalls_by_key
+        yield from (stalls_by_key, yields)
         saved = self._supervisor.saved_prompts
         if saved is not None:
             yield CounterMetricFamily(

@@ -15,6 +15,16 @@ gateways route to the same instances (nodes' instances, cluster/registry.py), an
 every gateway's requests, the queue's bound counts every gateway's waiters, and a gateway whose
 requests hold more than its share of the places while others' wait lets the next free one go to them.
 
+Fair shares are bounded in time, not only in count (`fair_slice`): while a key waits holding fewer
+than its share of the model's slots (the slots ÷ the keys holding or waiting, at least one), the keys
+above theirs give slots back. Their streamed requests still queued in llama-server go first (they have
+lost nothing, and would start before the waiting one), then those that have run at least `fair_slice`
+seconds, the longest-running first: each is stopped (`Turn`), waits again at the head of its key's
+queue, and goes on from where it stopped once a slot is its again (engine/resume.py). So another key's
+request starts within about `fair_slice` seconds plus one token, however long the generations that
+hold the slots; a key alone still gets every slot. A request that is not a resumable stream (one
+answered whole, or with tools, a schema or logprobs) keeps its slot to its end, as before.
+
 The pool's owner (the supervisor) hears of pressure (requests queueing, here or at an instance) and
 of instances that requests could not reach through the callbacks it gives.
 """
@@ -35,6 +45,17 @@ from llmserver.settings import ModelConfig
 
 
 @dataclass(eq=False)
+class Turn:
+    """A streamed request that can give its slot back and go on once it has one again."""
+
+    key_id: str
+    stop: Callable[[], None]  # ends its call to the instance now (the relay then waits again)
+    running: bool = False  # llama-server began it; else it waits in llama-server's own queue
+    since: float = field(default_factory=time.monotonic)  # when it last began to run
+    asked: bool = False  # told to give its slot back
+
+
+@dataclass(eq=False)
 class _Waiter:
     key_id: str
     affinity: str | None
@@ -42,6 +63,7 @@ class _Waiter:
     # A retry waits for a slot elsewhere: the instance it failed on may be dead and not yet reaped
     # (its sockets close a moment before its process can be waited for).
     avoid: Instance | None = None
+    resumed: bool = False  # it gave its slot back (Turn): it takes a free slot only, no queue place
     since: float = field(default_factory=time.monotonic)  # when it began to wait
 
 
@@ -54,8 +76,15 @@ class ModelPool:
         on_pressure: Callable[[ModelPool], None],
         on_failure: Callable[[Instance], None] = lambda instance: None,
         affinity_margin: int = -1,
+        fair_slice: float = 0.0,
     ) -> None:
         self.config = config
+        # Seconds a streamed request runs before it may be asked to give its slot to a key below its
+        # share (0: never; module docstring).
+        self.fair_slice = fair_slice
+        self._turns: set[Turn] = set()
+        self._rebalancing: asyncio.TimerHandle | None = None
+        self.yields = 0  # slots given back to keys below their share
         # Requests with an affinity key go to their instance by rendezvous hashing, within this many
         # requests in flight of the least loaded one (pool/affinity.py); below 0: least loaded only.
         self.affinity_margin = affinity_margin
@@ -129,7 +158,12 @@ class ModelPool:
         stays, failed, until an admin deletes it, so that a crashing model is not started forever)."""
         return [i for i in self.instances if i.status != Status.STOPPED]
 
-    def _free_instance(self, affinity: str | None = None, avoid: Instance | None = None) -> Instance | None:
+    def _free_instance(
+        self, affinity: str | None = None, avoid: Instance | None = None, slot_only: bool = False
+    ) -> Instance | None:
+        """The instance for a request now (None: it waits); `slot_only`: only where a slot is free, not a
+        place in an instance's queue (a request that gave its slot back: queued there, it would take the
+        slot it gave up before the request it gave it to has reached llama-server)."""
         if self.share is not None and sum(i.in_flight for i in self.instances) >= self.share:
             return None  # other gateways' requests are waiting: leave them the slots this one frees
         accepting = [i for i in self.instances if i.accepting]
@@ -138,21 +172,25 @@ class ModelPool:
             accepting = elsewhere or [i for i in accepting if i is not avoid]
         if len(accepting) == 1:  # the usual case: nothing to choose
             only = accepting[0]
-            return only if only.load < only.model.most_in_flight else None
+            return only if only.load < (only.model.parallel if slot_only else only.model.most_in_flight) else None
         by_address = {i.address: i for i in accepting}
         # A free slot if there is one; else a place in an instance's own queue.
         chosen = choose(
             affinity, [Candidate(a, i.load, i.model.parallel) for a, i in by_address.items()], self.affinity_margin
         )
-        if chosen is None:
+        if chosen is None and not slot_only:
             candidates = [Candidate(a, i.load, i.model.most_in_flight) for a, i in by_address.items()]
             chosen = choose(affinity, candidates, self.affinity_margin)
         return by_address[chosen.address] if chosen is not None else None
 
-    async def acquire(self, key_id: str, affinity: str | None = None, avoid: Instance | None = None) -> Instance:
+    async def acquire(
+        self, key_id: str, affinity: str | None = None, avoid: Instance | None = None, resumed: bool = False
+    ) -> Instance:
         """A slot on an instance, counted as in flight for `key_id` until `release`; with an
         affinity key, on the instance that key prefers unless the load guard says otherwise; not on
-        `avoid` (the instance a retried request just failed on) while another one is accepting."""
+        `avoid` (the instance a retried request just failed on) while another one is accepting.
+        `resumed`: a request that gave its slot back (`Turn`) waits again, first among its key's
+        requests, beyond the queue's bound and without its timeout (it was admitted long ago)."""
         if self.closed is not None:
             raise type(self.closed)(self.closed.message, param=self.closed.param)
         if self.config.max_instances == 0:
@@ -164,7 +202,7 @@ class ModelPool:
             raise _because("no_instance", Overloaded(
                 f"No instance of {self.name!r} can be started: {self.unstartable}.", retry_after=30
             ))  # fmt: skip
-        instance = self._free_instance(affinity, avoid)
+        instance = self._free_instance(affinity, avoid, resumed or self._yielded_to(key_id))
         if instance is not None and not self._waiters:
             self._begin(instance, key_id)
             return instance
@@ -175,18 +213,23 @@ class ModelPool:
                 f"No instance of {self.name!r} is running; see the server's log.", retry_after=30
             ))  # fmt: skip
         waiting = len(self._waiters) + self.queued_elsewhere
-        if waiting >= self.config.max_queue:
+        if waiting >= self.config.max_queue and not resumed:
             raise _because("queue_full", Overloaded(
                 f"The model {self.name!r} is at capacity: all slots are busy and {waiting} requests "
                 "are already waiting. Retry shortly.",
                 retry_after=2,
             ))  # fmt: skip
-        waiter = _Waiter(key_id, affinity, asyncio.get_running_loop().create_future(), avoid)
-        self._waiters.append(waiter)
+        waiter = _Waiter(key_id, affinity, asyncio.get_running_loop().create_future(), avoid, resumed)
+        if resumed:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
         self.on_load()
         self._on_pressure(self)
+        if self._turns:
+            self._rebalance()
         try:
-            async with asyncio.timeout(self.queue_timeout):
+            async with asyncio.timeout(None if resumed else self.queue_timeout):
                 return await waiter.future
         except BaseException as exc:
             if waiter in self._waiters:
@@ -221,8 +264,84 @@ class ModelPool:
     def _holds_or_waits(self, key_id: str) -> bool:
         return any(key_id in i.users for i in self.instances) or any(w.key_id == key_id for w in self._waiters)
 
+    def offer(self, turn: Turn) -> None:
+        """A streamed request that can give its slot back (again: it began to run)."""
+        self._turns.add(turn)
+        if self._waiters:
+            self._rebalance()
+
+    def withdraw(self, turn: Turn) -> None:
+        self._turns.discard(turn)
+
+    def _shares(self, key_id: str | None = None) -> tuple[collections.Counter[str], int]:
+        """The places each key holds, and a key's share of the slots: the slots ÷ the keys holding or
+        waiting (and `key_id`), at least one; 0 when there is nothing to share (one key, no slot)."""
+        held: collections.Counter[str] = collections.Counter()
+        for instance in self.instances:
+            held.update(instance.users)
+        keys = held.keys() | {w.key_id for w in self._waiters}
+        if key_id is not None:
+            keys.add(key_id)
+        slots = sum(i.model.parallel for i in self.instances if i.accepting)
+        return held, (max(1, slots // len(keys)) if len(keys) > 1 and slots else 0)
+
+    def _yielded_to(self, key_id: str) -> bool:
+        """Whether a request of `key_id`, below its share while keys above theirs hold slots they can give
+        back, takes a free slot only: in an instance's queue it would wait behind their generations (and,
+        its slot pinned, perhaps not on the slot given back)."""
+        if not self.fair_slice or not self._turns:
+            return False
+        held, share = self._shares(key_id)
+        return bool(share) and held[key_id] < share and any(held[turn.key_id] > share for turn in self._turns)
+
+    def _rebalance(self) -> None:
+        """Ask streamed requests of keys above their share of the slots to give slots back while keys
+        below theirs wait (module docstring); if those that may give one back have not yet run for
+        `fair_slice` seconds, look again when the first of them has."""
+        if self._rebalancing is not None:
+            self._rebalancing.cancel()
+            self._rebalancing = None
+        if not self.fair_slice or not self._turns or not self._waiters:
+            return
+        waiting = collections.Counter(w.key_id for w in self._waiters if not w.future.done())
+        held, share = self._shares()
+        if not share:
+            return
+        need = sum(min(count, share - held[key]) for key, count in waiting.items() if held[key] < share)
+        if need <= 0:
+            return
+        over = [turn for turn in self._turns if not turn.asked and held[turn.key_id] > share]
+        for turn in over:
+            if not turn.running:  # still in llama-server's queue: it would start before the waiting one
+                self._ask(turn)
+                held[turn.key_id] -= 1
+        now, later = time.monotonic(), None
+        for turn in sorted((t for t in over if t.running), key=lambda t: t.since):
+            if need <= 0:
+                break
+            if held[turn.key_id] <= share:
+                continue
+            due = turn.since + self.fair_slice
+            if due > now:
+                later = due if later is None else min(later, due)
+                continue
+            self._ask(turn)
+            held[turn.key_id] -= 1
+            need -= 1
+        if need > 0 and later is not None:
+            self._rebalancing = asyncio.get_running_loop().call_later(later - now, self._rebalance)
+
+    def _ask(self, turn: Turn) -> None:
+        turn.asked = True
+        self._turns.discard(turn)
+        self.yields += 1
+        turn.stop()
+
     def close(self, error: APIError) -> None:
         """The model is gone (removed from the catalog): every waiting request fails with `error`."""
+        if self._rebalancing is not None:
+            self._rebalancing.cancel()
+            self._rebalancing = None
         self.closed = error
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -241,7 +360,9 @@ class ModelPool:
             if waiter.future.done():  # timed out or cancelled meanwhile
                 self._waiters.remove(waiter)
                 continue
-            instance = self._free_instance(waiter.affinity, waiter.avoid)
+            instance = self._free_instance(
+                waiter.affinity, waiter.avoid, waiter.resumed or self._yielded_to(waiter.key_id)
+            )
             if instance is None:
                 return
             self._waiters.remove(waiter)

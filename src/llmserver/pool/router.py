@@ -7,12 +7,12 @@ reported to its pool, whose owner (the supervisor) decides what that means.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from llmserver.errors import ModelNotFound
 from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.instance import Instance
-from llmserver.pool.pool import ModelPool
+from llmserver.pool.pool import ModelPool, Turn
 
 
 class Lease:
@@ -33,11 +33,13 @@ class Lease:
         self.waits = False  # it waits for its turn on its slot (saved prompts on) ...
         self.entered = False  # ... has it ...
         self.alone = False  # ... and has the slot to itself
+        self.turn: Turn | None = None  # while it may be asked to give its slot back (pool/pool.py)
 
-    async def acquire(self) -> Instance:
-        """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout)."""
+    async def acquire(self, resumed: bool = False) -> Instance:
+        """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout);
+        `resumed`: again, after it gave its slot back (first among its key's requests, no timeout)."""
         assert self.instance is None, "a lease holds one slot at a time"
-        self.instance = await self.pool.acquire(self.key_id, self.affinity, self.failed_on)
+        self.instance = await self.pool.acquire(self.key_id, self.affinity, self.failed_on, resumed)
         if self.keep_alive is not None:
             self.instance.keep_until = max(self.instance.keep_until, time.time() + self.keep_alive)
         return self.instance
@@ -47,6 +49,24 @@ class Lease:
         """The client of the instance it holds a slot on (None: none, or the instance went away)."""
         return self.instance.client if self.instance is not None else None
 
+    def yields(self, stop: Callable[[], None], running: bool) -> None:
+        """It can give its slot back: `stop` ends its call to the instance; `running`: llama-server began
+        it (else it still waits in llama-server's queue)."""
+        turn = self.turn
+        if turn is None or turn.asked:
+            turn = self.turn = Turn(self.key_id, stop, running)
+        else:
+            turn.stop = stop
+            if running and not turn.running:
+                turn.running, turn.since = True, time.monotonic()
+        self.pool.offer(turn)
+
+    def keeps(self) -> None:
+        """It can no longer give its slot back (its answer turned to what a continuation cannot redo)."""
+        if self.turn is not None:
+            self.pool.withdraw(self.turn)
+            self.turn = None
+
     def answered(self) -> None:
         """Its instance answered: proof enough that it is alive (the supervisor skips its next probe)."""
         if self.instance is not None:
@@ -55,6 +75,9 @@ class Lease:
     def release(self, finished: bool = True) -> None:
         """Give the slot back; `finished`: the request ended normally (else its slot may still be
         working for a moment: llama-server notices a closed connection only at its next check)."""
+        if self.turn is not None:
+            self.pool.withdraw(self.turn)
+            self.turn = None
         if self.instance is not None:
             instance, self.instance = self.instance, None
             self._unpin(instance, finished)
@@ -63,6 +86,9 @@ class Lease:
 
     def failed(self) -> None:
         """The instance could not be reached: report it to its pool, give the slot back."""
+        if self.turn is not None:
+            self.pool.withdraw(self.turn)
+            self.turn = None
         if self.instance is not None:
             instance, self.instance = self.instance, None
             self._unpin(instance, finished=False)

@@ -112,6 +112,7 @@ class Supervisor:
             on_pressure=self.scale_up,
             on_failure=self.unreachable,
             affinity_margin=settings.router.affinity_margin if settings.router.policy == "affinity" else -1,
+            fair_slice=settings.limits.fair_slice,
         )
 
     # Lifecycle

@@ -1,0 +1,152 @@
+"""Fair shares bounded in time, through the real server and the OpenAI SDK: while one key's long streams
+hold every slot of a model, another key's request starts within `limits.fair_slice` seconds (a stream
+gives its slot back and goes on from where it stopped), and the streams that gave way lose nothing —
+every token they were asked for, counted once, in order.
+
+The streams count ("1, 2, 3, 4," → " 5, 6, 7, …"; a chat's "1234567890…"), so a token lost or repeated
+where a stream stopped and went on shows as a gap or a repeat in the count."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.support import MODEL, Server, busy_slots, create_key, metric, wait_for
+
+pytestmark = pytest.mark.slow
+
+# 2 slots and 2 places in the instance's own queue: 4 streams of one key fill them all.
+CONFIG = f'[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 4096\n'
+STREAMS = 4
+COUNT_FROM = "1, 2, 3, 4,"
+CHAT_COUNT = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = Server(
+        data_dir=tmp_path_factory.mktemp("fair"), config=CONFIG, env={"LLMSERVER_LIMITS__FAIR_SLICE": "1"}
+    ).start()
+    yield server
+    server.stop()
+
+
+def in_flight(server: Server, admin: str) -> float:
+    return metric(server, admin, "llmserver_in_flight", model=MODEL)
+
+
+def consecutive(text: str) -> list[str]:
+    """The numbers of a count that continues "1, 2, 3, 4,"; fails on a gap or a repeat (the last number may
+    be cut short by max_tokens)."""
+    numbers = [part.strip() for part in (COUNT_FROM + text).split(",") if part.strip()]
+    expected = [str(n) for n in range(1, len(numbers) + 1)]
+    assert numbers[:-1] == expected[:-1] and expected[-1].startswith(numbers[-1]), text
+    return numbers
+
+
+def completion_stream(client: openai.OpenAI, max_tokens: int) -> tuple[str, str | None, openai.types.CompletionUsage]:
+    text, finish, usage = "", None, None
+    stream = client.completions.create(
+        model=MODEL, prompt=COUNT_FROM, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None
+    return text, finish, usage
+
+
+def chat_stream(client: openai.OpenAI, max_tokens: int) -> tuple[str, str | None, openai.types.CompletionUsage]:
+    text, finish, usage = "", None, None
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT_COUNT, max_tokens=max_tokens, temperature=0, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None
+    return text, finish, usage
+
+
+def contended(server: Server, admin: str, send: object, max_tokens: int) -> tuple[list[str], list[tuple]]:
+    """One key's STREAMS long streams fill every slot and queue place; then another key's tiny request.
+    The order they ended in, and each long stream's (text, finish reason, usage)."""
+    heavy = openai.OpenAI(base_url=server.url + "/v1", api_key=create_key(server.data_dir, "heavy"), max_retries=0)
+    light = create_key(server.data_dir, "light")
+    done: list[str] = []
+    results: list[tuple] = []
+    lock = threading.Lock()
+
+    def long(name: str) -> None:
+        result = send(heavy, max_tokens)  # type: ignore[operator]
+        with lock:
+            done.append(name)
+            results.append(result)
+
+    threads = [threading.Thread(target=long, args=(f"A{n}",)) for n in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    assert wait_for(lambda: in_flight(server, admin) == STREAMS and busy_slots(server) == 2, 60)
+    answer = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {light}"}, timeout=120,
+    )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    with lock:
+        done.append("B")
+    for thread in threads:
+        thread.join()
+    return done, results
+
+
+def test_a_key_below_its_share_is_served_within_the_slice_and_the_streams_that_gave_way_lose_nothing(
+    server: Server,
+) -> None:
+    admin = create_key(server.data_dir, "admin", admin=True)
+    alone = openai.OpenAI(base_url=server.url + "/v1", api_key=create_key(server.data_dir, "alone"), max_retries=0)
+    solo_text, solo_finish, solo_usage = completion_stream(alone, 300)  # one key alone: nothing gives way
+    assert solo_finish == "length" and solo_usage.completion_tokens == 300
+    consecutive(solo_text)
+    assert metric(server, admin, "llmserver_slot_yields_total", model=MODEL) == 0
+
+    done, results = contended(server, admin, completion_stream, 300)
+    # The light key's request ended first: it did not wait for a long stream to end. Before, it started
+    # only once three of them had ended (the one whose end freed a place, two ahead of it in llama-server's
+    # own queue).
+    assert done[0] == "B", done
+    assert metric(server, admin, "llmserver_slot_yields_total", model=MODEL) >= 1
+    for text, finish, usage in results:
+        # Every token asked for, the prompt counted once, the count unbroken where the stream went on.
+        assert finish == "length"
+        assert (usage.prompt_tokens, usage.completion_tokens) == (solo_usage.prompt_tokens, 300)
+        assert len(consecutive(text)) >= len(consecutive(solo_text)) - 2
+
+
+def test_a_chat_stream_that_gave_way_goes_on_without_repeating_itself(server: Server) -> None:
+    admin = create_key(server.data_dir, "admin", admin=True)
+    before = metric(server, admin, "llmserver_slot_yields_total", model=MODEL)
+    alone = openai.OpenAI(base_url=server.url + "/v1", api_key=create_key(server.data_dir, "alone"), max_retries=0)
+    solo_text, _, solo_usage = chat_stream(alone, 200)
+    cycle = "1234567890"
+    assert solo_text == (cycle * 100)[: len(solo_text)] and len(solo_text) > 150  # the model's way of counting
+
+    done, results = contended(server, admin, chat_stream, 200)
+    assert done[0] == "B", done
+    assert metric(server, admin, "llmserver_slot_yields_total", model=MODEL) > before
+    for text, finish, usage in results:
+        assert finish == "length"
+        assert (usage.prompt_tokens, usage.completion_tokens) == (solo_usage.prompt_tokens, 200)
+        # Where a stream went on, llama-server repeats the text it continues: cut, not sent twice.
+        assert text == (cycle * 100)[: len(text)] and len(text) > 150, text
