@@ -22,8 +22,9 @@ lost nothing, and would start before the waiting one), then those that have run 
 seconds, the longest-running first: each is stopped (`Turn`), waits again at the head of its key's
 queue, and goes on from where it stopped once a slot is its again (engine/resume.py). So another key's
 request starts within about `fair_slice` seconds plus one token, however long the generations that
-hold the slots; a key alone still gets every slot. A request that is not a resumable stream (one
-answered whole, or with tools, a schema or logprobs) keeps its slot to its end, as before.
+hold the slots; a key alone still gets every slot. Keys are compared within one gateway: across
+gateways that share instances the bound is still in count (the `share` above). A request that is not a
+resumable stream (one answered whole, or with tools, a schema or logprobs) keeps its slot to its end.
 
 The pool's owner (the supervisor) hears of pressure (requests queueing, here or at an instance) and
 of instances that requests could not reach through the callbacks it gives.
