@@ -9,7 +9,8 @@ where a stream stopped and went on shows as a gap or a repeat in the count."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -56,36 +57,33 @@ def openai_client(server: Server, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
-def completion_stream(server: Server, key: str, max_tokens: int) -> Result:
+def openai_stream(stream: Iterable[Any], text_of: Callable[[Any], str | None]) -> Result:
+    """An OpenAI SDK stream's text (`text_of` a choice), finish reason and usage."""
     text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += text_of(chunk.choices[0]) or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None
+    return text, finish, (usage.prompt_tokens, usage.completion_tokens)
+
+
+def completion_stream(server: Server, key: str, max_tokens: int) -> Result:
     stream = openai_client(server, key).completions.create(
         model=MODEL, prompt=COUNT_FROM, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].text
-            finish = chunk.choices[0].finish_reason or finish
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert usage is not None
-    return text, finish, (usage.prompt_tokens, usage.completion_tokens)
+    return openai_stream(stream, lambda choice: choice.text)
 
 
 def chat_stream(server: Server, key: str, max_tokens: int) -> Result:
-    text, finish, usage = "", None, None
     stream = openai_client(server, key).chat.completions.create(
         model=MODEL, messages=CHAT_COUNT, max_tokens=max_tokens, temperature=0, stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True},
     )  # fmt: skip
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-            finish = chunk.choices[0].finish_reason or finish
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert usage is not None
-    return text, finish, (usage.prompt_tokens, usage.completion_tokens)
+    return openai_stream(stream, lambda choice: choice.delta.content)
 
 
 def messages_stream(server: Server, key: str, max_tokens: int) -> Result:

@@ -75,9 +75,7 @@ class Lease:
     def release(self, finished: bool = True) -> None:
         """Give the slot back; `finished`: the request ended normally (else its slot may still be
         working for a moment: llama-server notices a closed connection only at its next check)."""
-        if self.turn is not None:
-            self.pool.withdraw(self.turn)
-            self.turn = None
+        self.keeps()
         if self.instance is not None:
             instance, self.instance = self.instance, None
             self._unpin(instance, finished)
@@ -86,9 +84,7 @@ class Lease:
 
     def failed(self) -> None:
         """The instance could not be reached: report it to its pool, give the slot back."""
-        if self.turn is not None:
-            self.pool.withdraw(self.turn)
-            self.turn = None
+        self.keeps()
         if self.instance is not None:
             instance, self.instance = self.instance, None
             self._unpin(instance, finished=False)
