@@ -2,15 +2,18 @@
 cache, and how long its first token takes, under `prompt_cache.isolation = "key"` (with the per-key tier of
 saved prompts under the slots, and without it) and `"shared"`.
 
-    python -m bench.tenants [--keys 8] [--turns 4] [--slots 4] [--history 700] [--out bench/results/tenants.md]
+    python -m bench.tenants [--keys 8] [--turns 4] [--slots 4] [--history 700] [--gateways 1] [--out FILE]
 
-One gateway in front of one instance of the embedded model with `--slots` slots. Each of `--keys` API keys
-holds one conversation and all of them talk at once: a first turn of about `--history` prompt tokens of its
-own, then `--turns - 1` more, each a short question after the last answer, with `--read` seconds of reading
-between an answer and the next question. Every turn is streamed (`max_tokens` 16, greedy) and timed to its
-first token; its usage gives the prompt and cached tokens. Three settings in one run, one after another on
-fresh servers: `key` (the default: the tier on), `key` with `prompt_cache.disk_mb = 0` (the tier off:
-what `key` was before it), `shared`.
+One gateway in front of one instance of the embedded model with `--slots` slots; with `--gateways 2`, two
+gateways of role `gateway` (PostgreSQL + Redis, private servers started as the tests start them) in front
+of an `llmserver node` that runs the instance, each conversation's turns going through them in turn. Each
+of `--keys` API keys holds one conversation and all of them talk at once: a first turn of about
+`--history` prompt tokens of its own, then `--turns - 1` more, each a short question after the last
+answer, with `--read` seconds of reading between an answer and the next question. Every turn is streamed
+(`max_tokens` 16, greedy) and timed to its first token; its usage gives the prompt and cached tokens.
+Three settings in one run, one after another on fresh servers: `key` (the default: the tier on), `key`
+with `prompt_cache.disk_mb = 0` (the tier off: what `key` was before it), `shared`. (Across gateways the
+tier is not there yet: nodes save nothing, so `key` and `key, tier off` are the same there.)
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.targets import Target, free_port, free_port_range, wait_ready
+from bench.targets import Target, free_port, free_port_range, migrated_database, wait_ready
 from llmserver.models.files import embedded_model_path
+from tests.support.services import Postgres, Redis
 
 ADMIN = "bench-admin-key-tenants-0123456789"
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -92,9 +96,10 @@ max_instances = 1
 
 
 class Gateway:
-    def __init__(self, data_dir: Path, log: Path) -> None:
+    def __init__(self, data_dir: Path, log: Path, cluster: dict[str, str] | None = None) -> None:
+        """`cluster`: the environment of a gateway of role `gateway` (its database, Redis, instance key)."""
         port = free_port()
-        env = {**os.environ, "LLMSERVER_ADMIN_KEY": ADMIN}
+        env = {**os.environ, "LLMSERVER_ADMIN_KEY": ADMIN, **(cluster or {})}
         env["LLMSERVER_INSTANCES__BASE_PORT"] = str(free_port_range(4, avoid=port))
         with log.open("ab") as out:
             process = subprocess.Popen(
@@ -105,20 +110,77 @@ class Gateway:
         self.target = wait_ready(Target("llmserver", f"http://127.0.0.1:{port}", process, HEADERS), "/ready", 300)
         self.url = self.target.url
 
+    def serving(self) -> bool:
+        """An instance is ready behind it (a node's, once published)."""
+        listed = httpx.get(self.url + "/api/instances", headers=HEADERS, timeout=30).json()["data"]
+        return any(instance["status"] in ("ready", "busy") for instance in listed)
+
     def key(self, name: str) -> str:
         created = httpx.post(self.url + "/api/keys", headers=HEADERS, json={"name": name}, timeout=30)
         created.raise_for_status()
         return str(created.json()["key"])
 
 
+class Cluster:
+    """Two gateways of role `gateway` on private PostgreSQL and Redis servers, and the node that runs the
+    instance they share."""
+
+    INSTANCE_KEY = "bench-tenants-instance-key-0123456789"
+
+    def __init__(self, data_dir: Path, logs: Path) -> None:
+        self.postgres, self.redis = Postgres().start(), Redis().start()
+        self.gateways: list[Gateway] = []
+        self.node: subprocess.Popen[bytes] | None = None
+        try:
+            url = migrated_database(self.postgres)
+            node_dir = data_dir / "node"
+            node_dir.mkdir()
+            env = {**os.environ, "LLMSERVER_NODE__ID": "bench-node", "LLMSERVER_NODE__PORT": str(free_port()),
+                   "LLMSERVER_INSTANCES__API_KEY": self.INSTANCE_KEY,
+                   "LLMSERVER_INSTANCES__BASE_PORT": str(free_port_range(4))}  # fmt: skip
+            with (logs / "tenants-node.log").open("ab") as out:
+                self.node = subprocess.Popen(
+                    [sys.executable, "-m", "llmserver", "node", "--config", str(data_dir / "config.toml"),
+                     "--data-dir", str(node_dir), "--redis-url", self.redis.url],
+                    stdout=out, stderr=subprocess.STDOUT, env=env,
+                )  # fmt: skip
+            for name in ("gw-a", "gw-b"):
+                gateway_dir = data_dir / name
+                gateway_dir.mkdir()
+                (gateway_dir / "config.toml").write_text((data_dir / "config.toml").read_text())
+                cluster = {"LLMSERVER_ROLE": "gateway", "LLMSERVER_STATE__DATABASE_URL": url,
+                           "LLMSERVER_STATE__REDIS_URL": self.redis.url, "LLMSERVER_STATE__GATEWAY_ID": name,
+                           "LLMSERVER_INSTANCES__API_KEY": self.INSTANCE_KEY}  # fmt: skip
+                self.gateways.append(Gateway(gateway_dir, logs / f"tenants-{name}.log", cluster))
+            deadline = time.monotonic() + 300
+            while not all(gateway.serving() for gateway in self.gateways):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the node's instance did not reach the gateways within 300 s")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for gateway in self.gateways:
+            gateway.target.stop()
+        if self.node is not None:
+            self.node.terminate()
+            self.node.wait(60)
+        self.redis.stop()
+        self.postgres.stop()
+
+
 async def conversation(
-    client: httpx.AsyncClient, key: str, seed: int, turns: int, history: int, read: float, result: Result
+    clients: list[httpx.AsyncClient], key: str, seed: int, turns: int, history: int, read: float, result: Result
 ) -> None:
+    """One key's conversation; its turns go through `clients` (gateways) in turn."""
     messages = [
         {"role": "system", "content": "You are a terse assistant."},
         {"role": "user", "content": opening(seed, history) + "\nWhich word comes first?"},
     ]
     for number in range(1, turns + 1):
+        client = clients[(seed + number) % len(clients)]
         started = time.perf_counter()
         first: float | None = None
         text, usage = [], {}
@@ -148,28 +210,38 @@ async def conversation(
         await asyncio.sleep(read)
 
 
-def measure(setting: str, keys: int, turns: int, slots: int, history: int, read: float, logs: Path) -> Result:
+def measure(
+    setting: str, keys: int, turns: int, slots: int, history: int, read: float, logs: Path, gateways: int = 1
+) -> Result:
     isolation, disk_mb = SETTINGS[setting]
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-tenants-"))
     (data_dir / "config.toml").write_text(config(slots, isolation, disk_mb))
-    gateway = Gateway(data_dir, logs / "tenants.log")
-    result = Result(setting)
+    cluster = Cluster(data_dir, logs) if gateways > 1 else None
+    front = cluster.gateways if cluster is not None else [Gateway(data_dir, logs / "tenants.log")]
+    result = Result(setting if cluster is None else f"{setting}, 2 gateways + a node")
     try:
-        secrets = [gateway.key(f"tenant-{n}") for n in range(keys)]
+        secrets = [front[0].key(f"tenant-{n}") for n in range(keys)]
 
         async def everyone() -> None:
-            async with httpx.AsyncClient(base_url=gateway.url, timeout=600) as client:
+            clients = [httpx.AsyncClient(base_url=gateway.url, timeout=600) for gateway in front]
+            try:
                 await asyncio.gather(
-                    *(conversation(client, secret, n, turns, history, read, result) for n, secret in enumerate(secrets))
+                    *(conversation(clients, key, n, turns, history, read, result) for n, key in enumerate(secrets))
                 )
+            finally:
+                for client in clients:
+                    await client.aclose()
 
         started = time.perf_counter()
         asyncio.run(everyone())
         result.seconds = time.perf_counter() - started
-        files = list((data_dir / "prompt-cache").glob("*/*/*.slot"))
+        files = list(data_dir.glob("**/prompt-cache/*/*/*.slot"))  # the gateway's, or the node's
         result.saved = {"files": len(files), "bytes": sum(path.stat().st_size for path in files)}
     finally:
-        gateway.target.stop()
+        if cluster is not None:
+            cluster.stop()
+        else:
+            front[0].target.stop()
     return result
 
 
@@ -204,11 +276,14 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=700, help="prompt tokens of a conversation's first turn")
     parser.add_argument("--read", type=float, default=0.5, help="seconds between an answer and the next question")
     parser.add_argument("--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS))
+    two = "2: two gateways and a node on PostgreSQL + Redis, each conversation's turns through each in turn"
+    parser.add_argument("--gateways", type=int, choices=(1, 2), default=1, help=two)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="llmserver-bench-logs-"))
     results = [
-        measure(setting, args.keys, args.turns, args.slots, args.history, args.read, logs) for setting in args.settings
+        measure(setting, args.keys, args.turns, args.slots, args.history, args.read, logs, args.gateways)
+        for setting in args.settings
     ]
     text = report(results, args.keys, args.turns, args.slots, args.read)
     print(text)

@@ -321,7 +321,12 @@ def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:
 
     client = connect_redis(settings.state.redis_url)
     return Registry(
-        client, supervisor.pools, settings.instances.key, settings.state.gateway_id, settings.instances.tls()
+        client,
+        supervisor.pools,
+        settings.instances.key,
+        settings.state.gateway_id,
+        settings.instances.tls(),
+        hold_seconds=settings.limits.request_timeout + 60,  # a slot's hold outlives its request
     )
 
 

@@ -531,8 +531,9 @@ class PromptCacheSettings(Section):
     isolation: Literal["key", "shared"] = Field(
         default="key",
         description="`key`: a request reuses a slot's cached prompt only if its own key put it there (no key can "
-        "learn from cached_tokens or timing whether another key sent a prompt; instances get no RAM prompt cache, "
-        "and nodes' instances shared with other gateways reuse none); `shared`: any key's prompt is reused.",
+        "learn from cached_tokens or timing whether another key sent a prompt; instances get no RAM prompt cache; "
+        "the slots of nodes' instances have their owners recorded in Redis, for every gateway); `shared`: any "
+        "key's prompt is reused.",
     )
     disk_mb: int = Field(
         default=4096,

@@ -49,8 +49,8 @@ NET = "10.79.0"
 SECRET = "instance-secret-0123456789abcdef"
 ADMIN = "worker-hosts-admin-key-0123456789"
 METRICS_TOKEN = "worker-hosts-metrics-token-0123"
-# One tenant here: the prompt cache of nodes' instances is shared (under the default "key", instances
-# that several gateways use reuse no cached prompt: tests/e2e/test_cache_isolation.py).
+# One tenant here, and the prompt cache of nodes' instances shared (the default "key" across gateways:
+# tests/e2e/test_shared_slots.py).
 CONFIG = f"""
 prompt_cache.isolation = "shared"
 [[models]]

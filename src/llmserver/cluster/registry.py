@@ -41,6 +41,7 @@ from llmserver.cluster.commands import NodeCommands
 from llmserver.cluster.records import KEY, LEASE_MS, LOAD_KEY, READ_EVERY, STALL_KEY, STATUS_KEY, scan_json
 from llmserver.cluster.remote import RemoteInstance
 from llmserver.cluster.sharing import LoadSharing
+from llmserver.cluster.slots import SharedSlots
 from llmserver.errors import InvalidRequest, NotFound
 from llmserver.llama.client import LlamaServerClient
 from llmserver.logs import background
@@ -68,6 +69,7 @@ class Registry:
         api_key: str | None,
         gateway: str,
         tls: ssl.SSLContext | None = None,
+        hold_seconds: float = 660.0,
     ) -> None:
         self._redis = client
         self._pools = pools
@@ -76,6 +78,7 @@ class Registry:
         self._probes: set[asyncio.Task[None]] = set()
         self._suspected: set[str] = set()  # nodes not routed to until one of their instances answers
         self.load = LoadSharing(client, pools, gateway)
+        self.slots = SharedSlots(client, gateway, hold_seconds)  # whose prompt each slot holds (key isolation)
         self.commands = NodeCommands(client)
         self._tasks: list[asyncio.Task[None]] = []
         for pool in pools.values():
@@ -117,6 +120,7 @@ class Registry:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.load.withdraw()
+        await self.slots.close()
         await self._redis.aclose()
 
     async def _run(self) -> None:

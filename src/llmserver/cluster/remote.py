@@ -4,15 +4,19 @@ registry's (cluster/registry.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from llmserver.cluster.slots import SharedSlots
 from llmserver.pool.instance import Instance, Status
 
 
 class Home(Protocol):
     """The registry that joined a remote instance."""
+
+    slots: SharedSlots
 
     def unreachable(self, instance: RemoteInstance) -> None: ...
     async def drain(self, instance: RemoteInstance, timeout: float) -> None: ...
@@ -66,6 +70,20 @@ class RemoteInstance(Instance):
             return False
         await self.registry.drain(self, timeout + 10)
         return True
+
+    @property
+    def slot_count(self) -> int:
+        return int(self.remote.get("slots") or self.model.parallel)  # as its node runs it
+
+    async def claim_slot(self, key_id: str, start: int) -> tuple[int, bool, str] | None:
+        if self.registry is None:
+            return None
+        return await self.registry.slots.take(self.id, self.slot_count, key_id, start)
+
+    def free_slot(self, slot: int, hold: str, finished: bool) -> asyncio.Task[None] | None:
+        if self.registry is None:
+            return None
+        return self.registry.slots.give(self.id, self.slot_count, slot, hold, finished)
 
     async def answers_slots(self, timeout: float) -> bool:
         return True  # its node's watchdog probes it (the node sees no requests: it probes them all)

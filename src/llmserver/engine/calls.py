@@ -43,9 +43,9 @@ class InstanceCalls:
         """The payload, pinned to a slot whose cached prompt it may reuse only if that prompt is its own
         key's (cache_isolation = "key"): no key learns from `cached_tokens`, or from how fast its prompt
         was read, whether another key sent the same start. A node's instance, which other gateways also
-        use, is never reused across requests then. A conversation that the slot does not hold but that
-        was saved (when its slot was taken by another, or its instance stopped) is restored into the slot
-        first (pool/router.py, pool/saved_prompts.py)."""
+        use, keeps its slots' owners in a record they all share (cluster/slots.py). A conversation that
+        the slot does not hold but that was saved (when its slot was taken by another, or its instance
+        stopped) is restored into the slot first (pool/router.py, pool/saved_prompts.py)."""
         if not self.isolate_keys or path == "/v1/embeddings":
             return payload
         pinned = await ticket.lease.pin(*_prompt_identity(payload))

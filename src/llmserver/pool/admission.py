@@ -32,6 +32,8 @@ from llmserver.metrics.recorder import Tally, UsageRecorder
 from llmserver.pool.router import Lease, Router
 
 log = logging.getLogger(__name__)
+
+SLOT_FREED_WAIT = 0.1  # the longest a request's end waits for its shared slot record to say it is free
 T = TypeVar("T")
 
 
@@ -56,11 +58,13 @@ class Ticket:
         """Once closed, before the client hears the end: wait until its quota settlement is written
         and the other gateways have been told the slot is free (role `gateway`), so that a next turn
         sent at once to any of them sees the key's true balance and finds its conversation's
-        instance free rather than one request busier."""
+        instance free rather than one request busier — and, on a node's instance, its slot idle and its
+        own (cluster/slots.py), so that the turn reuses its cached prompt."""
         if self.tally.settlement is not None:
             await self.admission.settle(self)
         if (load_shared := self.lease.pool.load_shared) is not None:
             await load_shared()
+        await self.lease.freed(SLOT_FREED_WAIT)
 
 
 def _check_rate(principal: Principal, wait: float | None) -> None:

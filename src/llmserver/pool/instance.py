@@ -277,7 +277,7 @@ class Instance:
     # Prompt-cache isolation between keys (cache_isolation = "key"): which key's prompt each slot's
     # cache holds (None: not known), how many requests this gateway has pinned to it, when it was last
     # taken. Only a key's own request on an idle slot whose cache holds its own prompt may reuse it.
-    shared: ClassVar[bool] = False  # other gateways send to it too (a node's instance): owners unknowable
+    shared: ClassVar[bool] = False  # other gateways send to it too (a node's instance): owners in Redis
     log_here: ClassVar[bool] = True  # its llama-server log is a file on this host (a node's is on the node)
     _slot_owner: list[str | None] = field(default_factory=list, repr=False)
     _slot_holds: list[int] = field(default_factory=list, repr=False)
@@ -323,6 +323,16 @@ class Instance:
         self._slot_clock += 1
         self._slot_taken[slot] = self._slot_clock
         return slot, reuse, warm
+
+    async def claim_slot(self, key_id: str, start: int) -> tuple[int, bool, str] | None:
+        """For an instance other gateways send to too (`shared`): `take_slot` against the record every
+        gateway shares (cluster/slots.py) — the slot, whether it may reuse its cached prompt, and the hold
+        to give back with `free_slot`; None when that record cannot be read (nothing is reused then)."""
+        return None
+
+    def free_slot(self, slot: int, hold: str, finished: bool) -> asyncio.Task[None] | None:
+        """Give back a slot `claim_slot` took; the task (if any) ends once every gateway can see it free."""
+        return None
 
     def held_prompts(self) -> list[tuple[int, str, int]]:
         """The idle slots whose cache is one key's conversation: slot, key id, the conversation's start."""

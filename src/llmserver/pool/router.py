@@ -6,6 +6,7 @@ reported to its pool, whose owner (the supervisor) decides what that means.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Mapping
 
@@ -34,6 +35,8 @@ class Lease:
         self.entered = False  # ... has it ...
         self.alone = False  # ... and has the slot to itself
         self.turn: Turn | None = None  # while it may be asked to give its slot back (pool/pool.py)
+        self.hold: str | None = None  # its hold on a slot of an instance other gateways share (cluster/slots.py)
+        self.freeing: asyncio.Task[None] | None = None  # that slot given back, until every gateway sees it
 
     async def acquire(self, resumed: bool = False) -> Instance:
         """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout);
@@ -96,7 +99,8 @@ class Lease:
     async def pin(self, start: int, size: int = 0) -> tuple[int, bool] | None:
         """Pin this request (its prompt's start hashed as `start`, its prompt `size` bytes long) to a slot
         of its instance: the slot and whether the request may reuse the slot's cached prompt (only its own
-        key's); None for an instance other gateways also use.
+        key's); None when it may reuse nothing (an instance other gateways also use while their shared record of
+        its slots cannot be read: cluster/slots.py).
 
         With saved prompts on, this is the per-key tier under the slots: the request waits for its turn on
         the slot as it would in llama-server's queue (pool/slot_gate.py), then saves the conversation the
@@ -104,10 +108,16 @@ class Lease:
         it, and loads this conversation's saved cache if there is one. So under cache_isolation = "key" a
         conversation whose slot was taken in between is restored, not read again."""
         instance = self.instance
-        if instance is None or instance.shared:
+        if instance is None:
             return None
         if self.slot is not None:
             self._unpin(instance, finished=False)
+        if instance.shared:
+            claimed = await instance.claim_slot(self.key_id, start)
+            if claimed is None:
+                return None
+            self.slot, reuse, self.hold = claimed
+            return self.slot, reuse
         self.slot, reuse, _ = instance.take_slot(self.key_id, start)
         self.start, self.size = start, size
         saved = instance.saved_prompts
@@ -144,8 +154,18 @@ class Lease:
             reuse = await saved.restore(instance, self.slot, *mine) or reuse
         return self.slot, reuse
 
+    async def freed(self, within: float) -> None:
+        """Wait (at most `within` seconds) until the slot it gave back on an instance other gateways share
+        is free in their eyes too (cluster/slots.py), so that its key's next turn, through any of them,
+        finds its conversation's slot idle."""
+        if self.freeing is not None and not self.freeing.done():
+            await asyncio.wait([self.freeing], timeout=within)
+
     def _unpin(self, instance: Instance, finished: bool) -> None:
-        if self.slot is not None:
+        if self.hold is not None and self.slot is not None:
+            self.freeing = instance.free_slot(self.slot, self.hold, finished)
+            self.slot = self.hold = None
+        elif self.slot is not None:
             # A request that gave up waiting for its turn on the slot never ran there.
             ran = self.entered or not self.waits
             instance.give_slot(self.slot, finished, (self.key_id, self.start, self.size), ran=ran)
