@@ -10,7 +10,7 @@ import random
 
 import redis.asyncio
 
-from llmserver.cluster.slots import SLOTS_KEY, SharedSlots
+from llmserver.cluster.slots import GRACE_MS, SLOTS_KEY, SharedSlots
 from llmserver.pool.instance import Instance
 from llmserver.settings import ModelConfig
 from tests.support import free_port
@@ -43,7 +43,7 @@ def test_two_gateways_follow_one_hosts_rule_exactly(redis_server: Redis) -> None
                     reference.give_slot(slot, finished, (key, start, 100))
                     continue
                 key, start, gateway = rng.choice("ABC"), rng.choice((11, 2**63 - 25)), rng.choice(gateways)
-                taken = await gateway.take(instance_id, parallel, key, start)
+                taken = await gateway.claim(instance_id, parallel, key, start)  # take, without its wait
                 assert taken is not None
                 expected = reference.take_slot(key, start)
                 assert taken[:2] == expected[:2], (parallel, key, start, taken, expected)
@@ -105,6 +105,29 @@ def test_a_dead_gateways_hold_lapses_at_its_deadline_and_leaves_the_slot_nobodys
         # A lapsed one: the slot's last request may have ended anywhere, so its prompt is nobody's.
         after = await alive.take("lapsed", 1, "victim", 7)
         assert after is not None and after[1] is False
+        await client.aclose()
+
+    run(scenario)
+
+
+def test_another_keys_request_on_a_slot_just_taken_waits_out_the_grace(redis_server: Redis) -> None:
+    """Key A was told to reuse its slot's prompt; key B's request, pinned to the same (busy) slot just after,
+    must not reach llama-server before A's, or A's cached_tokens would measure B's prompt."""
+
+    async def scenario() -> None:
+        client = redis.asyncio.from_url(redis_server.url)
+        a, b = SharedSlots(client, "gw-a", 600), SharedSlots(client, "gw-b", 600)
+        await client.delete(SLOTS_KEY + "grace")
+        first = await a.claim("grace", 1, "A", 7)
+        assert first is not None
+        await a.give("grace", 1, 0, first[2], True)
+        mine = await a.claim("grace", 1, "A", 7)  # told to reuse its own prompt
+        assert mine is not None and mine[1] is True and mine[3] == 0
+        same_key = await a.claim("grace", 1, "A", 7)  # its own key's next request: no wait
+        assert same_key is not None and same_key[3] == 0
+        other = await b.claim("grace", 1, "B", 9)
+        assert other is not None and other[1] is False
+        assert 0 < other[3] <= GRACE_MS  # the rest of the grace since A's take
         await client.aclose()
 
     run(scenario)

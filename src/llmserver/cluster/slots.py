@@ -13,6 +13,13 @@ Each request's hold on a slot carries a deadline (the request timeout and a minu
 holding one leaves the slot counted busy until then, never idle while its request may still run there.
 While Redis cannot be reached a request is sent with `cache_prompt` off (nothing reused, nothing leaked);
 a give that could not be written lapses at its deadline.
+
+The record decides in the order requests take slots, llama-server runs them in the order they arrive: a
+request of key B that takes a busy slot right after key A's request took it (told to reuse: the slot held
+A's prompt) must not reach llama-server first, or A's prompt would be read against B's in the slot's
+cache and A's `cached_tokens` would tell it how B's prompt begins. So B waits until A's take is
+`GRACE_MS` old before sending — nothing lost in practice (the slot is busy with A's request), and the
+order holds as long as a gateway sends a request within `GRACE_MS` of taking its slot.
 """
 
 from __future__ import annotations
@@ -33,10 +40,13 @@ log = logging.getLogger(__name__)
 
 SLOTS_KEY = "llmserver:slots:"  # + instance id
 KEEP_MS = 86_400_000  # an instance's record outlives a day of no requests only if it is used again
+# A request sent to a slot that another key's request took less than this ago waits out the rest first: that
+# one may have been told to reuse the slot's prompt, and must reach llama-server first (see the module's note).
+GRACE_MS = 100
 
 # Per slot: o (the key whose prompt it holds; "" unknown), s (its prompt's start, hashed), t (when it was
 # last taken: the record's clock), u (1: its last request ended early and may still be finishing),
-# h (hold id → deadline, ms).
+# h (hold id → {d: its deadline, a: when it was taken, ms; k: its key}).
 _LOAD = """
 local now_parts = redis.call('TIME')
 local now = tonumber(now_parts[1]) * 1000 + math.floor(tonumber(now_parts[2]) / 1000)
@@ -50,8 +60,8 @@ end
 local holds = {}
 for i = 1, n do
   local slot, held = state.slots[i], 0
-  for id, deadline in pairs(slot.h) do
-    if deadline <= now then
+  for id, hold in pairs(slot.h) do
+    if hold.d <= now then
       slot.h[id] = nil
       slot.o, slot.u = '', 1
     else
@@ -62,7 +72,8 @@ for i = 1, n do
 end
 """
 
-# ARGV: slots, key id, start, hold id, hold ms, keep ms → slot (from 0), reuse (0/1), warm (0/1)
+# ARGV: slots, key id, start, hold id, hold ms, keep ms, grace ms → slot (from 0), reuse (0/1), warm (0/1),
+# ms to wait before sending (another key's request took the slot less than the grace ago)
 TAKE = (
     _LOAD
     + """
@@ -93,12 +104,16 @@ local slot = state.slots[chosen]
 local reuse = slot.o == key
 local warm = reuse and slot.s == start
 if holds[chosen] == 0 or reuse then slot.o = key else slot.o = '' end
+local wait = 0
+for _, hold in pairs(slot.h) do
+  if hold.k ~= key then wait = math.max(wait, hold.a + tonumber(ARGV[7]) - now) end
+end
 slot.s = start
-slot.h[ARGV[4]] = now + tonumber(ARGV[5])
+slot.h[ARGV[4]] = {d = now + tonumber(ARGV[5]), a = now, k = key}
 state.clock = state.clock + 1
 slot.t = state.clock
 redis.call('SET', KEYS[1], cjson.encode(state), 'PX', ARGV[6])
-return {chosen - 1, reuse and 1 or 0, warm and 1 or 0}
+return {chosen - 1, reuse and 1 or 0, warm and 1 or 0, wait}
 """
 )
 
@@ -137,16 +152,27 @@ class SharedSlots:
 
     async def take(self, instance_id: str, slots: int, key_id: str, start: int) -> tuple[int, bool, str] | None:
         """A slot of the instance for `key_id`'s request whose prompt begins as `start`: the slot, whether it
-        may reuse the slot's cached prompt, and the hold to give back; None while Redis cannot be reached."""
+        may reuse the slot's cached prompt, and the hold to give back; None while Redis cannot be reached.
+        Returns once the request may be sent (after another key's request that just took the slot)."""
+        claimed = await self.claim(instance_id, slots, key_id, start)
+        if claimed is None:
+            return None
+        slot, reuse, hold, wait_ms = claimed
+        if wait_ms > 0:
+            await asyncio.sleep(wait_ms / 1000)
+        return slot, reuse, hold
+
+    async def claim(self, instance_id: str, slots: int, key_id: str, start: int) -> tuple[int, bool, str, int] | None:
+        """`take`'s record update: also the ms to wait before sending."""
         hold = f"{self._gateway}:{next(self._holds)}"
-        args: list[str | int] = [slots, key_id, str(start), hold, self.hold_ms, KEEP_MS]
+        args: list[str | int] = [slots, key_id, str(start), hold, self.hold_ms, KEEP_MS, GRACE_MS]
         try:
-            slot, reuse, _ = await self._script(TAKE)(keys=[SLOTS_KEY + instance_id], args=args)
+            slot, reuse, _, wait = await self._script(TAKE)(keys=[SLOTS_KEY + instance_id], args=args)
         except redis_unreachable() as exc:
             self._outage.failed("slot records unreachable in Redis (prompts sent without reusing a cache): %s", exc)
             return None
         self._outage.recovered("slot records in Redis reachable again")
-        return int(slot), bool(reuse), hold
+        return int(slot), bool(reuse), hold, int(wait)
 
     def give(self, instance_id: str, slots: int, slot: int, hold: str, finished: bool) -> asyncio.Task[None]:
         """Give the slot back (`finished`: its request ended normally, the slot's cache now its prompt); the
