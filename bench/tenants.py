@@ -245,14 +245,23 @@ def measure(
     return result
 
 
-def report(results: list[Result], keys: int, turns: int, slots: int, read: float, level: str = "#") -> str:
+def report(
+    results: list[Result], keys: int, turns: int, slots: int, read: float, level: str = "#", gateways: int = 1
+) -> str:
     prompt = statistics.median(t.prompt_tokens for r in results for t in r.turns if t.number == 1)
+    where = (
+        "through two gateways of role `gateway` (PostgreSQL + Redis) to one instance an `llmserver node` runs, "
+        "each conversation's turns through the two in turn, "
+        if gateways > 1
+        else ""
+    )
     lines = [
         f"{level} Many tenants at once: the per-key tier against recomputing and against a shared cache",
         "",
-        f"`python -m bench.tenants`: {keys} keys, one conversation each, all at once, {turns} turns of which the "
-        f"first reads about {prompt:,.0f} prompt tokens, {read:g} s of reading between turns, on one instance "
-        f"of the embedded model with {slots} slots (2 threads). Later turns: turns 2 to {turns}.",
+        f"`python -m bench.tenants{' --gateways 2' if gateways > 1 else ''}`: {keys} keys, one conversation each, "
+        f"all at once, {turns} turns of which the first reads about {prompt:,.0f} prompt tokens, {read:g} s of "
+        f"reading between turns, {where}on one instance of the embedded model with {slots} slots (2 threads). "
+        f"Later turns: turns 2 to {turns}.",
         "",
         "| setting | later turns' prompt from the cache | later turns' first token p50 / p95 | first turns' "
         "first token p50 | the whole run | saved conversations |",
@@ -285,7 +294,7 @@ def main() -> None:
         measure(setting, args.keys, args.turns, args.slots, args.history, args.read, logs, args.gateways)
         for setting in args.settings
     ]
-    text = report(results, args.keys, args.turns, args.slots, args.read)
+    text = report(results, args.keys, args.turns, args.slots, args.read, gateways=args.gateways)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

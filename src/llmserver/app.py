@@ -326,7 +326,7 @@ def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:
         settings.instances.key,
         settings.state.gateway_id,
         settings.instances.tls(),
-        hold_seconds=settings.limits.request_timeout + 60,  # a slot's hold outlives its request
+        saved=supervisor.saved_prompts,  # the per-key tier's settings and counters, for nodes' instances too
     )
 
 

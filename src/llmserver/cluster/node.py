@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import socket
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -14,6 +15,7 @@ from llmserver.auth.limiters import connect_redis
 from llmserver.cluster.assignments import Assignments
 from llmserver.cluster.node_http import NodeServer, node_app
 from llmserver.cluster.publisher import NodeIdInUse, Publisher
+from llmserver.cluster.slots import save_on_node, sweep_superseded
 from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
 from llmserver.metrics.prometheus import Metrics
 from llmserver.models.lineup import Lineup
@@ -21,6 +23,9 @@ from llmserver.pool.collector import PoolCollector
 from llmserver.pool.supervisor import Supervisor
 from llmserver.settings import ModelConfig, Settings
 from llmserver.systemd import Notifier
+
+if TYPE_CHECKING:
+    import redis.asyncio
 
 __all__ = ["NodeIdInUse", "run_node"]
 
@@ -40,6 +45,8 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
     publisher = Publisher(client, supervisor, node_id)
     supervisor.drain_wait = publisher.settle  # a drain waits for the gateways' requests on the instance
     supervisor.on_stall = publisher.stalled  # the gateways learn why their requests on it were dropped
+    if (saved := supervisor.saved_prompts) is not None:  # whose conversation each slot holds: in Redis
+        supervisor.save_prompts = lambda instance: save_on_node(client, node_id, saved, instance)
     assignments = Assignments(client, supervisor, settings, node_id) if not models else None
     if assignments is not None:
         publisher.extra, publisher.scheduled, publisher.on_release = assignments.record, True, assignments.release
@@ -74,6 +81,7 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
     publishing = asyncio.create_task(publisher.run(), name="publish")
     await supervisor.start()
     commands = asyncio.create_task(publisher.serve_commands(), name="node-commands")
+    trimming = asyncio.create_task(_trim_saved_prompts(supervisor, client, node_id), name="prompt-cache-trim")
     assigned = asyncio.create_task(assignments.run(), name="assignments") if assignments is not None else None
     log.info(
         "node %s (incarnation %s) publishes %s on %s%s",
@@ -95,6 +103,7 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
         await notifier.stop_watchdog()
         publishing.cancel()
         commands.cancel()
+        trimming.cancel()
         if assigned is not None:
             assigned.cancel()
         if http is not None and serving is not None:
@@ -104,3 +113,22 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
         await supervisor.stop()
         await client.aclose()
         log.info("node %s stopped", node_id)
+
+
+TRIM_EVERY = 10.0  # seconds between trims of the saved prompts the gateways write into this node's folders
+
+
+async def _trim_saved_prompts(supervisor: Supervisor, client: redis.asyncio.Redis, node_id: str) -> None:
+    """Keep the node's saved prompts within `prompt_cache.disk_mb`: gateways save conversations into its
+    instances' folders (cluster/slots.py); the states their index no longer names go, then the least
+    recently used."""
+    saved = supervisor.saved_prompts
+    if saved is None:
+        return
+    while True:
+        await asyncio.sleep(TRIM_EVERY)
+        try:
+            await sweep_superseded(client, node_id, saved.root)
+            await asyncio.to_thread(saved.trim)
+        except Exception:
+            log.exception("saved prompt caches not trimmed")

@@ -47,6 +47,8 @@ def record(instance: Instance, node_id: str, incarnation: str, in_flight: int = 
         "node": node_id,
         "incarnation": incarnation,
         "scheme": "http" if instance.tls is None else "https",
+        # Its slots' prompt caches are saved into a folder of this identity (gateways index them: cluster/slots.py).
+        "prompts": instance.prompt_folder.name if instance.prompt_folder is not None else None,
         # Kept by a request's keep_alive: not idle for the scheduler until then.
         "idle_seconds": 0.0
         if in_flight or instance.keep_until > time.time()

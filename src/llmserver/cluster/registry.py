@@ -48,6 +48,7 @@ from llmserver.logs import background
 from llmserver.outage import Outage, redis_unreachable
 from llmserver.pool.instance import Instance, Status
 from llmserver.pool.pool import ModelPool
+from llmserver.pool.saved_prompts import SavedPrompts
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -69,7 +70,7 @@ class Registry:
         api_key: str | None,
         gateway: str,
         tls: ssl.SSLContext | None = None,
-        hold_seconds: float = 660.0,
+        saved: SavedPrompts | None = None,
     ) -> None:
         self._redis = client
         self._pools = pools
@@ -78,7 +79,8 @@ class Registry:
         self._probes: set[asyncio.Task[None]] = set()
         self._suspected: set[str] = set()  # nodes not routed to until one of their instances answers
         self.load = LoadSharing(client, pools, gateway)
-        self.slots = SharedSlots(client, gateway, hold_seconds)  # whose prompt each slot holds (key isolation)
+        # Whose prompt each slot holds, whose turn it is there, and the per-key tier under them (key isolation).
+        self.slots = SharedSlots(client, gateway, saved=saved)
         self.commands = NodeCommands(client)
         self._tasks: list[asyncio.Task[None]] = []
         for pool in pools.values():
@@ -112,6 +114,7 @@ class Registry:
             asyncio.create_task(self._run(), name="instance-registry"),
             asyncio.create_task(self.load.write(), name="gateway-load-writer"),
             asyncio.create_task(self.load.listen(), name="gateway-load-listener"),
+            asyncio.create_task(self.slots.renew(), name="slot-holds-renewal"),
         ]
 
     async def stop(self) -> None:

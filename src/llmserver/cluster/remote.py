@@ -75,15 +75,19 @@ class RemoteInstance(Instance):
     def slot_count(self) -> int:
         return int(self.remote.get("slots") or self.model.parallel)  # as its node runs it
 
-    async def claim_slot(self, key_id: str, start: int) -> tuple[int, bool, str] | None:
+    async def claim_slot(self, key_id: str, start: int, size: int) -> tuple[int, bool, str] | None:
         if self.registry is None:
             return None
-        return await self.registry.slots.take(self.id, self.slot_count, key_id, start)
+        prompts = self.remote.get("prompts")  # the node saves its slots' caches: the tier runs here too
+        folder = f"{self.node}:{prompts}" if prompts else None
+        return await self.registry.slots.pin(self.id, self.slot_count, key_id, start, size, self.client, folder)
 
-    def free_slot(self, slot: int, hold: str, finished: bool) -> asyncio.Task[None] | None:
+    def free_slot(
+        self, slot: int, hold: str, finished: bool, conversation: tuple[str, int, int]
+    ) -> asyncio.Task[None] | None:
         if self.registry is None:
             return None
-        return self.registry.slots.give(self.id, self.slot_count, slot, hold, finished)
+        return self.registry.slots.give(self.id, self.slot_count, slot, hold, finished, conversation)
 
     async def answers_slots(self, timeout: float) -> bool:
         return True  # its node's watchdog probes it (the node sees no requests: it probes them all)

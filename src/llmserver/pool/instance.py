@@ -324,14 +324,18 @@ class Instance:
         self._slot_taken[slot] = self._slot_clock
         return slot, reuse, warm
 
-    async def claim_slot(self, key_id: str, start: int) -> tuple[int, bool, str] | None:
-        """For an instance other gateways send to too (`shared`): `take_slot` against the record every
-        gateway shares (cluster/slots.py) — the slot, whether it may reuse its cached prompt, and the hold
-        to give back with `free_slot`; None when that record cannot be read (nothing is reused then)."""
+    async def claim_slot(self, key_id: str, start: int, size: int) -> tuple[int, bool, str] | None:
+        """For an instance other gateways send to too (`shared`): `take_slot`, the turn on the slot and the
+        per-key tier against the record every gateway shares (cluster/slots.py) — once the request may be
+        sent: the slot, whether it may reuse its cached prompt, and the hold to give back with `free_slot`;
+        None when that record cannot be read (nothing is reused then)."""
         return None
 
-    def free_slot(self, slot: int, hold: str, finished: bool) -> asyncio.Task[None] | None:
-        """Give back a slot `claim_slot` took; the task (if any) ends once every gateway can see it free."""
+    def free_slot(
+        self, slot: int, hold: str, finished: bool, conversation: tuple[str, int, int]
+    ) -> asyncio.Task[None] | None:
+        """Give back a slot `claim_slot` took (`conversation`: the request's key id, prompt start and bytes);
+        the task (if any) ends once every gateway can see it free."""
         return None
 
     def held_prompts(self) -> list[tuple[int, str, int]]:

@@ -99,8 +99,8 @@ class Lease:
     async def pin(self, start: int, size: int = 0) -> tuple[int, bool] | None:
         """Pin this request (its prompt's start hashed as `start`, its prompt `size` bytes long) to a slot
         of its instance: the slot and whether the request may reuse the slot's cached prompt (only its own
-        key's); None when it may reuse nothing (an instance other gateways also use while their shared record of
-        its slots cannot be read: cluster/slots.py).
+        key's); None when it may reuse nothing (an instance other gateways also use, while the record of its
+        slots they share cannot be read: cluster/slots.py).
 
         With saved prompts on, this is the per-key tier under the slots: the request waits for its turn on
         the slot as it would in llama-server's queue (pool/slot_gate.py), then saves the conversation the
@@ -112,14 +112,14 @@ class Lease:
             return None
         if self.slot is not None:
             self._unpin(instance, finished=False)
-        if instance.shared:
-            claimed = await instance.claim_slot(self.key_id, start)
+        self.start, self.size = start, size
+        if instance.shared:  # the same, through the record every gateway shares (cluster/slots.py)
+            claimed = await instance.claim_slot(self.key_id, start, size)
             if claimed is None:
                 return None
             self.slot, reuse, self.hold = claimed
             return self.slot, reuse
         self.slot, reuse, _ = instance.take_slot(self.key_id, start)
-        self.start, self.size = start, size
         saved = instance.saved_prompts
         if saved is None or not saved.enabled or instance.prompt_folder is None:
             return self.slot, reuse
@@ -163,7 +163,7 @@ class Lease:
 
     def _unpin(self, instance: Instance, finished: bool) -> None:
         if self.hold is not None and self.slot is not None:
-            self.freeing = instance.free_slot(self.slot, self.hold, finished)
+            self.freeing = instance.free_slot(self.slot, self.hold, finished, (self.key_id, self.start, self.size))
             self.slot = self.hold = None
         elif self.slot is not None:
             # A request that gave up waiting for its turn on the slot never ran there.

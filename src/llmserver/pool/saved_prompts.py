@@ -135,15 +135,16 @@ class SavedPrompts:
         """A model no longer served: its saved prompts go."""
         shutil.rmtree(self.root / _folder_name(model), ignore_errors=True)
 
-    async def save(self, instance: Instance) -> int:
-        """Save the instance's idle slots that hold one key's conversation; the number saved."""
+    async def save(self, instance: Instance, held: Iterable[tuple[int, str, int]] | None = None) -> int:
+        """Save the instance's idle slots that hold one key's conversation (`held`: slot, key id, start; by
+        default as the instance knows them); the number saved."""
         folder = instance.prompt_folder
         # A folder gone: an instance of changed settings has started since (a rolling update), and this
         # one's states would be of no use to it.
         if folder is None or instance.client is None or instance.exited or not folder.is_dir():
             return 0
         count, deadline = 0, time.monotonic() + SAVE_BUDGET
-        for slot, key_id, start in instance.held_prompts():
+        for slot, key_id, start in instance.held_prompts() if held is None else held:
             left = deadline - time.monotonic()
             if left <= 0:
                 log.warning("instance %s: out of time to save its prompt caches; the rest are lost", instance.id)

@@ -97,6 +97,9 @@ class Supervisor:
         self.drain_wait: Callable[[Instance, float], Awaitable[None]] | None = None
         # A node: told (bound in seconds) before the watchdog restarts an instance that made no progress.
         self.on_stall: Callable[[Instance, float], Awaitable[None]] | None = None
+        # Saves an instance's conversations as it stops on purpose, where this supervisor does not know whose
+        # each slot holds (a node: the gateways' shared record does, cluster/slots.py); else saved_prompts.save.
+        self.save_prompts: Callable[[Instance], Awaitable[object]] | None = None
         # Conversations' prompt caches saved when an instance stops on purpose, restored by the next one.
         self.saved_prompts: SavedPrompts | None = None
         if settings.prompt_cache.isolation == "key" and settings.prompt_cache.disk_mb > 0:
@@ -158,7 +161,7 @@ class Supervisor:
         """Stop an instance on purpose, its conversations' prompt caches saved first (not a removed model's)."""
         try:
             if self.saved_prompts is not None and instance not in self._retiring and not instance.exited:
-                await self.saved_prompts.save(instance)
+                await (self.save_prompts or self.saved_prompts.save)(instance)
         finally:
             await instance.stop()  # whatever saving met
 
