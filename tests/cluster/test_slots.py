@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis.asyncio
 
-from llmserver.cluster.slots import GRACE_MS, SAVED_KEY, SLOTS_KEY, SharedSlots, sweep_superseded
+from llmserver.cluster.slots import GRACE_MS, SAVED_KEY, SLOTS_KEY, Claim, SharedSlots, sweep_superseded
 from llmserver.pool.instance import Instance
 from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.settings import ModelConfig
@@ -203,6 +203,9 @@ def test_without_redis_nothing_is_reused() -> None:
         slots = SharedSlots(client, "gw-a")
         assert await slots.pin("gone", 2, "victim", 7, 100) is None
         await slots.give("gone", 2, 0, "gw-a:1", True)  # a give that cannot be written lapses; no error
+        # A request waiting for its turn when Redis goes stops waiting (it is then sent reusing nothing).
+        waiting = Claim(slot=0, reuse=True, hold="gw-a:2", wait_ms=0, turn=False, alone=True, held=None)
+        assert await slots.wait_turn("gone", 2, waiting, "victim", 7) is False
         await client.aclose()
 
     run(scenario)

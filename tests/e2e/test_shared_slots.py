@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import MODEL, Server, cli, free_port, free_port_range, shared_servers, spawn, wait_for
+from tests.support import MODEL, Server, cli, free_port, free_port_range, metric, shared_servers, spawn, wait_for
+from tests.support.counting import Result, completion_stream, consecutive
 
 pytestmark = pytest.mark.slow
 
@@ -163,6 +166,49 @@ def test_another_keys_prompt_cannot_be_probed_through_another_gateway(cluster: C
     right_guess = cached(0, cluster.key("attacker-2"), secret)
     assert wrong_guess == right_guess == 0, (wrong_guess, right_guess)
     assert victim_again > 20, victim_again  # the victim's own cache, through the other gateway
+
+
+def test_another_gateways_request_starts_within_the_slice_behind_one_gateways_long_streams(cluster: Cluster) -> None:
+    """Fair shares between gateways bounded in time: one key's 4 counting streams through the first gateway
+    hold both slots and both queue places of the node's instance; another key's request through the second
+    gateway ends before them (before, across gateways the bound was in count: it waited for streams to
+    end), and the streams that gave way lose nothing — every token, the prompt counted once, the count
+    unbroken."""
+    heavy, light = cluster.key("heavy"), cluster.key("light")
+    gateway, other = cluster.gateways
+    solo = completion_stream(gateway, heavy, 200)
+    done: list[str] = []
+    results: list[Result] = []
+    lock = threading.Lock()
+
+    def long(name: str) -> None:
+        result = completion_stream(gateway, heavy, 200)
+        with lock:
+            done.append(name)
+            results.append(result)
+
+    yields_before = metric(gateway, ADMIN, "llmserver_slot_yields_total", model=MODEL)
+    threads = [threading.Thread(target=long, args=(f"A{n}",)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    assert wait_for(lambda: metric(gateway, ADMIN, "llmserver_in_flight", model=MODEL) == 4, 60)
+    sent = time.monotonic()
+    answer = httpx.post(
+        other.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {light}"}, timeout=120,
+    )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    took = time.monotonic() - sent
+    with lock:
+        done.append("B")
+    for thread in threads:
+        thread.join()
+    print(f"\nthe other gateway's request answered in {took:.2f} s behind 4 streams (fair_slice 2 s)")
+    assert done[0] == "B", done
+    assert metric(gateway, ADMIN, "llmserver_slot_yields_total", model=MODEL) > yields_before
+    for text, finish, usage in results:
+        assert finish == "length" and usage == (solo[2][0], 200)
+        assert len(consecutive(text)) >= len(consecutive(solo[0])) - 2
 
 
 def test_a_conversation_survives_a_drain_of_its_nodes_instance(cluster: Cluster) -> None:

@@ -12,7 +12,7 @@ from llmserver.cluster.remote import RemoteInstance
 from llmserver.errors import GatewayTimeout, Overloaded
 from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.affinity import Candidate, ranked
-from llmserver.pool.instance import Status, llama_server_args, slot_context
+from llmserver.pool.instance import Instance, Status, llama_server_args, slot_context
 from llmserver.pool.pool import ModelPool, Turn
 from llmserver.pool.router import Lease
 from llmserver.pool.saved_prompts import SavedPrompts
@@ -412,6 +412,22 @@ def test_with_saved_prompts_requests_on_one_slot_run_in_turn_and_a_cancelled_wai
     run(scenario)
 
 
+async def heavy_streams() -> tuple[ModelPool, Instance, dict[str, Turn], list[str]]:
+    """A pool of one instance (2 slots, 2 queue places, fair_slice 0.3 s) whose places one key's streams
+    hold: two running, two queued in llama-server; the names of those asked to give their place back."""
+    pool, _ = make_pool(max_queue=8, parallel=2, instance_queue=2)
+    pool.fair_slice = 0.3
+    instance = await ready_instance(pool.config, 1)
+    pool.instances.append(instance)
+    asked: list[str] = []
+    turns = {}
+    for name, running in (("run1", True), ("run2", True), ("queued1", False), ("queued2", False)):
+        assert await pool.acquire("heavy") is instance
+        turns[name] = Turn("heavy", lambda name=name: asked.append(name), running)
+        pool.offer(turns[name])
+    return pool, instance, turns, asked
+
+
 def test_a_key_below_its_share_gets_a_slot_given_back_within_the_slice() -> None:
     """Fair shares bounded in time (pool/pool.py): one key's streams hold both slots and both places in
     the instance's queue. Alone, it keeps them all. When another key's request comes, the streams still
@@ -419,16 +435,7 @@ def test_a_key_below_its_share_gets_a_slot_given_back_within_the_slice() -> None
     `fair_slice` seconds; the waiting key takes a free slot, never a queue place behind the generations."""
 
     async def scenario() -> None:
-        pool, _ = make_pool(max_queue=8, parallel=2, instance_queue=2)
-        pool.fair_slice = 0.3
-        instance = await ready_instance(pool.config, 1)
-        pool.instances.append(instance)
-        asked: list[str] = []
-        turns = {}
-        for name, running in (("run1", True), ("run2", True), ("queued1", False), ("queued2", False)):
-            assert await pool.acquire("heavy") is instance
-            turns[name] = Turn("heavy", lambda name=name: asked.append(name), running)
-            pool.offer(turns[name])
+        pool, instance, turns, asked = await heavy_streams()
         own = asyncio.create_task(pool.acquire("heavy"))  # the same key waiting: nothing given back
         await asyncio.sleep(0)
         assert asked == [] and not own.done()
@@ -436,12 +443,14 @@ def test_a_key_below_its_share_gets_a_slot_given_back_within_the_slice() -> None
         light = asyncio.create_task(pool.acquire("light"))
         await asyncio.sleep(0)
         assert sorted(asked) == ["queued1", "queued2"]  # they lose nothing: at once
-        for _ in asked:
-            pool.release(instance, "heavy")  # they stop, and would wait again (resumed)
+        for name in asked:
+            pool.withdraw(turns[name])  # they stop (as a lease's release does), and would wait again (resumed)
+            pool.release(instance, "heavy")
         await asyncio.sleep(0)
         assert not light.done()  # a free place in the instance's queue, not a slot: it waits
         assert await wait_until(lambda: len(asked) == 3, 5)
         assert asked[2] in ("run1", "run2") and pool.yields == 3
+        pool.withdraw(turns[asked[2]])
         pool.release(instance, "heavy")
         assert await light is instance  # the slot given back
         # The heavy key's own new request may queue in the instance behind its own generation; the ones that
@@ -477,6 +486,62 @@ def test_fair_slice_zero_keeps_every_slot_to_its_end() -> None:
         assert asked == [] and not light.done() and pool.yields == 0
         pool.release(instance, "heavy")
         assert await light is instance
+        pool.release(instance, "light")
+        await close(instance)
+
+    run(scenario)
+
+
+def test_a_gateway_above_its_share_gives_slots_back_within_the_slice_while_another_gateway_waits() -> None:
+    """Between gateways that share a node's instance (cluster/sharing.py fills `gateways_elsewhere`): this
+    gateway's streams hold both slots and both queue places; another gateway has a request waiting and holds
+    nothing. The streams queued in llama-server give their places back at once, one running stream after
+    `fair_slice` (the share: 2 slots ÷ 2 gateways), and this gateway takes no place back meanwhile."""
+
+    async def scenario() -> None:
+        pool, instance, turns, asked = await heavy_streams()
+        pool.rebalance()
+        assert asked == []  # alone: it keeps every place
+        pool.gateways_elsewhere = [(0, 1)]  # the other gateway's request waits (its load, heard)
+        pool.rebalance()
+        assert sorted(asked) == ["queued1", "queued2"]  # at once: they lose nothing
+        own = asyncio.create_task(pool.acquire("heavy", resumed=True))  # one of them waits again
+        for name in list(asked):
+            pool.withdraw(turns[name])
+            pool.release(instance, "heavy")
+        await asyncio.sleep(0)
+        assert not own.done()  # a free place, but it is the other gateway's turn
+        assert await wait_until(lambda: len(asked) == 3, 5)
+        assert asked[2] in ("run1", "run2")
+        pool.withdraw(turns[asked[2]])
+        pool.release(instance, "heavy")  # a slot free, for the other gateway
+        await asyncio.sleep(0)
+        assert not own.done() and instance.load == 1
+        pool.gateways_elsewhere = [(1, 0)]  # it took the slot: nobody waits elsewhere now
+        pool.dispatch()
+        assert await own is instance
+        for _ in range(2):
+            pool.release(instance, "heavy")
+        await close(instance)
+
+    run(scenario)
+
+
+def test_a_gateway_below_its_share_takes_free_slots_only_while_another_is_above_its_own() -> None:
+    async def scenario() -> None:
+        pool, _ = make_pool(max_queue=8, parallel=2, instance_queue=2)
+        pool.fair_slice = 0.3
+        instance = await ready_instance(pool.config, 1)
+        pool.instances.append(instance)
+        instance.elsewhere = 2  # the other gateway's streams hold both slots ...
+        pool.gateways_elsewhere = [(2, 0)]
+        waiting = asyncio.create_task(pool.acquire("light"))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # ... and a place in the instance's queue would wait behind them
+        instance.elsewhere = 1  # one given back
+        pool.gateways_elsewhere = [(1, 0)]
+        pool.dispatch()
+        assert await waiting is instance
         pool.release(instance, "light")
         await close(instance)
 

@@ -3,7 +3,8 @@ on the channel `llmserver:load` as soon as they change (coalesced) and keeps the
 `llmserver:load:GATEWAY` (expiring after a lease, read with the registry: a gateway that stopped
 drops out), so that routing counts every gateway's requests on an instance, the queue's `max_queue`
 bounds every gateway's waiters together, and a gateway holding more than its share of a model's
-slots while others' requests wait lets them have the next ones (pool/pool.py). It also says when it
+slots while others' requests wait lets them have the next ones, and gives its streams' slots back after
+`limits.fair_slice` while others below their share of the slots wait (pool/pool.py). It also says when it
 last used each instance and until when a request's `keep_alive` keeps one (`kept`): the node that runs
 the instance counts its idleness from those (cluster/publisher.py). The counts are a
 Redis round trip old; llama-server queues a request that lands on a slot taken meanwhile. A
@@ -142,6 +143,7 @@ class LoadSharing:
         self._share_load(list(latest.values()))
         for pool in self._pools.values():
             pool.dispatch()  # slots other gateways freed
+            pool.rebalance()  # ... or that they wait for: fair shares between gateways in time
 
     def own(self) -> dict[str, Any]:
         self._sequence = max(self._sequence + 1, time.time_ns())
@@ -177,3 +179,6 @@ class LoadSharing:
             busy = [o for o in others if o["queued"].get(name) or ids & o["in_flight"].keys()]
             places = sum(i.model.most_in_flight for i in pool.instances if i.accepting)
             pool.share = max(1, -(-places // (1 + len(busy)))) if waiting else None
+            pool.gateways_elsewhere = [
+                (sum(o["in_flight"].get(i, 0) for i in ids), int(o["queued"].get(name, 0))) for o in busy
+            ]

@@ -304,7 +304,8 @@ class SharedSlots:
                 return claim.slot, claim.reuse, claim.hold
             assert client is not None and folder is not None
             if not await self.wait_turn(instance_id, slots, claim, key_id, start):
-                return None  # its hold lapsed (Redis gone for longer than a hold): nothing reused
+                self.give(instance_id, slots, claim.slot, claim.hold, finished=False)
+                return None  # Redis gone, or its hold lapsed: sent as it is, nothing reused
             return claim.slot, await self._tier(claim, client, folder, key_id, start), claim.hold
         except BaseException:
             self.give(instance_id, slots, claim.slot, claim.hold, finished=False)
@@ -331,7 +332,8 @@ class SharedSlots:
 
     async def wait_turn(self, instance_id: str, slots: int, claim: Claim, key_id: str, start: int) -> bool:
         """Wait for the claim's turn on its slot (looking again after a short pause, longer each time); False
-        if its hold lapsed meanwhile. The claim then says whether it goes alone and what the slot holds."""
+        if Redis cannot be reached or its hold lapsed meanwhile. The claim then says whether it goes alone and
+        what the slot holds."""
         if claim.turn:
             return True
         pause = TURN_POLL[0]
@@ -342,8 +344,9 @@ class SharedSlots:
             args: list[str | int] = [slots, claim.slot, claim.hold, KEEP_MS, key_id, str(start), least]
             try:
                 turn, alone, key, begun, bytes_ = await self._script(ENTER)(keys=[SLOTS_KEY + instance_id], args=args)
-            except redis_unreachable():
-                continue  # its hold is renewed no longer: it lapses, and the next look says so
+            except redis_unreachable() as exc:
+                self._outage.failed("slot records unreachable in Redis (prompts sent without reusing a cache): %s", exc)
+                return False
             if int(turn) < 0:
                 return False
             claim.alone, claim.held = bool(alone), _held(key, begun, bytes_)

@@ -22,8 +22,11 @@ lost nothing, and would start before the waiting one), then those that have run 
 seconds, the longest-running first: each is stopped (`Turn`), waits again at the head of its key's
 queue, and goes on from where it stopped once a slot is its again (engine/resume.py). So another key's
 request starts within about `fair_slice` seconds plus one token, however long the generations that
-hold the slots; a key alone still gets every slot. Keys are compared within one gateway: across
-gateways that share instances the bound is still in count (the `share` above). A request that is not a
+hold the slots; a key alone still gets every slot. Keys are compared within one gateway; between
+gateways that share instances (`gateways_elsewhere`, from their published loads) the same holds per
+gateway: while another gateway waits below its share of the slots, this one gives back its streams'
+slots beyond its own the same way and takes no place meanwhile, and a gateway waiting below its share
+takes free slots only. A request that is not a
 resumable stream (one answered whole, or with tools, a schema or logprobs) keeps its slot to its end.
 
 The pool's owner (the supervisor) hears of pressure (requests queueing, here or at an instance) and
@@ -84,6 +87,7 @@ class ModelPool:
         # share (0: never; module docstring).
         self.fair_slice = fair_slice
         self._turns: set[Turn] = set()
+        self._leaving: set[Turn] = set()  # asked to give their slot back, not yet released: not counted as held
         self._rebalancing: asyncio.TimerHandle | None = None
         self.yields = 0  # slots given back to keys below their share
         # Requests with an affinity key go to their instance by rendezvous hashing, within this many
@@ -113,6 +117,9 @@ class ModelPool:
         # while they have (None: no cap).
         self.queued_elsewhere = 0
         self.share: int | None = None
+        # Each other gateway that holds places on these instances or has requests waiting for this model:
+        # (places it holds, requests it has waiting) — fair shares between gateways in time (fair_slice).
+        self.gateways_elsewhere: list[tuple[int, int]] = []
         # Set by the registry, which publishes this gateway's requests in flight and waiting when
         # they change, and (`load_shared`) awaits the changes made so far reaching the others.
         self.rolling = asyncio.Lock()  # held while the instances roll over to new settings (supervisor)
@@ -167,6 +174,8 @@ class ModelPool:
         slot it gave up before the request it gave it to has reached llama-server)."""
         if self.share is not None and sum(i.in_flight for i in self.instances) >= self.share:
             return None  # other gateways' requests are waiting: leave them the slots this one frees
+        if self._owes_gateways():
+            return None  # ... and in time: a gateway below its share of the slots waits for those given back
         accepting = [i for i in self.instances if i.accepting]
         if avoid is not None and len(accepting) > 1:  # a retry goes elsewhere when it can: another node's first
             elsewhere = [i for i in accepting if i.placed_on != avoid.placed_on] if avoid.placed_on else []
@@ -203,7 +212,7 @@ class ModelPool:
             raise _because("no_instance", Overloaded(
                 f"No instance of {self.name!r} can be started: {self.unstartable}.", retry_after=30
             ))  # fmt: skip
-        instance = self._free_instance(affinity, avoid, resumed or self._yielded_to(key_id))
+        instance = self._free_instance(affinity, avoid, self._slot_only(key_id, resumed))
         if instance is not None and not self._waiters:
             self._begin(instance, key_id)
             return instance
@@ -228,7 +237,7 @@ class ModelPool:
         self.on_load()
         self._on_pressure(self)
         if self._turns:
-            self._rebalance()
+            self.rebalance()
         try:
             async with asyncio.timeout(None if resumed else self.queue_timeout):
                 return await waiter.future
@@ -268,11 +277,12 @@ class ModelPool:
     def offer(self, turn: Turn) -> None:
         """A streamed request that can give its slot back (again: it began to run)."""
         self._turns.add(turn)
-        if self._waiters:
-            self._rebalance()
+        if self._waiters or self.gateways_elsewhere:
+            self.rebalance()
 
     def withdraw(self, turn: Turn) -> None:
         self._turns.discard(turn)
+        self._leaving.discard(turn)
 
     def _shares(self, key_id: str | None = None) -> tuple[collections.Counter[str], int]:
         """The places each key holds, and a key's share of the slots: the slots ÷ the keys holding or
@@ -280,11 +290,50 @@ class ModelPool:
         held: collections.Counter[str] = collections.Counter()
         for instance in self.instances:
             held.update(instance.users)
-        keys = held.keys() | {w.key_id for w in self._waiters}
+        held.subtract(turn.key_id for turn in self._leaving)  # on their way out
+        keys = (+held).keys() | {w.key_id for w in self._waiters}
         if key_id is not None:
             keys.add(key_id)
         slots = sum(i.model.parallel for i in self.instances if i.accepting)
         return held, (max(1, slots // len(keys)) if len(keys) > 1 and slots else 0)
+
+    def _slot_only(self, key_id: str, resumed: bool) -> bool:
+        """Whether a request takes a free slot only, never a place in an instance's queue: one that gave its
+        slot back (queued there, it would take the slot it gave up before the request it gave it to reached
+        llama-server), and one that slots are being given back to — by a key of this gateway above its share,
+        or by another gateway above its own (`_gateway_share`)."""
+        if resumed or self._yielded_to(key_id):
+            return True
+        share = self._gateway_share(waiting_here=True)
+        return bool(share) and any(held > share for held, _ in self.gateways_elsewhere)
+
+    def _gateway_share(self, waiting_here: bool = False) -> int:
+        """While other gateways' requests wait for this model (or this gateway's, `waiting_here`), each
+        gateway's share of its slots: the slots ÷ the gateways holding or waiting, at least one; else 0."""
+        if not self.fair_slice or not self.gateways_elsewhere:
+            return 0
+        if not waiting_here and not any(waiting for _, waiting in self.gateways_elsewhere):
+            return 0
+        slots = sum(i.model.parallel for i in self.instances if i.accepting)
+        return max(1, slots // (1 + len(self.gateways_elsewhere))) if slots else 0
+
+    def _owed_to_gateways(self) -> tuple[int, int]:
+        """This gateway's share of the slots while others wait (0: nobody waits elsewhere) and how many places
+        the gateways below theirs wait for."""
+        share = self._gateway_share()
+        if not share:
+            return 0, 0
+        return share, sum(min(waiting, share - held) for held, waiting in self.gateways_elsewhere if held < share)
+
+    def _owes_gateways(self) -> bool:
+        """Other gateways below their share of the slots wait, and this one holds its share: it takes no
+        more places meanwhile."""
+        share, wanted = self._owed_to_gateways()
+        return wanted > 0 and self._held_here() >= share
+
+    def _held_here(self) -> int:
+        """The places this gateway holds on the model's instances, less those asked back."""
+        return sum(i.in_flight for i in self.instances) - len(self._leaving)
 
     def _yielded_to(self, key_id: str) -> bool:
         """Whether a request of `key_id`, below its share while keys above theirs hold slots they can give
@@ -295,22 +344,49 @@ class ModelPool:
         held, share = self._shares(key_id)
         return bool(share) and held[key_id] < share and any(held[turn.key_id] > share for turn in self._turns)
 
-    def _rebalance(self) -> None:
+    def rebalance(self) -> None:
         """Ask streamed requests of keys above their share of the slots to give slots back while keys
-        below theirs wait (module docstring); if those that may give one back have not yet run for
-        `fair_slice` seconds, look again when the first of them has."""
+        below theirs wait, and of this gateway while other gateways below theirs wait (module docstring);
+        if those that may give one back have not yet run for `fair_slice` seconds, look again when the
+        first of them has."""
         if self._rebalancing is not None:
             self._rebalancing.cancel()
             self._rebalancing = None
-        if not self.fair_slice or not self._turns or not self._waiters:
+        if not self.fair_slice or not self._turns:
             return
+        due = [when for when in (self._rebalance_keys(), self._rebalance_gateways()) if when is not None]
+        if due:
+            self._rebalancing = asyncio.get_running_loop().call_later(min(due) - time.monotonic(), self.rebalance)
+
+    def _rebalance_gateways(self) -> float | None:
+        """Between gateways: this one's turns beyond its share, while others below theirs wait (those still
+        queued in llama-server first); when to look again, if some may give a slot back only later."""
+        share, wanted = self._owed_to_gateways()
+        if min(wanted, self._held_here() - share) <= 0:
+            return None
+        for turn in [turn for turn in self._turns if not turn.running]:
+            self._ask(turn)  # still in llama-server's queue: it would start before the waiting one
+        excess = min(wanted, self._held_here() - share)
+        for turn in sorted(self._turns, key=lambda t: t.since):
+            if excess <= 0:
+                return None
+            if turn.since + self.fair_slice > time.monotonic():
+                return turn.since + self.fair_slice
+            self._ask(turn)
+            excess -= 1
+        return None
+
+    def _rebalance_keys(self) -> float | None:
+        """Between this gateway's keys (`rebalance`)."""
+        if not self._waiters:
+            return None
         waiting = collections.Counter(w.key_id for w in self._waiters if not w.future.done())
         held, share = self._shares()
         if not share:
-            return
+            return None
         need = sum(min(count, share - held[key]) for key, count in waiting.items() if held[key] < share)
         if need <= 0:
-            return
+            return None
         over = [turn for turn in self._turns if not turn.asked and held[turn.key_id] > share]
         for turn in over:
             if not turn.running:  # still in llama-server's queue: it would start before the waiting one
@@ -329,12 +405,12 @@ class ModelPool:
             self._ask(turn)
             held[turn.key_id] -= 1
             need -= 1
-        if need > 0 and later is not None:
-            self._rebalancing = asyncio.get_running_loop().call_later(later - now, self._rebalance)
+        return later if need > 0 else None
 
     def _ask(self, turn: Turn) -> None:
         turn.asked = True
         self._turns.discard(turn)
+        self._leaving.add(turn)
         self.yields += 1
         turn.stop()
 
@@ -362,7 +438,7 @@ class ModelPool:
                 self._waiters.remove(waiter)
                 continue
             instance = self._free_instance(
-                waiter.affinity, waiter.avoid, waiter.resumed or self._yielded_to(waiter.key_id)
+                waiter.affinity, waiter.avoid, self._slot_only(waiter.key_id, waiter.resumed)
             )
             if instance is None:
                 return
