@@ -11,9 +11,9 @@ of `--keys` API keys holds one conversation and all of them talk at once: a firs
 `--history` prompt tokens of its own, then `--turns - 1` more, each a short question after the last
 answer, with `--read` seconds of reading between an answer and the next question. Every turn is streamed
 (`max_tokens` 16, greedy) and timed to its first token; its usage gives the prompt and cached tokens.
-Three settings in one run, one after another on fresh servers: `key` (the default: the tier on), `key`
-with `prompt_cache.disk_mb = 0` (the tier off: what `key` was before it), `shared`. (Across gateways the
-tier is not there yet: nodes save nothing, so `key` and `key, tier off` are the same there.)
+Four settings in one run, one after another on fresh servers: `key` (the default: the tier on), `key`
+with `prompt_cache.disk_mb = 0` (the tier off: what `key` was before it), `shared`, and the reference:
+plain `llama-server` with the instance's arguments and its own RAM prompt cache, no gateway.
 """
 
 from __future__ import annotations
@@ -32,7 +32,15 @@ from pathlib import Path
 
 import httpx
 
-from bench.targets import Target, free_port, free_port_range, migrated_database, wait_ready
+from bench.targets import (
+    Target,
+    free_port,
+    free_port_range,
+    migrated_database,
+    model_config,
+    start_llama_server,
+    wait_ready,
+)
 from llmserver.models.files import embedded_model_path
 from tests.support.services import Postgres, Redis
 
@@ -43,6 +51,7 @@ SETTINGS = {  # name: (isolation, disk_mb)
     "key": ("key", 4096),
     "key, tier off": ("key", 0),
     "shared": ("shared", 4096),
+    "llama-server": ("", 0),  # the reference: plain llama-server, its own RAM prompt cache, no gateway
 }
 
 
@@ -183,7 +192,7 @@ async def conversation(
         client = clients[(seed + number) % len(clients)]
         started = time.perf_counter()
         first: float | None = None
-        text, usage = [], {}
+        text, usage, timings = [], {}, {}
         body = {"model": "chat", "messages": messages, "max_tokens": 16, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         async with client.stream(
@@ -200,7 +209,8 @@ async def conversation(
                         first = first or time.perf_counter()
                         text.append(piece)
                 usage = event.get("usage") or usage
-        details = usage.get("prompt_tokens_details") or {}
+                timings = event.get("timings") or timings  # plain llama-server's: its cache_n
+        details = usage.get("prompt_tokens_details") or {"cached_tokens": timings.get("cache_n")}
         result.turns.append(
             Turn(seed, number, (first or time.perf_counter()) - started, int(usage.get("prompt_tokens", 0)),
                  int(details.get("cached_tokens") or 0))
@@ -216,25 +226,14 @@ def measure(
     isolation, disk_mb = SETTINGS[setting]
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-tenants-"))
     (data_dir / "config.toml").write_text(config(slots, isolation, disk_mb))
+    if setting == "llama-server":
+        return _measure_direct(keys, turns, slots, history, read, logs)
     cluster = Cluster(data_dir, logs) if gateways > 1 else None
     front = cluster.gateways if cluster is not None else [Gateway(data_dir, logs / "tenants.log")]
     result = Result(setting if cluster is None else f"{setting}, 2 gateways + a node")
     try:
         secrets = [front[0].key(f"tenant-{n}") for n in range(keys)]
-
-        async def everyone() -> None:
-            clients = [httpx.AsyncClient(base_url=gateway.url, timeout=600) for gateway in front]
-            try:
-                await asyncio.gather(
-                    *(conversation(clients, key, n, turns, history, read, result) for n, key in enumerate(secrets))
-                )
-            finally:
-                for client in clients:
-                    await client.aclose()
-
-        started = time.perf_counter()
-        asyncio.run(everyone())
-        result.seconds = time.perf_counter() - started
+        _talk([gateway.url for gateway in front], secrets, turns, history, read, result)
         files = list(data_dir.glob("**/prompt-cache/*/*/*.slot"))  # the gateway's, or the node's
         result.saved = {"files": len(files), "bytes": sum(path.stat().st_size for path in files)}
     finally:
@@ -243,6 +242,36 @@ def measure(
         else:
             front[0].target.stop()
     return result
+
+
+def _measure_direct(keys: int, turns: int, slots: int, history: int, read: float, logs: Path) -> Result:
+    """The same conversations straight to a plain llama-server of the instance's arguments, its RAM prompt
+    cache on (what a single-tenant deployment without a gateway gets)."""
+    target = start_llama_server(model_config(parallel=slots, ctx_size=slots * 2048, threads=2), logs)
+    result = Result("llama-server")
+    try:
+        _talk([target.url], ["none"] * keys, turns, history, read, result)
+    finally:
+        target.stop()
+    return result
+
+
+def _talk(urls: list[str], secrets: list[str], turns: int, history: int, read: float, result: Result) -> None:
+    """Every key's conversation at once, each through `urls` in turn; the run's time into `result`."""
+
+    async def everyone() -> None:
+        clients = [httpx.AsyncClient(base_url=url, timeout=600) for url in urls]
+        try:
+            await asyncio.gather(
+                *(conversation(clients, key, n, turns, history, read, result) for n, key in enumerate(secrets))
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
+
+    started = time.perf_counter()
+    asyncio.run(everyone())
+    result.seconds = time.perf_counter() - started
 
 
 def report(

@@ -326,7 +326,8 @@ def _registry(settings: Settings, supervisor: Supervisor) -> Registry | None:
         settings.instances.key,
         settings.state.gateway_id,
         settings.instances.tls(),
-        saved=supervisor.saved_prompts,  # the per-key tier's settings and counters, for nodes' instances too
+        saved=supervisor.saved_prompts,  # the per-key tier's counters, for nodes' instances too
+        min_tokens=settings.prompt_cache.min_tokens,
     )
 
 

@@ -19,6 +19,11 @@ def test_later_turns_come_from_the_cache_with_the_tier_and_not_without(tmp_path:
     assert "| key | " in report(results, 2, 2, 1, 0.1)
 
 
+def test_the_reference_is_plain_llama_server_with_its_own_prompt_cache(tmp_path: Path) -> None:
+    result = measure("llama-server", 2, 2, 1, 400, 0.1, tmp_path)
+    assert len(result.turns) == 4 and result.cached_fraction() > 0.8  # its cache_n, read from its timings
+
+
 @pytest.mark.slow
 def test_through_two_gateways_and_a_node_later_turns_come_from_the_cache(tmp_path: Path) -> None:
     """`--gateways 2`: the per-key tier runs on the node's instance, through both gateways."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import redis.asyncio
 
 from llmserver.cluster.slots import GRACE_MS, SAVED_KEY, SLOTS_KEY, Claim, SharedSlots, sweep_superseded
+from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.instance import Instance
 from llmserver.pool.saved_prompts import SavedPrompts
 from llmserver.settings import ModelConfig
@@ -128,6 +129,16 @@ def test_turns_on_a_slot_are_one_hosts_alone_or_shared_first_come_first_served(
             # The late short one now finds a conversation worth keeping in the slot: it goes alone.
             assert await b.wait_turn("turns", 1, late, "S", 1)
             assert late.alone and late.held == ("L", "2", LONG)
+            await b.give("turns", 1, 0, late.hold, True, ("S", 1, 100))
+            # A gateway whose own tier is off still takes turns where the node saves (another gateway may
+            # restore a conversation into the slot): its long prompt goes alone.
+            off = SharedSlots(client, "gw-off")
+            engine = LlamaServerClient("http://127.0.0.1:1")  # never called: this gateway saves nothing
+            pinned = await off.pin("turns", 1, "L", 2, LONG, engine, "node-1:identity")
+            assert pinned is not None
+            (entry,) = json.loads(await client.get(SLOTS_KEY + "turns"))["slots"][0]["q"]
+            assert entry["al"] == 1 and entry["e"] == 1
+            await engine.close()
 
     run(scenario)
 

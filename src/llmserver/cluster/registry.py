@@ -71,6 +71,7 @@ class Registry:
         gateway: str,
         tls: ssl.SSLContext | None = None,
         saved: SavedPrompts | None = None,
+        min_tokens: int = 256,
     ) -> None:
         self._redis = client
         self._pools = pools
@@ -80,7 +81,7 @@ class Registry:
         self._suspected: set[str] = set()  # nodes not routed to until one of their instances answers
         self.load = LoadSharing(client, pools, gateway)
         # Whose prompt each slot holds, whose turn it is there, and the per-key tier under them (key isolation).
-        self.slots = SharedSlots(client, gateway, saved=saved)
+        self.slots = SharedSlots(client, gateway, saved=saved, min_tokens=min_tokens)
         self.commands = NodeCommands(client)
         self._tasks: list[asyncio.Task[None]] = []
         for pool in pools.values():

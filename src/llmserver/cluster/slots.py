@@ -255,13 +255,16 @@ class SharedSlots:
         gateway: str,
         hold_seconds: float = HOLD_SECONDS,
         saved: SavedPrompts | None = None,
+        min_tokens: int = 256,
     ) -> None:
         self._redis = client
         self._scripts: dict[str, AsyncScript] = {}
         self._gateway = gateway
         self._holds = itertools.count(1)
         self.hold_ms = int(hold_seconds * 1000)
-        self.saved = saved  # the tier's settings and counters (None, or disabled: no tier)
+        self.saved = saved  # the tier's counters (None, or disabled: this gateway saves and restores nothing)
+        # Prompts of this many bytes or more go alone on a slot (and conversations as long are worth keeping).
+        self.min_tokens = saved.min_tokens if saved is not None else min_tokens
         self._live: dict[str, tuple[int, set[str]]] = {}  # instance id → its slots, this gateway's holds there
         self._giving: set[asyncio.Task[None]] = set()
         self._saves = itertools.count(1)
@@ -292,8 +295,9 @@ class SharedSlots:
         the request may be sent there: the slot, whether it may reuse the slot's cached prompt, and the hold
         to give back; None while Redis cannot be reached. `folder` (NODE:IDENTITY, the node's prompt folder
         for the instance, and `client` the instance's): saved prompts on there — the request waits for its
-        turn, saves what it displaces and restores its own conversation as on one host (pool/router.py)."""
-        gated = self.tier and folder is not None and client is not None
+        turn (whatever this gateway's own setting: another gateway may restore a conversation there), saves
+        what it displaces and restores its own conversation as on one host (pool/router.py)."""
+        gated = folder is not None and client is not None
         claim = await self.claim(instance_id, slots, key_id, start, size, gated)
         if claim is None:
             return None
@@ -316,9 +320,8 @@ class SharedSlots:
     ) -> Claim | None:
         """`pin`'s record update: the slot taken, and what the caller must still wait for."""
         hold = f"{self._gateway}:{next(self._holds)}"
-        least = self.saved.min_tokens if self.saved is not None else 0
         args: list[str | int] = [
-            slots, key_id, str(start), hold, self.hold_ms, KEEP_MS, GRACE_MS, size, least, int(gated)
+            slots, key_id, str(start), hold, self.hold_ms, KEEP_MS, GRACE_MS, size, self.min_tokens, int(gated)
         ]  # fmt: skip
         try:
             answer = await self._script(TAKE)(keys=[SLOTS_KEY + instance_id], args=args)
@@ -337,11 +340,10 @@ class SharedSlots:
         if claim.turn:
             return True
         pause = TURN_POLL[0]
-        least = self.saved.min_tokens if self.saved is not None else 0
         while True:
             await asyncio.sleep(pause)
             pause = min(pause * 2, TURN_POLL[1])
-            args: list[str | int] = [slots, claim.slot, claim.hold, KEEP_MS, key_id, str(start), least]
+            args: list[str | int] = [slots, claim.slot, claim.hold, KEEP_MS, key_id, str(start), self.min_tokens]
             try:
                 turn, alone, key, begun, bytes_ = await self._script(ENTER)(keys=[SLOTS_KEY + instance_id], args=args)
             except redis_unreachable() as exc:
@@ -356,16 +358,18 @@ class SharedSlots:
 
     async def _tier(self, claim: Claim, client: LlamaServerClient, folder: str, key_id: str, start: int) -> bool:
         """With its turn come: whether the request may reuse the slot's prompt, once the conversation the slot
-        holds is saved (if worth it and not this one) and this one restored (if it was saved)."""
-        assert self.saved is not None
+        holds is saved (if worth it and not this one) and this one restored (if it was saved): with this
+        gateway's tier on."""
         mine, held = (key_id, str(start)), claim.held
         if not claim.alone:
             return claim.reuse
         if held is not None and held[:2] == mine:
             return True
-        if held is not None and held[2] >= self.saved.min_tokens:
+        if self.tier and held is not None and held[2] >= self.min_tokens:
             await self._keep(client, folder, claim.slot, held[0], held[1])
         reuse = held is not None and held[0] == key_id
+        if not self.tier:
+            return reuse
         return await self._restore(client, folder, claim.slot, key_id, str(start)) or reuse
 
     async def _keep(self, client: LlamaServerClient, folder: str, slot: int, key_id: str, start: str) -> None:
@@ -379,7 +383,7 @@ class SharedSlots:
         except APIError as exc:
             log.warning("slot %d's prompt cache not saved on its node: %s", slot, exc.message)
             return
-        if int(answer.get("n_saved", 0)) < self.saved.min_tokens:
+        if int(answer.get("n_saved", 0)) < self.min_tokens:
             return  # too short to be worth restoring; the node's trim removes the file in its turn
         with contextlib.suppress(*redis_unreachable()):
             pipe = self._redis.pipeline(transaction=False)
