@@ -80,7 +80,9 @@ RSS_GROWTH_LIMIT_MB = 40.0
 FD_GROWTH_LIMIT = 16
 RECOVERY_WINDOW = 5.0  # seconds between a fault's end and the next within which an answer must come
 SERVING = ("ready", "busy")
-STATE_UNAVAILABLE = "The database cannot be reached"
+# 503s refused because the shared state could not be read (PostgreSQL, or Redis for a key's limits):
+# not accepted, and no ledger row — whether the key was looked up before the outage began or not.
+STATE_UNAVAILABLE = ("The database cannot be reached", "The shared rate limits cannot be checked")
 INTERRUPTED = "The gateway running this job stopped before it finished"  # the sweep of a dead gateway
 
 
@@ -861,6 +863,15 @@ def unserved_after(faults: list[Fault], calls: list[Call]) -> list[Fault]:
     return unserved
 
 
+def _ledger_outcome(call: Call) -> str:
+    """The outcome its ledger row should carry, for the report when the rows and the answers differ."""
+    if call.dropped:
+        return "client_closed"
+    if call.error_type:
+        return call.error_type.removeprefix("stream:")
+    return "ok" if call.status == 200 else str(call.status)
+
+
 def answered_before_kill(gateway: Gateway, call: Call) -> bool:
     """An answer given in the second before its gateway was killed -9: its ledger row may still have been
     in the write batch (written every WRITE_DELAY, 0.2 s, once the event loop gets to it: on this loaded
@@ -884,8 +895,8 @@ async def count(
     ]  # fmt: skip
     refused = [c for c in calls if c.failure and c not in unanswered and c not in killed]
     no_done = [c for c in calls if c.stream and c.status == 200 and not c.done and not c.dropped and c not in killed]
-    # Refused because the shared state could not be read (PostgreSQL restarting): not accepted, and
-    # no ledger row (the key could not be looked up).
+    # Refused because the shared state could not be read (PostgreSQL or Redis restarting): not accepted,
+    # and no ledger row (src/llmserver/app.py, metrics/recorder.py: UNAVAILABLE).
     unavailable = [c for c in calls if c.status == 503 and (c.message or "").startswith(STATE_UNAVAILABLE)]
     answered = [
         c for c in calls if c.generating and (c.status is not None) and c not in unavailable and c not in killed
@@ -962,6 +973,8 @@ async def count(
             "streams without [DONE]": [vars(c) | {"body": None} for c in no_done[:20]],
             "ledger rows by key": dict(rows_by_key),
             "answered requests by key": dict(calls_by_key),
+            "ledger rows by outcome": dict(collections.Counter(str(row["outcome"]) for row in rows)),
+            "answered requests by outcome": dict(collections.Counter(_ledger_outcome(c) for c in answered)),
             "orphans": children_alive,
             "leftover files": leftovers[:20],
         },
@@ -972,7 +985,7 @@ async def count(
         "held by a gateway killed -9": len(killed),
         "answers just before a kill -9": at_risk,
         "ledger rows lost to a kill -9": max(0, len(answered) - len(rows)),
-        "refused while the database was unreachable": len(unavailable),
+        "refused while the shared state was unreachable": len(unavailable),
         "files left by a gateway killed -9": by_kill,
         "quota": {"limit": QUOTA_TOKENS, "used": used, "ledger": quota_ledger},
         "jobs": collections.Counter(str(job["status"]) for job in jobs.values()),

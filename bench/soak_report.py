@@ -42,8 +42,8 @@ def markdown(result: dict[str, Any]) -> str:
         "came in the last second before such a kill, and "
         f"{result.get('ledger rows lost to a kill -9', 0)} ledger rows are missing (a gateway writes them in "
         "batches of 0.2 s; the quota settlements are written before each answer ends). "
-        f"{result.get('refused while the database was unreachable', 0)} requests got 503 while PostgreSQL was "
-        "stopped (not accepted: no ledger row); files a gateway killed -9 left in its TMPDIR: "
+        f"{result.get('refused while the shared state was unreachable', 0)} requests got 503 while PostgreSQL "
+        "or Redis was stopped (not accepted: no ledger row); files a gateway killed -9 left in its TMPDIR: "
         f"{', '.join(result.get('files left by a gateway killed -9', [])) or 'none'}. The quota key: limit "
         "{limit} tokens, {used} settled, {ledger} in its ledger rows. Async jobs by "
         "final state: {jobs}; webhook deliveries: {hooks}.".format(
@@ -51,6 +51,7 @@ def markdown(result: dict[str, Any]) -> str:
             jobs=", ".join(f"{state} {n}" for state, n in sorted(result["jobs"].items())) or "none",
             hooks=result["webhook deliveries"],
         ),
+        *_ledger_difference(result),
         "",
         "## What the traffic got",
         "",
@@ -151,3 +152,17 @@ def charts(result: dict[str, Any], out: Path) -> None:
     figure.tight_layout()
     figure.savefig(out / "soak_outcomes.png", dpi=90)
     plt.close(figure)
+
+
+def _ledger_difference(result: dict[str, Any]) -> list[str]:
+    """When the ledger rows and the answers differ: both by outcome and by key, to tell which."""
+    if not result["counters"].get("ledger rows ≠ requests answered"):
+        return []
+    details = result.get("details", {})
+    lines = ["", "| ledger rows ≠ answers, by | ledger rows | answered requests |", "|---|---|---|"]
+    for by in ("outcome", "key"):
+        rows, answered = details.get(f"ledger rows by {by}", {}), details.get(f"answered requests by {by}", {})
+        for name in sorted(set(rows) | set(answered)):
+            if rows.get(name, 0) != answered.get(name, 0):
+                lines.append(f"| {by} {name} | {rows.get(name, 0)} | {answered.get(name, 0)} |")
+    return lines

@@ -34,7 +34,7 @@ from llmserver.cluster.scheduler import Scheduler
 from llmserver.engine.calls import InstanceCalls
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
-from llmserver.errors import ANTHROPIC_PATHS, APIError, error_body, for_path, validation_error
+from llmserver.errors import ANTHROPIC_PATHS, APIError, StateUnavailable, error_body, for_path, validation_error
 from llmserver.health import Probe, Readiness, fresh_probe, models_probe, redis_probe
 from llmserver.inputs.documents import DocumentService
 from llmserver.inputs.images import ImageService
@@ -346,7 +346,9 @@ GENERATING = (
 
 def _record_refusal(request: Request, outcome: str) -> None:
     """Every generating request with a valid key is a ledger row: one refused before it held a ticket
-    (bad body, limits, quota) too, with the error type as its outcome."""
+    (bad body, limits, quota) too, with the error type as its outcome. Not one refused because the shared
+    state could not be read (StateUnavailable): that is not accepted, whether its key was looked up
+    before the database went away or not."""
     principal = getattr(request.state, "principal", None)
     if principal is None or getattr(request.state, "tally", None) is not None or request.url.path not in GENERATING:
         return
@@ -362,7 +364,8 @@ def _note_error(request: Request, type_: str, message: str) -> None:
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     _note_error(request, exc.type, exc.message)
-    _record_refusal(request, exc.type)
+    if not isinstance(exc, StateUnavailable):
+        _record_refusal(request, exc.type)
     app = request.scope.get("app")
     if exc.status != 499 and app is not None and (metrics := getattr(app.state, "metrics", None)) is not None:
         metrics.refusals.labels(exc.reason or exc.type).inc()

@@ -61,5 +61,5 @@ def test_two_minute_cluster_soak_loses_nothing(tmp_path: Path) -> None:
         "kill_gateway", "restart_gateway",
     }  # fmt: skip
     assert "faults not followed by an answer" in summary["counters"] and summary["generating answered"] > 0
-    assert summary["refused while the database was unreachable"] > 0  # the outage was seen, and refused
+    assert summary["refused while the shared state was unreachable"] > 0  # the outage was seen, and refused
     assert {row["incarnation"].split(" ")[0] for row in summary["growth"]} == {"gw-1", "gw-2"}

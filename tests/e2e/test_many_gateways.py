@@ -303,6 +303,9 @@ def test_redis_restarted_under_load_fails_limits_closed_then_recovers(deployment
     assert wait_for(lambda: deployment.counts(key_id)[1] == 0, 5)
     assert deployment.counts(key_id)[0] <= 100000
     assert (a.log() + b.log()).count("Redis cannot be reached") <= 2  # once per gateway, not per request
+    # A 503 because the limits could not be checked was not accepted: its key was known, yet no ledger row.
+    outcomes = {str(row["outcome"]) for row in store_rows_pg(deployment.database_url, key_id)}
+    assert outcomes == {"ok"}, outcomes
 
 
 def test_postgres_restarted_gives_503_then_the_gateways_recover(deployment: Deployment) -> None:

@@ -11,7 +11,8 @@ import pytest
 
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import InsufficientQuota
-from llmserver.errors import Overloaded, RateLimited
+from llmserver.errors import Overloaded, RateLimited, StateUnavailable
+from llmserver.pool.admission import outcome_of
 from llmserver.store import KeyLimits
 from tests.support.pool import World, world
 
@@ -107,6 +108,28 @@ def test_a_ticket_settles_what_was_used_once(tmp_path: Path) -> None:
         assert await w.places.held(who.key_id) == 0
         rows = await w.store.usage_rows(who.key_id, 0, 2e9)
         assert [(r["outcome"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [("ok", 12, 8)]
+
+    run(tmp_path, test)
+
+
+def test_a_request_refused_for_unreachable_shared_state_is_no_ledger_row(tmp_path: Path) -> None:
+    """A 503 because the database or Redis could not be read after admission (a quota resize) is not
+    accepted, like one whose key could not be looked up: no row, its reservation released; one that had
+    generated tokens is charged and recorded."""
+
+    async def test(w: World) -> None:
+        who = key(quota_tokens=100, quota_period="total")
+        refused = await w.admission.admit(who, "/x", "m", 40)
+        refused.close(outcome_of(StateUnavailable("The database cannot be reached; retry shortly.")))
+        generated = await w.admission.admit(who, "/x", "m", 40)
+        generated.tally.prompt_tokens, generated.tally.completion_tokens = 5, 3
+        generated.close(outcome_of(StateUnavailable("The database cannot be reached; retry shortly.")))
+        await w.recorder.flush()
+        rows = await w.store.usage_rows(who.key_id, 0, 2e9)
+        assert [(r["outcome"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+            ("overloaded_error", 5, 3)
+        ]
+        assert await w.remaining(who) == 92 and await w.places.held(who.key_id) == 0
 
     run(tmp_path, test)
 

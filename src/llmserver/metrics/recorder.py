@@ -48,6 +48,10 @@ class Tally:
 
 
 WRITE_DELAY = 0.2  # seconds
+# The outcome of a request refused because the shared state could not be read (StateUnavailable) after
+# it was admitted: counted as an overloaded_error, but not a ledger row — it was not accepted, like one
+# refused when its key could not be looked up (unless it had generated tokens: those are charged).
+UNAVAILABLE = "state_unavailable"
 
 
 def cost_of(tally: Tally, charged: int) -> float | None:
@@ -190,6 +194,12 @@ class UsageRecorder:
         if settlement is not None:
             self._batch.settlements.append(settlement)
             tally.settlement = settlement
+        if outcome == UNAVAILABLE:
+            outcome = StateUnavailable.type
+            if not charged:
+                self._metrics.requests.add(tally.endpoint, tally.model, outcome)
+                self._schedule_write()
+                return
         speed = tally.completion_tokens / latency if latency > 0 and tally.completion_tokens else None
         self._batch.rows.append(
             {

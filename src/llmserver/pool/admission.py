@@ -26,9 +26,9 @@ from llmserver import tracing
 from llmserver.auth.keys import Principal, may_use
 from llmserver.auth.limiters import ConcurrencyLimiter, RateLimiter
 from llmserver.auth.quota import InsufficientQuota, QuotaService
-from llmserver.errors import APIError, PermissionDenied, RateLimited
+from llmserver.errors import APIError, PermissionDenied, RateLimited, StateUnavailable
 from llmserver.metrics.prometheus import Metrics
-from llmserver.metrics.recorder import Tally, UsageRecorder
+from llmserver.metrics.recorder import UNAVAILABLE, Tally, UsageRecorder
 from llmserver.pool.router import Lease, Router
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,8 @@ def _too_many_in_flight(held: int) -> RateLimited:
 
 def outcome_of(exc: BaseException) -> str:
     """The ledger's outcome for a request that ended with this exception."""
+    if isinstance(exc, StateUnavailable):
+        return UNAVAILABLE  # not accepted: no ledger row unless it generated something
     if isinstance(exc, APIError):
         return exc.type
     # Cancelled: the client went away (or the server is shutting down under it).
