@@ -334,6 +334,38 @@ def test_a_slot_is_reused_only_by_the_key_whose_prompt_it_holds() -> None:
     run(scenario)
 
 
+def test_a_long_prompt_waits_for_whichever_slot_is_idle_first_and_short_ones_queue_behind_it() -> None:
+    """Saved prompts on: a long prompt (it will have its slot to itself) is not pinned to a busy slot but
+    takes the first slot to become idle, as llama-server's own queue would; first come first served, short
+    requests behind it too, and one that gives up hands its turn on."""
+
+    async def scenario() -> None:
+        instance = await ready_instance(ModelConfig(name="m", parallel=2), 1)
+        await instance.idle_slot(True)  # a slot is idle: at once
+        await instance.idle_slot(False)
+        assert instance.take_slot("a", 1)[0] == 0 and instance.take_slot("b", 2)[0] == 1
+        await instance.idle_slot(False)  # nobody waits: a short request shares a busy slot at once
+        long_one = asyncio.ensure_future(instance.idle_slot(True))
+        gone = asyncio.ensure_future(instance.idle_slot(True))
+        short = asyncio.ensure_future(instance.idle_slot(False))
+        await asyncio.sleep(0)
+        assert not any(t.done() for t in (long_one, gone, short))
+        instance.give_slot(1)  # slot 1 frees first, though slot 0 was taken longer ago
+        await asyncio.sleep(0)
+        assert long_one.done() and not gone.done() and not short.done()
+        assert instance.take_slot("c", 3)[0] == 1  # the idle one
+        gone.cancel()
+        await asyncio.sleep(0)
+        assert not short.done()
+        instance.give_slot(0)
+        await asyncio.sleep(0)
+        assert short.done() and instance.take_slot("d", 4)[0] == 0
+        assert not instance._idle_waiters and instance._idle_promised == 0
+        await close(instance)
+
+    run(scenario)
+
+
 def test_a_key_queued_behind_its_own_request_reuses_the_slots_prompt() -> None:
     """An agent's retry, queued while its first try still runs, reads its prompt from the cache."""
 

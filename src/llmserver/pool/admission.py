@@ -64,7 +64,8 @@ class Ticket:
             await self.admission.settle(self)
         if (load_shared := self.lease.pool.load_shared) is not None:
             await load_shared()
-        await self.lease.freed(SLOT_FREED_WAIT)
+        if self.lease.freeing is not None:  # a node's slot (cluster/slots.py): no coroutine made otherwise
+            await self.lease.freed(SLOT_FREED_WAIT)
 
 
 def _check_rate(principal: Principal, wait: float | None) -> None:

@@ -290,6 +290,10 @@ class Instance:
     # turn it is on each slot (pool/slot_gate.py), so that whatever a request displaces is saved first.
     _slot_held: list[tuple[str, int, int] | None] = field(default_factory=list, repr=False)
     _slot_gates: list[SlotGate] = field(default_factory=list, repr=False)
+    # Long prompts waiting for whichever slot is idle first (`idle_slot`), first come first served, and
+    # how many of them were woken for an idle slot and have not taken it yet.
+    _idle_waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque, repr=False)
+    _idle_promised: int = field(default=0, repr=False)
 
     def take_slot(self, key_id: str, start: int) -> tuple[int, bool, bool]:
         """A slot for `key_id`'s request whose prompt begins as `start` (a hash), whether it may reuse
@@ -324,6 +328,37 @@ class Instance:
         self._slot_taken[slot] = self._slot_clock
         return slot, reuse, warm
 
+    def _idle_slots(self) -> int:
+        return sum(1 for holds in self._slot_holds if holds == 0) if self._slot_holds else self.model.parallel
+
+    async def idle_slot(self, alone: bool) -> None:
+        """Saved prompts on: wait until one of its slots is idle, first come first served, if this request
+        will have its slot to itself (`alone`: a long prompt) — pinned at once, it would wait for the slot
+        `take_slot` chose, while llama-server's own queue hands the next request whichever slot frees first;
+        `take_slot` right after returns the idle one. A short request, which shares slots, waits here only
+        behind long ones already waiting (else it would keep every slot from ever being idle)."""
+        if not self._idle_waiters and (not alone or self._idle_slots() > self._idle_promised):
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._idle_promised -= 1  # woken as it gave up: handed on
+                self._wake_idle()
+            elif turn in self._idle_waiters:
+                self._idle_waiters.remove(turn)
+            raise
+        self._idle_promised -= 1
+
+    def _wake_idle(self) -> None:
+        while self._idle_waiters and self._idle_slots() > self._idle_promised:
+            turn = self._idle_waiters.popleft()
+            if not turn.done():
+                self._idle_promised += 1
+                turn.set_result(None)
+
     async def claim_slot(self, key_id: str, start: int, size: int) -> tuple[int, bool, str] | None:
         """For an instance other gateways send to too (`shared`): `take_slot`, the turn on the slot and the
         per-key tier against the record every gateway shares (cluster/slots.py) — once the request may be
@@ -356,12 +391,13 @@ class Instance:
         which changed nothing there."""
         if slot < len(self._slot_holds) and self._slot_holds[slot] > 0:
             self._slot_holds[slot] -= 1
-            if not ran:
-                return
-            self._slot_unsure[slot] = not finished
-            self._slot_held[slot] = conversation if finished else None
-            if not finished:
-                self._slot_owner[slot] = None
+            if ran:
+                self._slot_unsure[slot] = not finished
+                self._slot_held[slot] = conversation if finished else None
+                if not finished:
+                    self._slot_owner[slot] = None
+            if self._idle_waiters and not self._slot_holds[slot]:
+                self._wake_idle()
 
     def slot_gate(self, slot: int) -> SlotGate:
         """Whose turn it is on `slot` (saved prompts on: pool/slot_gate.py)."""

@@ -119,10 +119,12 @@ class Lease:
                 return None
             self.slot, reuse, self.hold = claimed
             return self.slot, reuse
-        self.slot, reuse, _ = instance.take_slot(self.key_id, start)
         saved = instance.saved_prompts
         if saved is None or not saved.enabled or instance.prompt_folder is None:
+            self.slot, reuse, _ = instance.take_slot(self.key_id, start)
             return self.slot, reuse
+        await instance.idle_slot(size >= saved.min_tokens)  # whichever slot frees first, as llama-server's queue
+        self.slot, reuse, _ = instance.take_slot(self.key_id, start)
         gate, mine = instance.slot_gate(self.slot), (self.key_id, start)
 
         def worth_saving(held: tuple[str, int, int] | None) -> bool:
