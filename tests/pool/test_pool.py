@@ -12,7 +12,7 @@ from llmserver.cluster.remote import RemoteInstance
 from llmserver.errors import GatewayTimeout, Overloaded
 from llmserver.llama.client import LlamaServerClient
 from llmserver.pool.affinity import Candidate, ranked
-from llmserver.pool.instance import Instance, Status, llama_server_args, slot_context
+from llmserver.pool.instance import ORDER_GRACE, Instance, Status, llama_server_args, slot_context
 from llmserver.pool.pool import ModelPool, Turn
 from llmserver.pool.router import Lease
 from llmserver.pool.saved_prompts import SavedPrompts
@@ -361,6 +361,27 @@ def test_a_long_prompt_waits_for_whichever_slot_is_idle_first_and_short_ones_que
         await asyncio.sleep(0)
         assert short.done() and instance.take_slot("d", 4)[0] == 0
         assert not instance._idle_waiters and instance._idle_promised == 0
+        await close(instance)
+
+    run(scenario)
+
+
+def test_another_keys_request_on_a_slot_just_taken_to_reuse_its_cache_is_sent_after_it() -> None:
+    """The pins decide in the order of takes; the slot's requests run in the order they reach llama-server.
+    A request of another key pinned to a slot that a reusing request took under ORDER_GRACE ago waits out the
+    rest, so the reusing one's `cached_tokens` never measures the other's prompt."""
+
+    async def scenario() -> None:
+        instance = await ready_instance(ModelConfig(name="m", parallel=1), 1)
+        assert instance.take_slot("victim", 7) == (0, False, False)
+        assert instance.order_wait(0, "other") == 0.0  # nobody took it to reuse
+        instance.give_slot(0, conversation=("victim", 7, 900))
+        assert instance.take_slot("victim", 7) == (0, True, True)  # told to reuse its own prompt
+        assert instance.take_slot("other", 9) == (0, False, False)  # pinned behind it, no reuse
+        assert 0.0 < instance.order_wait(0, "other") <= ORDER_GRACE
+        assert instance.order_wait(0, "victim") == 0.0  # the same key's: nothing to learn
+        await asyncio.sleep(ORDER_GRACE)
+        assert instance.order_wait(0, "other") == 0.0
         await close(instance)
 
     run(scenario)

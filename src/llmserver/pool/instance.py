@@ -174,6 +174,11 @@ def slot_context(model: ModelConfig) -> int:
     return -(-model.ctx_size * model.parallel // 256) * 256 // model.parallel
 
 
+# The longest a request is taken to go from its pin to its socket write on one host (a turn of the event loop
+# and, at worst, a local connection opened): `Instance.order_wait`.
+ORDER_GRACE = 0.05
+
+
 @dataclass(eq=False)
 class Instance:
     model: ModelConfig
@@ -294,6 +299,8 @@ class Instance:
     # how many of them were woken for an idle slot and have not taken it yet.
     _idle_waiters: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque, repr=False)
     _idle_promised: int = field(default=0, repr=False)
+    # Per slot, the last take told to reuse its cache: its key and when (`order_wait`).
+    _slot_reused: list[tuple[str, float] | None] = field(default_factory=list, repr=False)
 
     def take_slot(self, key_id: str, start: int) -> tuple[int, bool, bool]:
         """A slot for `key_id`'s request whose prompt begins as `start` (a hash), whether it may reuse
@@ -306,6 +313,7 @@ class Instance:
             self._slot_owner, self._slot_holds, self._slot_taken = [None] * size, [0] * size, [0] * size
             self._slot_start, self._slot_unsure, self._slot_held = [0] * size, [False] * size, [None] * size
             self._slot_gates = [SlotGate() for _ in range(size)]
+            self._slot_reused = [None] * size
         idle = [slot for slot, holds in enumerate(self._slot_holds) if holds == 0]
         # A slot whose last request ended early (a timeout, a client gone) may still be finishing it:
         # taken only when no other is idle.
@@ -326,7 +334,20 @@ class Instance:
         self._slot_holds[slot] += 1
         self._slot_clock += 1
         self._slot_taken[slot] = self._slot_clock
+        if reuse:
+            self._slot_reused[slot] = (key_id, time.monotonic())
         return slot, reuse, warm
+
+    def order_wait(self, slot: int, key_id: str) -> float:
+        """Seconds `key_id`'s request, just pinned to `slot`, waits before it is sent: the rest of ORDER_GRACE
+        after another key's request took the slot told to reuse its cache. The pins decide in the order of
+        takes, llama-server runs a slot's requests in the order they arrive: sent first (the other still
+        opening its connection), this one's prompt would be in the slot's cache when the other reuses it,
+        and the other key's `cached_tokens` would tell how this prompt begins (cluster/slots.py: GRACE_MS)."""
+        reused = self._slot_reused[slot] if slot < len(self._slot_reused) else None
+        if reused is None or reused[0] == key_id:
+            return 0.0
+        return max(0.0, ORDER_GRACE - (time.monotonic() - reused[1]))
 
     def _idle_slots(self) -> int:
         return sum(1 for holds in self._slot_holds if holds == 0) if self._slot_holds else self.model.parallel

@@ -122,6 +122,7 @@ class Lease:
         saved = instance.saved_prompts
         if saved is None or not saved.enabled or instance.prompt_folder is None:
             self.slot, reuse, _ = instance.take_slot(self.key_id, start)
+            await self._in_order(instance, self.slot)
             return self.slot, reuse
         await instance.idle_slot(size >= saved.min_tokens)  # whichever slot frees first, as llama-server's queue
         self.slot, reuse, _ = instance.take_slot(self.key_id, start)
@@ -140,6 +141,7 @@ class Lease:
         self.entered = True
         if not self.alone:
             if not worth_saving(instance.slot_holds(self.slot)):
+                await self._in_order(instance, self.slot)
                 return self.slot, reuse  # take_slot's rule: the slot's requests since idle all this key's
             gate.leave(False)  # a conversation worth keeping came to the slot meanwhile: saved, alone
             self.entered, self.alone = False, True
@@ -155,6 +157,12 @@ class Lease:
         if saved.has(instance, *mine):
             reuse = await saved.restore(instance, self.slot, *mine) or reuse
         return self.slot, reuse
+
+    async def _in_order(self, instance: Instance, slot: int) -> None:
+        """A request sharing its slot is sent after another key's request that took the slot just before,
+        told to reuse its cache (`Instance.order_wait`); one alone on its slot is in order by its turn."""
+        if wait := instance.order_wait(slot, self.key_id):
+            await asyncio.sleep(wait)
 
     async def freed(self, within: float) -> None:
         """Wait (at most `within` seconds) until the slot it gave back on an instance other gateways share
