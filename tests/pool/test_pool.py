@@ -339,15 +339,19 @@ def test_a_long_prompt_waits_for_whichever_slot_is_idle_first_and_short_ones_que
     takes the first slot to become idle, as llama-server's own queue would; first come first served, short
     requests behind it too, and one that gives up hands its turn on."""
 
+    async def idle_slot(instance: Instance, alone: bool) -> None:
+        if (waiting := instance.idle_slot(alone)) is not None:
+            await waiting
+
     async def scenario() -> None:
         instance = await ready_instance(ModelConfig(name="m", parallel=2), 1)
-        await instance.idle_slot(True)  # a slot is idle: at once
-        await instance.idle_slot(False)
+        assert instance.idle_slot(True) is None  # a slot is idle: at once
+        assert instance.idle_slot(False) is None
         assert instance.take_slot("a", 1)[0] == 0 and instance.take_slot("b", 2)[0] == 1
-        await instance.idle_slot(False)  # nobody waits: a short request shares a busy slot at once
-        long_one = asyncio.ensure_future(instance.idle_slot(True))
-        gone = asyncio.ensure_future(instance.idle_slot(True))
-        short = asyncio.ensure_future(instance.idle_slot(False))
+        assert instance.idle_slot(False) is None  # nobody waits: a short request shares a busy slot at once
+        long_one = asyncio.ensure_future(idle_slot(instance, True))
+        gone = asyncio.ensure_future(idle_slot(instance, True))
+        short = asyncio.ensure_future(idle_slot(instance, False))
         await asyncio.sleep(0)
         assert not any(t.done() for t in (long_one, gone, short))
         instance.give_slot(1)  # slot 1 frees first, though slot 0 was taken longer ago

@@ -194,29 +194,13 @@ class UsageRecorder:
         if settlement is not None:
             self._batch.settlements.append(settlement)
             tally.settlement = settlement
+        # Refused for unreachable shared state: not accepted, no row (unless it generated: charged, recorded).
+        row = charged or outcome != UNAVAILABLE
         if outcome == UNAVAILABLE:
             outcome = StateUnavailable.type
-            if not charged:
-                self._metrics.requests.add(tally.endpoint, tally.model, outcome)
-                self._schedule_write()
-                return
         speed = tally.completion_tokens / latency if latency > 0 and tally.completion_tokens else None
-        self._batch.rows.append(
-            {
-                "time": time.time(),
-                "key_id": tally.principal.key_id,
-                "model": tally.model,
-                "instance_id": tally.instance_id,
-                "endpoint": tally.endpoint,
-                "prompt_tokens": tally.prompt_tokens if charged else 0,
-                "completion_tokens": tally.completion_tokens,
-                "latency_ms": round(latency * 1000, 1),
-                "ttft_ms": round(tally.ttft * 1000, 1) if tally.ttft is not None else None,
-                "tokens_per_second": round(speed, 2) if speed else None,
-                "outcome": outcome,
-                "cost": cost_of(tally, charged),
-            }
-        )
+        if row:
+            self._batch.rows.append(self._row(tally, outcome, charged, latency, speed))
         if charged:
             self._metrics.requests.add(
                 tally.endpoint, tally.model, outcome, tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens
@@ -228,6 +212,23 @@ class UsageRecorder:
             if increment is not None:
                 self._batch.speeds.append(increment)
         self._schedule_write()
+
+    @staticmethod
+    def _row(tally: Tally, outcome: str, charged: int, latency: float, speed: float | None) -> dict[str, object]:
+        return {
+            "time": time.time(),
+            "key_id": tally.principal.key_id,
+            "model": tally.model,
+            "instance_id": tally.instance_id,
+            "endpoint": tally.endpoint,
+            "prompt_tokens": tally.prompt_tokens if charged else 0,
+            "completion_tokens": tally.completion_tokens,
+            "latency_ms": round(latency * 1000, 1),
+            "ttft_ms": round(tally.ttft * 1000, 1) if tally.ttft is not None else None,
+            "tokens_per_second": round(speed, 2) if speed else None,
+            "outcome": outcome,
+            "cost": cost_of(tally, charged),
+        }
 
     def refused(self, principal: Principal, endpoint: str, model: str, outcome: str) -> None:
         """A ledger row for a request refused before it was admitted (its body, its limits)."""

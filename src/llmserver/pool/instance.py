@@ -15,7 +15,7 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -352,16 +352,20 @@ class Instance:
     def _idle_slots(self) -> int:
         return sum(1 for holds in self._slot_holds if holds == 0) if self._slot_holds else self.model.parallel
 
-    async def idle_slot(self, alone: bool) -> None:
-        """Saved prompts on: wait until one of its slots is idle, first come first served, if this request
-        will have its slot to itself (`alone`: a long prompt) — pinned at once, it would wait for the slot
-        `take_slot` chose, while llama-server's own queue hands the next request whichever slot frees first;
-        `take_slot` right after returns the idle one. A short request, which shares slots, waits here only
-        behind long ones already waiting (else it would keep every slot from ever being idle)."""
+    def idle_slot(self, alone: bool) -> Awaitable[None] | None:
+        """Saved prompts on: what to await until one of its slots is idle, first come first served, if this
+        request will have its slot to itself (`alone`: a long prompt) — pinned at once, it would wait for the
+        slot `take_slot` chose, while llama-server's own queue hands the next request whichever slot frees
+        first; `take_slot` right after returns the idle one. A short request, which shares slots, waits only
+        behind long ones already waiting (else it would keep every slot from ever being idle). None: no wait
+        (no coroutine is made on the common path)."""
         if not self._idle_waiters and (not alone or self._idle_slots() > self._idle_promised):
-            return
+            return None
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._idle_waiters.append(turn)
+        return self._idle_turn(turn)
+
+    async def _idle_turn(self, turn: asyncio.Future[None]) -> None:
         try:
             await turn
         except asyncio.CancelledError:

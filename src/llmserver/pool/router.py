@@ -122,9 +122,11 @@ class Lease:
         saved = instance.saved_prompts
         if saved is None or not saved.enabled or instance.prompt_folder is None:
             self.slot, reuse, _ = instance.take_slot(self.key_id, start)
-            await self._in_order(instance, self.slot)
+            if delay := instance.order_wait(self.slot, self.key_id):
+                await asyncio.sleep(delay)  # sent after another key's request told to reuse the slot
             return self.slot, reuse
-        await instance.idle_slot(size >= saved.min_tokens)  # whichever slot frees first, as llama-server's queue
+        if (idle := instance.idle_slot(size >= saved.min_tokens)) is not None:
+            await idle  # whichever slot frees first, as llama-server's queue would hand it
         self.slot, reuse, _ = instance.take_slot(self.key_id, start)
         gate, mine = instance.slot_gate(self.slot), (self.key_id, start)
 
@@ -141,7 +143,8 @@ class Lease:
         self.entered = True
         if not self.alone:
             if not worth_saving(instance.slot_holds(self.slot)):
-                await self._in_order(instance, self.slot)
+                if delay := instance.order_wait(self.slot, self.key_id):
+                    await asyncio.sleep(delay)  # sharing the slot: in order as above; alone, by its turn
                 return self.slot, reuse  # take_slot's rule: the slot's requests since idle all this key's
             gate.leave(False)  # a conversation worth keeping came to the slot meanwhile: saved, alone
             self.entered, self.alone = False, True
@@ -157,12 +160,6 @@ class Lease:
         if saved.has(instance, *mine):
             reuse = await saved.restore(instance, self.slot, *mine) or reuse
         return self.slot, reuse
-
-    async def _in_order(self, instance: Instance, slot: int) -> None:
-        """A request sharing its slot is sent after another key's request that took the slot just before,
-        told to reuse its cache (`Instance.order_wait`); one alone on its slot is in order by its turn."""
-        if wait := instance.order_wait(slot, self.key_id):
-            await asyncio.sleep(wait)
 
     async def freed(self, within: float) -> None:
         """Wait (at most `within` seconds) until the slot it gave back on an instance other gateways share
