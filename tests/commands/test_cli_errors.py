@@ -106,6 +106,19 @@ def test_extract_over_the_file_limit_says_413(tmp_path: Path) -> None:
     one_line(llmserver("extract", str(big), "--data-dir", str(tmp_path)), 1, "big.txt", "(413 request_too_large)")
 
 
+def test_extract_under_a_tmpdir_too_long_for_a_socket_path(tmp_path: Path) -> None:
+    """The converters' forkserver listens on a UNIX socket (at most 107 bytes of path) under TMPDIR: a long one
+    used to stop `extract` with "AF_UNIX path too long"; the socket and the private folder go under /tmp then."""
+    temp = tmp_path / ("t" * 80)
+    temp.mkdir()
+    note = tmp_path / "note.txt"
+    note.write_text("Quarterly figures: 42 widgets.\n")
+    ran = llmserver("extract", str(note), "--data-dir", str(tmp_path), env={"TMPDIR": str(temp)})
+    assert ran.returncode == 0, ran.stderr
+    assert "Quarterly figures: 42 widgets." in ran.stdout
+    assert list(temp.iterdir()) == []
+
+
 def test_a_node_on_the_network_needs_a_key_and_tls_unless_told_the_network_is_trusted(tmp_path: Path) -> None:
     # 192.0.2.1 (TEST-NET-1) is never bound: each refusal comes before any instance is started.
     node = ["node", "--advertise", "192.0.2.1", "--redis-url", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]

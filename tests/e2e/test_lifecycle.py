@@ -12,7 +12,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import COUNTING, MODEL, Server, busy_slots, make_key, pids_of_children_named, process_alive, wait_for
+from tests.support import (
+    COUNTING,
+    MODEL,
+    Server,
+    busy_slots,
+    documents,
+    make_key,
+    pids_of_children_named,
+    process_alive,
+    wait_for,
+)
 
 # Each test here starts servers of its own or waits on timers: selected out by -m 'not slow'.
 pytestmark = pytest.mark.slow
@@ -47,6 +57,30 @@ def test_stop_leaves_no_llama_server(tmp_path: Path, sig: signal.Signals, start_
     logs = list((tmp_path / "logs").glob("*.log"))
     assert logs and "llama" in logs[0].read_text(errors="replace").lower()  # the child's output went to its log file
     assert "all instances stopped" in server.log()
+
+
+def test_a_tmpdir_too_long_for_a_socket_path_still_starts_and_reads_files(
+    tmp_path: Path, start_server: Callable[..., Server]
+) -> None:
+    """The document converters' forkserver listens on a UNIX socket under TMPDIR, whose path holds at most 107
+    bytes: under a longer TMPDIR the server used to exit at start ("AF_UNIX path too long"). Its private folder
+    and its socket now go under /tmp then, and are removed at the stop like the rest."""
+    temp = tmp_path / ("t" * 80)
+    temp.mkdir()
+    before = set(Path("/tmp").glob("llmserver-extract-*"))
+    server = start_server(ONE_SMALL_INSTANCE, env={"TMPDIR": str(temp)})
+    private = set(Path("/tmp").glob("llmserver-extract-*")) - before
+    assert len(private) == 1
+    headers = {"Authorization": f"Bearer {make_key(server.data_dir, 'files')}"}
+    tokens = []
+    for parts in ([], [documents.file_part("report.docx", documents.make_docx())]):
+        body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Hi"}]}], "max_tokens": 1}
+        answer = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert answer.status_code == 200, answer.text
+        tokens.append(answer.json()["usage"]["prompt_tokens"])
+    assert tokens[1] > tokens[0] + 5  # the document's text reached the prompt
+    assert server.stop() == 0
+    assert not any(folder.exists() for folder in private)
 
 
 def test_killed_gateway_takes_its_child_along(start_server: Callable[..., Server]) -> None:

@@ -26,6 +26,7 @@ def extract(config_file: Path | None, data_dir: Path | None, files: tuple[Path, 
         workers=settings.limits.files.extract_workers or None,
     )
     try:
+        service.warm_up()
         count_check(len(files), "files", limits)
         uploads = []
         for path in files:
@@ -35,4 +36,6 @@ def extract(config_file: Path | None, data_dir: Path | None, files: tuple[Path, 
         blocks = [render(service.extract_blocking(upload)) for upload in uploads]
     except APIError as exc:
         raise click.ClickException(f"{exc.message} ({exc.status} {exc.type})") from None
+    finally:
+        service.close()
     click.echo("\n".join(blocks))

@@ -36,6 +36,13 @@ from llmserver.schemas.openai import ChatMessage, FilePart, TextPart
 
 log = logging.getLogger(__name__)
 
+# The forkserver listens on an AF_UNIX socket at $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, and such a path holds
+# at most 107 bytes: under a longer TMPDIR the server could not start ("AF_UNIX path too long").
+SOCKET_PATH_MAX = 107
+SOCKET_TAIL = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+SHORT_TEMP = ("/tmp", "/var/tmp", "/dev/shm")  # where both folders go then: the first writable
+PRIVATE_PREFIX = "llmserver-extract-"
+
 
 class UnprocessableFile(APIError):
     status = 422
@@ -186,6 +193,7 @@ class DocumentService:
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["llmserver.inputs.extraction", "markitdown.converters"])
         self._temp_dir: str | None = None
+        self._starting = threading.Lock()
 
     def warm_up(self) -> None:
         """Start the forkserver (it imports the converters once: about 2 s) so the first file is fast.
@@ -195,17 +203,23 @@ class DocumentService:
         whatever it had open) goes with it."""
         from multiprocessing import forkserver
 
-        tempfile.gettempdir()  # this process's own temp folder stays the system's
-        self._temp_dir = tempfile.mkdtemp(prefix="llmserver-extract-")
-        saved = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = self._temp_dir
-        try:
-            forkserver.ensure_running()
-        finally:
-            if saved is None:
-                del os.environ["TMPDIR"]
-            else:
-                os.environ["TMPDIR"] = saved
+        with self._starting:
+            if self._temp_dir is not None:
+                return
+            base = _private_base()
+            self._temp_dir = tempfile.mkdtemp(prefix=PRIVATE_PREFIX, dir=base)
+            saved, saved_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+            os.environ["TMPDIR"] = self._temp_dir
+            # And this process's socket folder (multiprocessing's pymp-*, made on first use under tempfile's).
+            tempfile.tempdir = base
+            try:
+                forkserver.ensure_running()
+            finally:
+                tempfile.tempdir = saved_dir
+                if saved is None:
+                    del os.environ["TMPDIR"]
+                else:
+                    os.environ["TMPDIR"] = saved
 
     def close(self) -> None:
         if self._temp_dir is not None:
@@ -287,3 +301,20 @@ class DocumentService:
             process.kill()
             process.join()
             process.close()
+
+
+def _private_base() -> str:
+    """Where the forkserver's socket folder and the converters' private TMPDIR are made: the system's temp
+    folder (TMPDIR), or a short one when TMPDIR is too long for the socket's path."""
+    base = tempfile.gettempdir()  # read (and kept) now: this process's own temp folder stays the system's
+    if len(base) + SOCKET_TAIL <= SOCKET_PATH_MAX:
+        return base
+    for short in SHORT_TEMP:
+        if os.path.isdir(short) and os.access(short, os.W_OK | os.X_OK):
+            log.warning(
+                "TMPDIR %s is too long for the document converters' socket path (at most %d characters): "
+                "their socket and private folder go under %s",
+                base, SOCKET_PATH_MAX - SOCKET_TAIL, short,
+            )  # fmt: skip
+            return short
+    return base  # and the forkserver's start fails with the system's own message
