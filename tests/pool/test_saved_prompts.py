@@ -12,7 +12,15 @@ from pathlib import Path
 
 from llmserver.llama.client import LlamaServerClient
 from llmserver.models.files import embedded_model_path, llama_server_binary
-from llmserver.pool.saved_prompts import SavedPrompts, entry_name, identity
+from llmserver.pool.saved_prompts import (
+    BLOCK_BYTES,
+    EDGE_BYTES,
+    SAMPLED_OVER,
+    SavedPrompts,
+    entry_name,
+    fingerprint,
+    identity,
+)
 from tests.support import free_port
 
 
@@ -31,8 +39,36 @@ def test_the_identity_follows_what_shapes_the_kv_state_and_nothing_else(tmp_path
     assert identity(args(model, **{"--port": "8002", "--threads": "8", "--host": "10.0.0.2"})) == first
     assert identity(args(model, **{"--ctx-size": "8192"})) != first
     assert identity(args(model, **{"--cache-type-k": "q8_0"})) != first
-    os.utime(model, ns=(1, 1))  # the file replaced in place (same path): another model
+    model.write_bytes(b"weighty")  # the file replaced in place (same path): another model
     assert identity(args(model)) != first
+
+
+def test_the_identity_reads_a_files_content_not_its_path_or_times(tmp_path: Path) -> None:
+    """The same model copied, moved, reinstalled or on another host is the same identity, so a conversation
+    saved under one finds its state under the other; a changed file is another."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(os.urandom(SAMPLED_OVER + 5 * BLOCK_BYTES))  # sampled, not read whole
+    first = identity(args(model))
+    os.utime(model, ns=(1, 1))
+    assert identity(args(model)) == first
+    copy = tmp_path / "elsewhere" / "copy.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(model.read_bytes())
+    assert identity(args(copy)) == first
+    for offset in (0, EDGE_BYTES + 3, model.stat().st_size - 1):  # the header, the first block, the last byte
+        changed = bytearray(model.read_bytes())
+        changed[offset] ^= 0xFF
+        copy.write_bytes(changed)
+        assert identity(args(copy)) != first, offset
+    copy.write_bytes(model.read_bytes() + b"\x00")
+    assert identity(args(copy)) != first  # another size
+    folder = tmp_path / "lora"  # a folder, or a path that is not there: its text, as before
+    folder.mkdir()
+    assert identity(args(model, **{"--lora": str(folder)})) != identity(args(model, **{"--lora": str(tmp_path)}))
+    assert fingerprint(folder) is None and fingerprint(tmp_path / "missing") is None
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert fingerprint(fifo) is None  # not opened: that would wait for a writer
 
 
 def test_an_entry_is_named_for_its_key_and_conversation_alone() -> None:

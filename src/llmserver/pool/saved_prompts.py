@@ -10,8 +10,9 @@ made a 33.8 MB file, saved in 58 ms and restored in 46 ms, after which the next 
 What is saved: each idle slot whose cached prompt is one key's conversation (the gateway knows whose:
 cache_isolation = "key", engine/calls.py pins every request to a slot), holding at least
 `prompt_cache_min_tokens` tokens. Where: `prompt-cache/<model>/<identity>/`, the identity a hash of
-everything that shapes the KV state (llama-server's build, the model's files, every flag but addresses,
-threads and keys); an instance of a changed model starts on a new identity and removes the old ones.
+everything that shapes the KV state (llama-server's build and the model's files by content, every flag but
+addresses, threads and keys: the same on every host that runs the same files the same way); an instance
+of a changed model starts on a new identity and removes the old ones.
 The file's name is a hash of the key's id and the conversation's start, so another key never finds it.
 Files are the server user's alone (0600 in a 0700 folder); the least recently used are removed past
 `prompt_cache_disk_mb`. A save is written under a name of its own and renamed into place once complete:
@@ -28,6 +29,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -68,14 +70,20 @@ NEUTRAL = {
     "--host", "--port", "--threads-http", "--threads", "--threads-batch", "--cache-ram", "--ssl-cert-file",
     "--ssl-key-file", "--alias", "--slot-save-path",
 }  # fmt: skip
+# A file's content for the identity (`fingerprint`): whole up to SAMPLED_OVER bytes, sampled above.
+EDGE_BYTES = 1 << 20
+BLOCK_BYTES = 1 << 16
+BLOCKS = 16
+SAMPLED_OVER = 2 * EDGE_BYTES + BLOCKS * BLOCK_BYTES
 SAVE_TIMEOUT = 60.0  # seconds for one slot's file (33.8 MB took 58 ms here)
 # Seconds an instance's stop may wait for all its saves: a stuck instance must not hold a shutdown up.
 SAVE_BUDGET = 15.0
 
 
 def identity(args: list[str]) -> str:
-    """What an instance started with `args` computes, as a hash: its binary and files (by path, size and
-    modification time) and its flags, less those that do not shape the KV state."""
+    """What an instance started with `args` computes, as a hash: its binary and files (by content: see
+    `fingerprint`) and its flags, less those that do not shape the KV state. A file's path is not part of
+    it: the same model copied, moved, reinstalled or on another host is the same identity."""
     digest = hashlib.blake2b(digest_size=12)
     skip = False
     for arg in args:
@@ -85,13 +93,35 @@ def identity(args: list[str]) -> str:
         if arg in NEUTRAL:
             skip = True
             continue
-        digest.update(arg.encode("utf-8", "surrogatepass") + b"\x00")
-        path = Path(arg)
-        if path.is_absolute():
-            with contextlib.suppress(OSError):
-                stat = path.stat()
-                digest.update(f"{stat.st_size}:{stat.st_mtime_ns}\x00".encode())
+        content = fingerprint(Path(arg)) if Path(arg).is_absolute() else None
+        digest.update(b"file:" + content if content is not None else arg.encode("utf-8", "surrogatepass"))
+        digest.update(b"\x00")
     return digest.hexdigest()
+
+
+def fingerprint(path: Path) -> bytes | None:
+    """A regular file's content as a hash (None for anything else): the whole file up to `SAMPLED_OVER`
+    bytes; a larger one (a model's GGUF) by its size, its first and last `EDGE_BYTES` (a GGUF's header, its
+    last tensors) and `BLOCKS` blocks of `BLOCK_BYTES` spread evenly between — about 3 MiB read whatever its
+    size, where hashing a 4 GB file would hold every start up for seconds. Files that differ only outside the
+    sample read as the same: a quantization or a fine-tune changes the size or every tensor."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):  # before opening: a FIFO would block the open
+            return None
+        with path.open("rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            digest = hashlib.blake2b(f"{size}\x00".encode(), digest_size=16)
+            if size <= SAMPLED_OVER:
+                digest.update(file.read())
+                return digest.digest()
+            span = size - 2 * EDGE_BYTES - BLOCK_BYTES
+            offsets = [0, *(EDGE_BYTES + span * n // (BLOCKS - 1) for n in range(BLOCKS)), size - EDGE_BYTES]
+            for offset in offsets:
+                file.seek(offset)
+                digest.update(file.read(EDGE_BYTES if offset in (0, size - EDGE_BYTES) else BLOCK_BYTES))
+            return digest.digest()
+    except OSError:  # a folder, a path that is not there, a file this user cannot read
+        return None
 
 
 def entry_name(key_id: str, start: int) -> str:
@@ -231,8 +261,8 @@ class SavedPrompts:
         files = []
         for path in self.root.glob(f"*/*/*{SUFFIX}"):
             with contextlib.suppress(OSError):
-                stat = path.stat()
-                files.append((stat.st_mtime, stat.st_size, path))
+                info = path.stat()
+                files.append((info.st_mtime, info.st_size, path))
         total = sum(size for _, size, _ in files)
         for _, size, path in sorted(files):
             if total <= self.budget_bytes:
