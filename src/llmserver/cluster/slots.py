@@ -120,7 +120,7 @@ end
 """
 
 # ARGV: slots, key id, start, hold id, hold ms, keep ms, grace ms, prompt bytes, min bytes to keep, gated (0/1)
-# → slot (from 0), reuse, warm, ms to wait before sending, its turn came, alone, held key, start, bytes
+# → slot (from 0), reuse, ms to wait before sending, its turn came, alone, held key, start, bytes
 TAKE = (
     _LOAD
     + """
@@ -149,7 +149,6 @@ if not chosen then
 end
 local slot = state.slots[chosen]
 local reuse = slot.o == key
-local warm = reuse and slot.s == start
 if #slot.q == 0 or reuse then slot.o = key else slot.o = '' end
 local wait = 0
 for _, hold in ipairs(slot.q) do
@@ -165,7 +164,7 @@ state.clock = state.clock + 1
 slot.t = state.clock
 save(ARGV[6])
 local c = held(slot)
-return {chosen - 1, reuse and 1 or 0, warm and 1 or 0, wait, slot.q[j].e, slot.q[j].al, c[1], c[2], c[3]}
+return {chosen - 1, reuse and 1 or 0, wait, slot.q[j].e, slot.q[j].al, c[1], c[2], c[3]}
 """
 )
 
@@ -329,7 +328,7 @@ class SharedSlots:
             self._outage.failed("slot records unreachable in Redis (prompts sent without reusing a cache): %s", exc)
             return None
         self._outage.recovered("slot records in Redis reachable again")
-        slot, reuse, _, wait, turn, alone, key, begun, bytes_ = answer
+        slot, reuse, wait, turn, alone, key, begun, bytes_ = answer
         self._live.setdefault(instance_id, (slots, set()))[1].add(hold)
         return Claim(int(slot), bool(reuse), hold, int(wait), bool(turn), bool(alone), _held(key, begun, bytes_))
 
