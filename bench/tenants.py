@@ -2,11 +2,14 @@
 cache, and how long its first token takes, under `prompt_cache.isolation = "key"` (with the per-key tier of
 saved prompts under the slots, and without it) and `"shared"`.
 
-    python -m bench.tenants [--keys 8] [--turns 4] [--slots 4] [--history 700] [--gateways 1] [--out FILE]
+    python -m bench.tenants [--keys 8] [--turns 4] [--slots 4] [--history 700] [--gateways 1 [--nodes 1]]
+                            [--out FILE]
 
 One gateway in front of one instance of the embedded model with `--slots` slots; with `--gateways 2`, two
 gateways of role `gateway` (PostgreSQL + Redis, private servers started as the tests start them) in front
-of an `llmserver node` that runs the instance, each conversation's turns going through them in turn. Each
+of an `llmserver node` that runs the instance, each conversation's turns going through them in turn; with
+`--nodes 2` as well, two nodes whose instances have `--slots` between them (half each, and one thread each:
+the two cores of the one-instance runs). Each
 of `--keys` API keys holds one conversation and all of them talk at once: a first turn of about
 `--history` prompt tokens of its own, then `--turns - 1` more, each a short question after the last
 answer, with `--read` seconds of reading between an answer and the next question. Every turn is streamed
@@ -89,7 +92,7 @@ def opening(seed: int, tokens: int) -> str:
     return f"Notes of team {seed}: " + " ".join(words)
 
 
-def config(slots: int, isolation: str, disk_mb: int) -> str:
+def config(slots: int, isolation: str, disk_mb: int, threads: int = 2) -> str:
     return f"""prompt_cache.isolation = "{isolation}"
 prompt_cache.disk_mb = {disk_mb}
 
@@ -98,7 +101,7 @@ name = "chat"
 path = "{embedded_model_path()}"
 parallel = {slots}
 ctx_size = {slots * 2048}
-threads = 2
+threads = {threads}
 min_instances = 1
 max_instances = 1
 """
@@ -119,10 +122,10 @@ class Gateway:
         self.target = wait_ready(Target("llmserver", f"http://127.0.0.1:{port}", process, HEADERS), "/ready", 300)
         self.url = self.target.url
 
-    def serving(self) -> bool:
-        """An instance is ready behind it (a node's, once published)."""
+    def serving(self) -> int:
+        """How many instances are ready behind it (nodes' once published)."""
         listed = httpx.get(self.url + "/api/instances", headers=HEADERS, timeout=30).json()["data"]
-        return any(instance["status"] in ("ready", "busy") for instance in listed)
+        return sum(instance["status"] in ("ready", "busy") for instance in listed)
 
     def key(self, name: str) -> str:
         created = httpx.post(self.url + "/api/keys", headers=HEADERS, json={"name": name}, timeout=30)
@@ -131,28 +134,30 @@ class Gateway:
 
 
 class Cluster:
-    """Two gateways of role `gateway` on private PostgreSQL and Redis servers, and the node that runs the
-    instance they share."""
+    """Two gateways of role `gateway` on private PostgreSQL and Redis servers, and the nodes that run the
+    instances they share (one each: `node_config`)."""
 
     INSTANCE_KEY = "bench-tenants-instance-key-0123456789"
 
-    def __init__(self, data_dir: Path, logs: Path) -> None:
+    def __init__(self, data_dir: Path, logs: Path, nodes: int = 1, node_config: str | None = None) -> None:
         self.postgres, self.redis = Postgres().start(), Redis().start()
         self.gateways: list[Gateway] = []
-        self.node: subprocess.Popen[bytes] | None = None
+        self.nodes: list[subprocess.Popen[bytes]] = []
         try:
             url = migrated_database(self.postgres)
-            node_dir = data_dir / "node"
-            node_dir.mkdir()
-            env = {**os.environ, "LLMSERVER_NODE__ID": "bench-node", "LLMSERVER_NODE__PORT": str(free_port()),
-                   "LLMSERVER_INSTANCES__API_KEY": self.INSTANCE_KEY,
-                   "LLMSERVER_INSTANCES__BASE_PORT": str(free_port_range(4))}  # fmt: skip
-            with (logs / "tenants-node.log").open("ab") as out:
-                self.node = subprocess.Popen(
-                    [sys.executable, "-m", "llmserver", "node", "--config", str(data_dir / "config.toml"),
-                     "--data-dir", str(node_dir), "--redis-url", self.redis.url],
-                    stdout=out, stderr=subprocess.STDOUT, env=env,
-                )  # fmt: skip
+            for n in range(nodes):
+                node_dir = data_dir / f"node-{n}"
+                node_dir.mkdir()
+                (node_dir / "config.toml").write_text(node_config or (data_dir / "config.toml").read_text())
+                env = {**os.environ, "LLMSERVER_NODE__ID": f"bench-node-{n}", "LLMSERVER_NODE__PORT": str(free_port()),
+                       "LLMSERVER_INSTANCES__API_KEY": self.INSTANCE_KEY,
+                       "LLMSERVER_INSTANCES__BASE_PORT": str(free_port_range(4))}  # fmt: skip
+                with (logs / f"tenants-node-{n}.log").open("ab") as out:
+                    self.nodes.append(subprocess.Popen(
+                        [sys.executable, "-m", "llmserver", "node", "--config", str(node_dir / "config.toml"),
+                         "--data-dir", str(node_dir), "--redis-url", self.redis.url],
+                        stdout=out, stderr=subprocess.STDOUT, env=env,
+                    ))  # fmt: skip
             for name in ("gw-a", "gw-b"):
                 gateway_dir = data_dir / name
                 gateway_dir.mkdir()
@@ -162,9 +167,9 @@ class Cluster:
                            "LLMSERVER_INSTANCES__API_KEY": self.INSTANCE_KEY}  # fmt: skip
                 self.gateways.append(Gateway(gateway_dir, logs / f"tenants-{name}.log", cluster))
             deadline = time.monotonic() + 300
-            while not all(gateway.serving() for gateway in self.gateways):
+            while not all(gateway.serving() >= nodes for gateway in self.gateways):
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the node's instance did not reach the gateways within 300 s")
+                    raise RuntimeError("the nodes' instances did not reach the gateways within 300 s")
                 time.sleep(0.5)
         except BaseException:
             self.stop()
@@ -173,9 +178,10 @@ class Cluster:
     def stop(self) -> None:
         for gateway in self.gateways:
             gateway.target.stop()
-        if self.node is not None:
-            self.node.terminate()
-            self.node.wait(60)
+        for node in self.nodes:
+            node.terminate()
+        for node in self.nodes:
+            node.wait(60)
         self.redis.stop()
         self.postgres.stop()
 
@@ -221,16 +227,28 @@ async def conversation(
 
 
 def measure(
-    setting: str, keys: int, turns: int, slots: int, history: int, read: float, logs: Path, gateways: int = 1
+    setting: str,
+    keys: int,
+    turns: int,
+    slots: int,
+    history: int,
+    read: float,
+    logs: Path,
+    gateways: int = 1,
+    nodes: int = 1,
 ) -> Result:
+    """`nodes` (with two gateways): the `slots` shared out between that many nodes' instances."""
     isolation, disk_mb = SETTINGS[setting]
     data_dir = Path(tempfile.mkdtemp(prefix="llmserver-bench-tenants-"))
     (data_dir / "config.toml").write_text(config(slots, isolation, disk_mb))
     if setting == "llama-server":
         return _measure_direct(keys, turns, slots, history, read, logs)
-    cluster = Cluster(data_dir, logs) if gateways > 1 else None
+    # Two nodes share this machine's two cores as one instance does: one thread each.
+    each = config(max(1, slots // nodes), isolation, disk_mb, threads=max(1, 2 // nodes))
+    cluster = Cluster(data_dir, logs, nodes, each) if gateways > 1 else None
     front = cluster.gateways if cluster is not None else [Gateway(data_dir, logs / "tenants.log")]
-    result = Result(setting if cluster is None else f"{setting}, 2 gateways + a node")
+    where = "a node" if nodes == 1 else f"{nodes} nodes"
+    result = Result(setting if cluster is None else f"{setting}, 2 gateways + {where}")
     try:
         secrets = [front[0].key(f"tenant-{n}") for n in range(keys)]
         _talk([gateway.url for gateway in front], secrets, turns, history, read, result)
@@ -275,21 +293,35 @@ def _talk(urls: list[str], secrets: list[str], turns: int, history: int, read: f
 
 
 def report(
-    results: list[Result], keys: int, turns: int, slots: int, read: float, level: str = "#", gateways: int = 1
+    results: list[Result],
+    keys: int,
+    turns: int,
+    slots: int,
+    read: float,
+    level: str = "#",
+    gateways: int = 1,
+    nodes: int = 1,
 ) -> str:
     prompt = statistics.median(t.prompt_tokens for r in results for t in r.turns if t.number == 1)
+    runs = "one instance an `llmserver node` runs" if nodes == 1 else f"the instances of {nodes} `llmserver node`s"
     where = (
-        "through two gateways of role `gateway` (PostgreSQL + Redis) to one instance an `llmserver node` runs, "
+        f"through two gateways of role `gateway` (PostgreSQL + Redis) to {runs}, "
         "each conversation's turns through the two in turn, "
         if gateways > 1
         else ""
     )
+    instances = (
+        f"one instance of the embedded model with {slots} slots"
+        if nodes == 1 or gateways == 1
+        else f"{nodes} instances of the embedded model with {max(1, slots // nodes)} slots and one thread each"
+    )
+    command = (" --gateways 2" if gateways > 1 else "") + (f" --nodes {nodes}" if gateways > 1 and nodes > 1 else "")
     lines = [
         f"{level} Many tenants at once: the per-key tier against recomputing and against a shared cache",
         "",
-        f"`python -m bench.tenants{' --gateways 2' if gateways > 1 else ''}`: {keys} keys, one conversation each, "
+        f"`python -m bench.tenants{command}`: {keys} keys, one conversation each, "
         f"all at once, {turns} turns of which the first reads about {prompt:,.0f} prompt tokens, {read:g} s of "
-        f"reading between turns, {where}on one instance of the embedded model with {slots} slots (2 threads). "
+        f"reading between turns, {where}on {instances}{' (2 threads)' if nodes == 1 or gateways == 1 else ''}. "
         f"Later turns: turns 2 to {turns}.",
         "",
         "| setting | later turns' prompt from the cache | later turns' first token p50 / p95 | first turns' "
@@ -316,14 +348,15 @@ def main() -> None:
     parser.add_argument("--settings", nargs="*", choices=list(SETTINGS), default=list(SETTINGS))
     two = "2: two gateways and a node on PostgreSQL + Redis, each conversation's turns through each in turn"
     parser.add_argument("--gateways", type=int, choices=(1, 2), default=1, help=two)
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="with --gateways 2: nodes sharing --slots")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="llmserver-bench-logs-"))
     results = [
-        measure(setting, args.keys, args.turns, args.slots, args.history, args.read, logs, args.gateways)
+        measure(setting, args.keys, args.turns, args.slots, args.history, args.read, logs, args.gateways, args.nodes)
         for setting in args.settings
     ]
-    text = report(results, args.keys, args.turns, args.slots, args.read, gateways=args.gateways)
+    text = report(results, args.keys, args.turns, args.slots, args.read, gateways=args.gateways, nodes=args.nodes)
     print(text)
     if args.out is not None:
         args.out.write_text(text)
