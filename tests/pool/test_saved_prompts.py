@@ -17,6 +17,7 @@ from llmserver.pool.saved_prompts import (
     EDGE_BYTES,
     SAMPLED_OVER,
     SavedPrompts,
+    engine_files,
     entry_name,
     fingerprint,
     identity,
@@ -69,6 +70,32 @@ def test_the_identity_reads_a_files_content_not_its_path_or_times(tmp_path: Path
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     assert fingerprint(fifo) is None  # not opened: that would wait for a writer
+
+
+def test_the_identity_reads_llama_cpps_libraries_beside_the_binary(tmp_path: Path) -> None:
+    """A build's llama-server can be a small stub calling into libllama-server-impl.so and libllama.so, the same
+    bytes from one version to the next: an upgrade that changes only a library is another identity."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"weights")
+
+    def build(folder: Path, library: bytes) -> list[str]:
+        (folder / "bin").mkdir(parents=True)
+        (folder / "bin" / "llama-server").write_bytes(b"stub")
+        (folder / "bin" / "libllama.so.0.6.0").write_bytes(library)
+        (folder / "bin" / "libllama.so.0").symlink_to("libllama.so.0.6.0")
+        (folder / "lib").mkdir()
+        (folder / "lib" / "libggml-cpu.so").write_bytes(b"kernels")
+        (folder / "lib" / "libunrelated.so").write_bytes(library)  # not llama.cpp's: not read
+        return [str(folder / "bin" / "llama-server"), "--model", str(model)]
+
+    first = identity(build(tmp_path / "a", b"v1"))
+    assert identity(build(tmp_path / "b", b"v1")) == first  # the same build elsewhere
+    assert identity(build(tmp_path / "c", b"v2")) != first
+    assert [path.name for path in engine_files(tmp_path / "a" / "bin" / "llama-server")] == [
+        "llama-server", "libllama.so.0.6.0", "libggml-cpu.so"
+    ]  # fmt: skip
+    (tmp_path / "a" / "lib" / "libggml-cpu.so").write_bytes(b"other kernels")
+    assert identity([str(tmp_path / "a" / "bin" / "llama-server"), "--model", str(model)]) != first
 
 
 def test_an_entry_is_named_for_its_key_and_conversation_alone() -> None:

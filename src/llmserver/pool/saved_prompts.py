@@ -10,9 +10,9 @@ made a 33.8 MB file, saved in 58 ms and restored in 46 ms, after which the next 
 What is saved: each idle slot whose cached prompt is one key's conversation (the gateway knows whose:
 cache_isolation = "key", engine/calls.py pins every request to a slot), holding at least
 `prompt_cache_min_tokens` tokens. Where: `prompt-cache/<model>/<identity>/`, the identity a hash of
-everything that shapes the KV state (llama-server's build and the model's files by content, every flag but
-addresses, threads and keys: the same on every host that runs the same files the same way); an instance
-of a changed model starts on a new identity and removes the old ones.
+everything that shapes the KV state (llama-server's build with its llama.cpp libraries and the model's files,
+by content; every flag but addresses, threads and keys: the same on every host that runs the same files the
+same way); an instance of a changed model starts on a new identity and removes the old ones.
 The file's name is a hash of the key's id and the conversation's start, so another key never finds it.
 Files are the server user's alone (0600 in a 0700 folder); the least recently used are removed past
 `prompt_cache_disk_mb`. A save is written under a name of its own and renamed into place once complete:
@@ -75,16 +75,23 @@ EDGE_BYTES = 1 << 20
 BLOCK_BYTES = 1 << 16
 BLOCKS = 16
 SAMPLED_OVER = 2 * EDGE_BYTES + BLOCKS * BLOCK_BYTES
+# llama.cpp's libraries, part of the engine's identity with the binary (`engine_files`).
+ENGINE_LIBRARIES = ("libllama*.so*", "libggml*.so*", "libmtmd*.so*")
 SAVE_TIMEOUT = 60.0  # seconds for one slot's file (33.8 MB took 58 ms here)
 # Seconds an instance's stop may wait for all its saves: a stuck instance must not hold a shutdown up.
 SAVE_BUDGET = 15.0
 
 
 def identity(args: list[str]) -> str:
-    """What an instance started with `args` computes, as a hash: its binary and files (by content: see
-    `fingerprint`) and its flags, less those that do not shape the KV state. A file's path is not part of
-    it: the same model copied, moved, reinstalled or on another host is the same identity."""
+    """What an instance started with `args` computes, as a hash: its binary with llama.cpp's libraries beside
+    it (`engine_files`, hashed whole) and its files (by content: see `fingerprint`) and its flags, less those
+    that do not shape the KV state. A file's path is not part of it: the same model copied, moved,
+    reinstalled or on another host is the same identity."""
     digest = hashlib.blake2b(digest_size=12)
+    if args and Path(args[0]).is_absolute():
+        for path in engine_files(Path(args[0])):
+            digest.update(b"engine:" + (fingerprint(path, whole=True) or b"?") + b"\x00")
+        args = args[1:]
     skip = False
     for arg in args:
         if skip:
@@ -99,20 +106,40 @@ def identity(args: list[str]) -> str:
     return digest.hexdigest()
 
 
-def fingerprint(path: Path) -> bytes | None:
+def engine_files(binary: Path) -> list[Path]:
+    """llama-server's binary and the llama.cpp libraries it loads, where builds and packages put them: beside
+    it, or in ../lib, ../lib64 or ../lib/<multiarch> (a build's binary can be a small stub that calls into
+    them, the same bytes from one llama.cpp version to the next)."""
+    try:
+        binary = binary.resolve()
+    except OSError:
+        return [binary]
+    folders = [binary.parent, binary.parent.parent / "lib", binary.parent.parent / "lib64"]
+    with contextlib.suppress(OSError):
+        folders += sorted(path for path in (binary.parent.parent / "lib").glob("*-linux-*") if path.is_dir())
+    found: set[Path] = set()
+    for folder in folders:
+        for pattern in ENGINE_LIBRARIES:
+            with contextlib.suppress(OSError):
+                found.update(path.resolve() for path in folder.glob(pattern))
+    return [binary, *sorted(path for path in found if path.is_file())]
+
+
+def fingerprint(path: Path, whole: bool = False) -> bytes | None:
     """A regular file's content as a hash (None for anything else): the whole file up to `SAMPLED_OVER`
-    bytes; a larger one (a model's GGUF) by its size, its first and last `EDGE_BYTES` (a GGUF's header, its
-    last tensors) and `BLOCKS` blocks of `BLOCK_BYTES` spread evenly between — about 3 MiB read whatever its
-    size, where hashing a 4 GB file would hold every start up for seconds. Files that differ only outside the
-    sample read as the same: a quantization or a fine-tune changes the size or every tensor."""
+    bytes (or `whole`); a larger one (a model's GGUF) by its size, its first and last `EDGE_BYTES` (a GGUF's
+    header, its last tensors) and `BLOCKS` blocks of `BLOCK_BYTES` spread evenly between — about 3 MiB read
+    whatever its size, where hashing a 4 GB file would hold every start up for seconds. Files that differ only
+    outside the sample read as the same: a quantization or a fine-tune changes the size or every tensor."""
     try:
         if not stat.S_ISREG(path.stat().st_mode):  # before opening: a FIFO would block the open
             return None
         with path.open("rb") as file:
             size = os.fstat(file.fileno()).st_size
             digest = hashlib.blake2b(f"{size}\x00".encode(), digest_size=16)
-            if size <= SAMPLED_OVER:
-                digest.update(file.read())
+            if whole or size <= SAMPLED_OVER:
+                while chunk := file.read(EDGE_BYTES):
+                    digest.update(chunk)
                 return digest.digest()
             span = size - 2 * EDGE_BYTES - BLOCK_BYTES
             offsets = [0, *(EDGE_BYTES + span * n // (BLOCKS - 1) for n in range(BLOCKS)), size - EDGE_BYTES]
