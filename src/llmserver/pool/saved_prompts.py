@@ -37,6 +37,7 @@ from typing import Protocol
 
 from llmserver.errors import APIError
 from llmserver.llama.client import LlamaServerClient
+from llmserver.models.files import file_checksum
 
 
 class _Model(Protocol):
@@ -84,13 +85,17 @@ SAVE_BUDGET = 15.0
 
 def identity(args: list[str]) -> str:
     """What an instance started with `args` computes, as a hash: its binary with llama.cpp's libraries beside
-    it (`engine_files`, hashed whole) and its files (by content: see `fingerprint`) and its flags, less those
+    it (`engine_files`, their SHA-256) and its files (by content: see `fingerprint`) and its flags, less those
     that do not shape the KV state. A file's path is not part of it: the same model copied, moved,
     reinstalled or on another host is the same identity."""
     digest = hashlib.blake2b(digest_size=12)
     if args and Path(args[0]).is_absolute():
         for path in engine_files(Path(args[0])):
-            digest.update(b"engine:" + (fingerprint(path, whole=True) or b"?") + b"\x00")
+            try:
+                checksum = file_checksum(path)  # read whole once per file version (in this process)
+            except OSError:
+                checksum = "?"
+            digest.update(f"engine:{checksum}\x00".encode())
         args = args[1:]
     skip = False
     for arg in args:
@@ -125,9 +130,9 @@ def engine_files(binary: Path) -> list[Path]:
     return [binary, *sorted(path for path in found if path.is_file())]
 
 
-def fingerprint(path: Path, whole: bool = False) -> bytes | None:
+def fingerprint(path: Path) -> bytes | None:
     """A regular file's content as a hash (None for anything else): the whole file up to `SAMPLED_OVER`
-    bytes (or `whole`); a larger one (a model's GGUF) by its size, its first and last `EDGE_BYTES` (a GGUF's
+    bytes; a larger one (a model's GGUF) by its size, its first and last `EDGE_BYTES` (a GGUF's
     header, its last tensors) and `BLOCKS` blocks of `BLOCK_BYTES` spread evenly between — about 3 MiB read
     whatever its size, where hashing a 4 GB file would hold every start up for seconds. Files that differ only
     outside the sample read as the same: a quantization or a fine-tune changes the size or every tensor."""
@@ -137,9 +142,8 @@ def fingerprint(path: Path, whole: bool = False) -> bytes | None:
         with path.open("rb") as file:
             size = os.fstat(file.fileno()).st_size
             digest = hashlib.blake2b(f"{size}\x00".encode(), digest_size=16)
-            if whole or size <= SAMPLED_OVER:
-                while chunk := file.read(EDGE_BYTES):
-                    digest.update(chunk)
+            if size <= SAMPLED_OVER:
+                digest.update(file.read())
                 return digest.digest()
             span = size - 2 * EDGE_BYTES - BLOCK_BYTES
             offsets = [0, *(EDGE_BYTES + span * n // (BLOCKS - 1) for n in range(BLOCKS)), size - EDGE_BYTES]
