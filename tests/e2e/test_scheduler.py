@@ -28,6 +28,7 @@ import httpx
 import pytest
 import redis
 
+from llmserver.cluster import transfer
 from llmserver.models.files import embedded_model_path
 from tests.support import (
     Server,
@@ -398,6 +399,90 @@ def test_an_instance_an_admin_drains_is_replaced_on_another_node(cluster: Cluste
         return len(now) == 2 and chosen["node"] not in {i["node"] for i in now}
 
     assert wait_for(elsewhere, 60), (cluster.instances(second, "chat"), first.log()[-3000:])
+
+
+def test_a_conversation_whose_instance_moved_to_another_node_is_carried_there_and_restored(cluster: Cluster) -> None:
+    """Issue 58's case across hosts: a conversation's instance drained by an admin is saved on its node as it
+    stops and placed again on another node; the next turn, through the other gateway, lands there — before,
+    read again whole (0 cached); now its saved state is carried from the first node's listener to the second's,
+    sealed (cluster/transfer.py), and restored: the turn reads only its new tokens."""
+    first, second = cluster.gateways
+    notes = {**CHAT, "name": "notes", "min_instances": 1, "max_instances": 1, "parallel": 1, "ctx_size": 2048}
+    assert cluster.call(first, "POST", "/api/models", notes).status_code == 201
+    try:
+        assert wait_for(lambda: len(cluster.instances(second, "notes")) == 1, 90), first.log()[-3000:]
+        key = cluster.key("carried")
+        handbook = "You answer questions about the lighthouse keepers' handbook. " + " ".join(
+            f"Rule {i}: the keeper logs the lamp, the weather and the ships seen at the {i}th hour." for i in range(14)
+        )
+        messages = [{"role": "system", "content": handbook}, {"role": "user", "content": "What is logged at hour 2?"}]
+
+        def turn(gateway: Server) -> dict[str, Any]:
+            answer = httpx.post(
+                gateway.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                json={"model": "notes", "messages": messages, "max_tokens": 8, "temperature": 0},
+            )  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            messages.append({"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]})
+            messages.append({"role": "user", "content": "And at the next hour?"})
+            return dict(answer.json()["usage"])
+
+        turn(first)
+        (before,) = cluster.instances(second, "notes")
+        drained = cluster.call(second, "DELETE", f"/api/instances/{before['instance_id']}")
+        assert drained.status_code == 200, drained.text
+
+        def moved() -> bool:
+            now = [i["node"] for g in cluster.gateways for i in cluster.instances(g, "notes")]
+            return len(now) == 2 and before["node"] not in now
+
+        assert wait_for(moved, 90), (cluster.instances(second, "notes"), first.log()[-3000:])
+        began = time.monotonic()
+        usage = turn(second)
+        took = time.monotonic() - began
+        fraction = usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"]
+        assert metric(second, ADMIN, "llmserver_prompt_caches_fetched_total") == 1, second.log()[-3000:]
+        assert metric(second, ADMIN, "llmserver_prompt_cache_fetch_failures_total") == 0
+        assert fraction >= 0.8, (usage, second.log()[-3000:])
+        print(f"\nthe turn after its instance moved from {before['node']} to another node: {fraction:.2f} of its "
+              f"{usage['prompt_tokens']} prompt tokens from the carried cache, answered in {took:.2f} s")  # fmt: skip
+
+        # The listener it came through takes only requests signed with the instance key, and only sealed states.
+        (now,) = cluster.instances(second, "notes")
+        client = redis.Redis.from_url(cluster.redis.url)
+        try:
+            identity = json.loads(client.get(f"llmserver:instance:{now['instance_id']}"))["prompts"]
+            listener = json.loads(client.get(f"llmserver:node:{now['node']}"))["listener"]
+        finally:
+            client.close()
+        node = next(n for n in cluster.nodes if n.name == now["node"])
+        assert listener == f"http://{node.address}:8081"
+        (folder,) = (node.home / "prompt-cache").glob(f"*/{identity}")
+        (carried,) = folder.glob("*.slot")
+        path = f"/prompts/{identity}/{carried.name}"
+
+        def call(method: str, path: str, key: str = SECRET, content: bytes = b"") -> httpx.Response:
+            signature = transfer.sign(key, method, path)
+            return httpx.request(method, listener + path, headers={"Authorization": signature}, content=content)
+
+        for refused in (httpx.get(listener + path, headers={"Authorization": f"Bearer {SECRET}"}),
+                        call("GET", path, key="not-the-instance-key-0123456789abcdef")):  # fmt: skip
+            assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        wrong = call("GET", f"/prompts/{identity}/config.toml")
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "name", wrong.text
+        unknown = call("GET", f"/prompts/{'0' * 24}/{carried.name}")
+        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error", unknown.text
+        sealed = call("GET", path)
+        assert sealed.status_code == 200 and carried.read_bytes()[:1024] not in sealed.content
+        copy = carried.name.replace(".slot", "-copy.slot")
+        altered = sealed.content[:-1] + bytes([sealed.content[-1] ^ 1])
+        forged = call("PUT", f"/prompts/{identity}/{copy}", content=altered)
+        assert forged.status_code == 400 and forged.json()["error"]["type"] == "invalid_request_error", forged.text
+        assert not (folder / copy).exists()
+        kept = call("PUT", f"/prompts/{identity}/{copy}", content=sealed.content)
+        assert kept.status_code == 201 and (folder / copy).read_bytes() == carried.read_bytes(), kept.text
+    finally:
+        cluster.call(first, "DELETE", "/api/models/notes")
 
 
 def test_a_node_killed_with_two_instances_of_a_model_fails_no_request_before_its_first_byte(cluster: Cluster) -> None:

@@ -122,6 +122,9 @@ class Assignments:
         for name in list(self.checks):
             if name not in catalog:
                 del self.checks[name]
+                saved = self._supervisor.saved_prompts
+                if saved is not None and name not in self._supervisor.pools:  # gone from the cluster: its
+                    await asyncio.to_thread(saved.forget, name)  # conversations kept here go with it
         for name, entry in catalog.items():
             revision = int(entry["revision"])
             if self.checks.get(name, {}).get("revision") == revision:

@@ -4,6 +4,7 @@ gateways' commands served, the scheduler's assignments followed, /health, /ready
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import socket
@@ -43,6 +44,7 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(stop_signal, stop.set)
     publisher = Publisher(client, supervisor, node_id)
+    publisher.listener = listener_url(settings, listening)
     supervisor.drain_wait = publisher.settle  # a drain waits for the gateways' requests on the instance
     supervisor.on_stall = publisher.stalled  # the gateways learn why their requests on it were dropped
     if (saved := supervisor.saved_prompts) is not None:  # whose conversation each slot holds: in Redis
@@ -50,6 +52,7 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
     assignments = Assignments(client, supervisor, settings, node_id) if not models else None
     if assignments is not None:
         publisher.extra, publisher.scheduled, publisher.on_release = assignments.record, True, assignments.release
+        supervisor.models_move = True  # a model that leaves this node goes on elsewhere: its conversations too
     live: dict[str, Probe] = {
         "publishing": fresh_probe("the instances were last published", lambda: publisher.published_at),
         "models": models_probe(supervisor.pools),
@@ -113,6 +116,30 @@ async def run_node(settings: Settings, models: list[ModelConfig], listening: soc
         await supervisor.stop()
         await client.aclose()
         log.info("node %s stopped", node_id)
+
+
+def listener_url(settings: Settings, listening: socket.socket | None) -> str | None:
+    """The node listener's address as gateways reach it: its bind address, or the address its instances are
+    advertised at when it listens on every address; None when it has none they can reach (it listens on
+    loopback while its instances are advertised elsewhere: gateways on other hosts could not reach it)."""
+    if listening is None:
+        return None
+    port = listening.getsockname()[1]
+    bound, advertised = settings.node.host, settings.instances.host
+    if bound in ("", "0.0.0.0", "::"):
+        host = advertised
+    elif _loopback(bound) and not _loopback(advertised):
+        return None
+    else:
+        host = bound
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 TRIM_EVERY = 10.0  # seconds between trims of the saved prompts the gateways write into this node's folders

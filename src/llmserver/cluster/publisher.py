@@ -63,6 +63,7 @@ class Publisher:
         self.scheduled = False  # it runs the scheduler's assignments: no start by command
         self.on_release: Callable[[str], Awaitable[None]] = _nothing_released  # an admin drained one of a model's
         self._in_flight: collections.Counter[str] = collections.Counter()  # per instance, every gateway's
+        self.listener: str | None = None  # where gateways reach the node's listener (its saved prompts), if they can
 
     async def claim(self) -> None:
         """Take this node id in the registry, or raise NodeIdInUse when a live node holds it: its record
@@ -125,6 +126,7 @@ class Publisher:
             # Per model: its file downloading here, and the last instance that failed to start here.
             "fetching": {name: pool.fetching for name, pool in pools if pool.fetching},
             "failures": {name: pool.last_start_failure for name, pool in pools if pool.last_start_failure},
+            "listener": self.listener,
             **self.extra(),
         }
         pipe.set(NODE_KEY + self.node_id, json.dumps(node), px=LEASE_MS)

@@ -81,7 +81,7 @@ class Registry:
         self._suspected: set[str] = set()  # nodes not routed to until one of their instances answers
         self.load = LoadSharing(client, pools, gateway)
         # Whose prompt each slot holds, whose turn it is there, and the per-key tier under them (key isolation).
-        self.slots = SharedSlots(client, gateway, saved=saved, min_tokens=min_tokens)
+        self.slots = SharedSlots(client, gateway, saved=saved, min_tokens=min_tokens, api_key=api_key)
         self.commands = NodeCommands(client)
         self._tasks: list[asyncio.Task[None]] = []
         for pool in pools.values():

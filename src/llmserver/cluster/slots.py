@@ -15,8 +15,10 @@ two gateways never both think a slot idle — under the rules of one host:
   saves the conversation the slot holds (llama-server's slot save, into the node's folder, under a name of
   its own) and restores its own if one was saved (`llmserver:saved:NODE:IDENTITY`, the conversation's
   file by key-hashed name), so more conversations than slots keep their cache; shorter ones share the slot.
-  Turns are first come, first served, as on one host. A conversation saved on another node is not fetched
-  from there: it is read again.
+  Turns are first come, first served, as on one host. A conversation saved on another node (its instance
+  drained or stopped there, the model now on this one) is carried here first (`llmserver:saved-at:IDENTITY`
+  names the node that saved each conversation last; cluster/transfer.py carries it, sealed, from that node's
+  listener to this one's) and restored, when both nodes' listeners can be reached and the instance key is set.
 
 Each request's hold on a slot carries a deadline `HOLD_SECONDS` ahead, renewed by its gateway while the
 request lasts: a gateway that dies leaves its slots counted busy for at most that long, then nobody's.
@@ -38,10 +40,15 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import aiohttp
+
+from llmserver.cluster import transfer
+from llmserver.cluster.records import NODE_KEY
 from llmserver.errors import APIError
 from llmserver.outage import Outage, redis_unreachable
 from llmserver.pool.saved_prompts import SAVE_TIMEOUT, SUFFIX, entry_name
@@ -58,6 +65,7 @@ log = logging.getLogger(__name__)
 
 SLOTS_KEY = "llmserver:slots:"  # + instance id
 SAVED_KEY = "llmserver:saved:"  # + node id + ":" + prompt folder identity: entry name → file
+SAVED_AT_KEY = "llmserver:saved-at:"  # + prompt folder identity: entry name → the node that saved it last
 KEEP_MS = 86_400_000  # an instance's record outlives a day of no requests only if it is used again
 # A request sent to a slot that another key's request took less than this ago waits out the rest first: that
 # one may have been told to reuse the slot's prompt, and must reach llama-server first (see the module's note).
@@ -255,8 +263,10 @@ class SharedSlots:
         hold_seconds: float = HOLD_SECONDS,
         saved: SavedPrompts | None = None,
         min_tokens: int = 256,
+        api_key: str | None = None,
     ) -> None:
         self._redis = client
+        self._api_key = api_key  # signs and seals the saved states carried between nodes (none: never carried)
         self._scripts: dict[str, AsyncScript] = {}
         self._gateway = gateway
         self._holds = itertools.count(1)
@@ -385,10 +395,7 @@ class SharedSlots:
         if int(answer.get("n_saved", 0)) < self.min_tokens:
             return  # too short to be worth restoring; the node's trim removes the file in its turn
         with contextlib.suppress(*redis_unreachable()):
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.hset(SAVED_KEY + folder, entry, name)
-            pipe.pexpire(SAVED_KEY + folder, KEEP_MS)
-            await pipe.execute()
+            await _index(self._redis, folder, {entry: name})
             self.saved.displaced += 1
 
     async def _restore(self, client: LlamaServerClient, folder: str, slot: int, key_id: str, start: str) -> bool:
@@ -399,6 +406,8 @@ class SharedSlots:
             name = await self._redis.hget(SAVED_KEY + folder, entry)
         except redis_unreachable():
             return False
+        if not name:
+            name = await self._fetch(folder, entry)
         if not name:
             return False
         try:
@@ -411,6 +420,43 @@ class SharedSlots:
             return False
         self.saved.restored += 1
         return True
+
+    async def _fetch(self, folder: str, entry: str) -> str | None:
+        """The conversation `entry` carried into `folder` (NODE:IDENTITY) from the node that saved it last, if
+        another node did and both nodes' listeners are published: its name there, indexed; else None."""
+        assert self.saved is not None
+        node, _, identity = folder.rpartition(":")
+        if self._api_key is None:
+            return None
+        try:
+            source = await self._redis.hget(SAVED_AT_KEY + identity, entry)
+            if not source or _text(source) == node:
+                return None
+            source = _text(source)
+            held = await self._redis.hget(SAVED_KEY + f"{source}:{identity}", entry)
+            records = await self._redis.mget([NODE_KEY + source, NODE_KEY + node])
+        except redis_unreachable():
+            return None
+        urls = [json.loads(raw).get("listener") if raw else None for raw in records]
+        if not held or not urls[0] or not urls[1]:
+            return None  # the source node gone (or its copy trimmed), or a listener gateways cannot reach
+        held = _text(held)
+        name = f"{entry.removesuffix(SUFFIX)}-{self._gateway}-{next(self._saves)}{SUFFIX}"
+        began = time.monotonic()
+        try:
+            size = await carry(urls[0], urls[1], self._api_key, identity, held, name)
+        except (aiohttp.ClientError, TimeoutError, transfer.TransferError) as exc:
+            self.saved.fetch_failures += 1
+            log.warning("a saved prompt cache was not carried from node %s to node %s: %s", source, node, exc or
+                        type(exc).__name__)  # fmt: skip
+            return None
+        self.saved.fetched += 1
+        log.info("a saved prompt cache carried from node %s to node %s: %.1f MiB in %.2f s", source, node,
+                 size / 2**20, time.monotonic() - began)  # fmt: skip
+        with contextlib.suppress(*redis_unreachable()):
+            await _index(self._redis, folder, {entry: name})
+            await self._redis.hdel(SAVED_KEY + f"{source}:{identity}", entry)  # its node's sweep removes that copy
+        return name
 
     def give(
         self,
@@ -461,6 +507,38 @@ class SharedSlots:
         if self._giving:
             with contextlib.suppress(Exception):
                 await asyncio.wait(list(self._giving), timeout=1.0)
+
+
+async def _index(client: redis.asyncio.Redis, folder: str, saved: Mapping[str, str]) -> None:
+    """Index conversations saved in `folder` (NODE:IDENTITY): entry → file there, and that node as where each
+    was saved last (a turn that lands on another node's instance of the same identity carries it from there)."""
+    node, _, identity = folder.rpartition(":")
+    pipe = client.pipeline(transaction=False)
+    pipe.hset(SAVED_KEY + folder, mapping=dict(saved.items()))
+    pipe.pexpire(SAVED_KEY + folder, KEEP_MS)
+    pipe.hset(SAVED_AT_KEY + identity, mapping=dict.fromkeys(saved, node))
+    pipe.pexpire(SAVED_AT_KEY + identity, KEEP_MS)
+    await pipe.execute()
+
+
+async def carry(source: str, target: str, key: str, identity: str, held: str, name: str) -> int:
+    """Carry the saved state `held` in the prompt folder `identity` of the node listening at `source` into the
+    same folder of the node at `target` as `name` (cluster/transfer.py: signed requests, sealed stream, never
+    whole in memory), within `SAVE_TIMEOUT`: its size. Raises aiohttp.ClientError, TimeoutError or TransferError."""
+    get_path, put_path = f"/prompts/{identity}/{held}", f"/prompts/{identity}/{name}"
+    timeout = aiohttp.ClientTimeout(total=SAVE_TIMEOUT)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        headers = {"Authorization": transfer.sign(key, "GET", get_path)}
+        async with session.get(source.rstrip("/") + get_path, headers=headers) as reading:
+            if reading.status != 200:
+                raise transfer.TransferError(f"node at {source} answered {reading.status} for it")
+            headers = {"Authorization": transfer.sign(key, "PUT", put_path), "Content-Type": "application/octet-stream"}
+            body = reading.content.iter_chunked(transfer.CHUNK)
+            async with session.put(target.rstrip("/") + put_path, data=body, headers=headers) as writing:
+                answer = await writing.json(content_type=None) if writing.status == 201 else None
+                if answer is None:
+                    raise transfer.TransferError(f"node at {target} answered {writing.status}: {await writing.text()}")
+                return int(answer["bytes"])
 
 
 async def sweep_superseded(client: redis.asyncio.Redis, node_id: str, root: Path) -> int:
@@ -514,9 +592,5 @@ async def save_on_node(client: redis.asyncio.Redis, node_id: str, saved: SavedPr
     names = [name for name in kept if await asyncio.to_thread((folder / name).is_file)]
     if names:
         with contextlib.suppress(*redis_unreachable()):
-            index = SAVED_KEY + f"{node_id}:{folder.name}"
-            pipe = client.pipeline(transaction=False)
-            pipe.hset(index, mapping={name: name for name in names})
-            pipe.pexpire(index, KEEP_MS)
-            await pipe.execute()
+            await _index(client, f"{node_id}:{folder.name}", {name: name for name in names})
     return count

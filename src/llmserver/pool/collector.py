@@ -109,6 +109,16 @@ class PoolCollector(Collector):
                 "Saved prompt caches that could not be restored (the turn read its prompt instead)",
                 value=saved.restore_failures,
             )
+            yield CounterMetricFamily(
+                "llmserver_prompt_caches_fetched",
+                "Saved prompt caches carried from the node that saved them to the node whose instance took the turn",
+                value=saved.fetched,
+            )
+            yield CounterMetricFamily(
+                "llmserver_prompt_cache_fetch_failures",
+                "Saved prompt caches that could not be carried from another node (the turn read its prompt instead)",
+                value=saved.fetch_failures,
+            )
             yield GaugeMetricFamily(
                 "llmserver_prompt_cache_disk_bytes", "Bytes of saved prompt caches on disk", value=saved.disk_bytes
             )

@@ -172,6 +172,7 @@ class SavedPrompts:
         self.min_tokens = min_tokens
         self.saved = self.restored = self.restore_failures = 0
         self.displaced = 0  # conversations saved as another took their slot (the tier under the slots)
+        self.fetched = self.fetch_failures = 0  # conversations carried from the node that saved them (a gateway's)
         self.disk_bytes = 0  # as of the last trim (each save on stop, each start), plus what was kept since
 
     @property

@@ -100,6 +100,9 @@ class Supervisor:
         # Saves an instance's conversations as it stops on purpose, where this supervisor does not know whose
         # each slot holds (a node: the gateways' shared record does, cluster/slots.py); else saved_prompts.save.
         self.save_prompts: Callable[[Instance], Awaitable[object]] | None = None
+        # A node the scheduler runs: a model that leaves it goes on elsewhere, so its instances' conversations
+        # are saved as they stop (and kept, for the node that takes the model: cluster/slots.py carries them).
+        self.models_move = False
         # Conversations' prompt caches saved when an instance stops on purpose, restored by the next one.
         self.saved_prompts: SavedPrompts | None = None
         if settings.prompt_cache.isolation == "key" and settings.prompt_cache.disk_mb > 0:
@@ -158,9 +161,11 @@ class Supervisor:
         log.info("all instances stopped")
 
     async def _save_and_stop(self, instance: Instance) -> None:
-        """Stop an instance on purpose, its conversations' prompt caches saved first (not a removed model's)."""
+        """Stop an instance on purpose, its conversations' prompt caches saved first (not a removed model's, unless
+        models move: then it is removed from this node only)."""
         try:
-            if self.saved_prompts is not None and instance not in self._retiring and not instance.exited:
+            retired = instance in self._retiring and not self.models_move
+            if self.saved_prompts is not None and not retired and not instance.exited:
                 await (self.save_prompts or self.saved_prompts.save)(instance)
         finally:
             await instance.stop()  # whatever saving met
@@ -565,7 +570,7 @@ class Supervisor:
             await self.drain(instance, pool=pool)
         finally:
             self._retiring.discard(instance)
-        if self.saved_prompts is not None and pool.name not in self.pools:
+        if self.saved_prompts is not None and pool.name not in self.pools and not self.models_move:
             await asyncio.to_thread(self.saved_prompts.forget, pool.name)
 
     # The loop
