@@ -265,3 +265,30 @@ def test_an_instance_an_admin_drained_is_placed_again_on_another_node() -> None:
     only = [node("n1", checks=sized("b"))]
     fewer = plan([spare], only, [], {}, {"n1": {"b": 2}}, released={"n1": {"b": {"count_was": 2, "n": 1}}})
     assert fewer.assignments == {"n1": {"b": 1}}
+
+
+def test_an_instance_an_admin_drains_that_its_model_needs_moves_started_first() -> None:
+    """A node that keeps the instance an admin drained until its count drops (`"move"` in its release): the
+    model's only instance (min_instances 1) is replaced on another node first and leaves its node only once
+    the replacement is up, as a drained node's instances move (before: its node stopped it at once and the
+    model had none until the replacement started)."""
+    nodes = [node("n1", 2000, checks=sized("a")), node("n2", 2000, checks=sized("a"))]
+    notes = model("a", min_instances=1, max_instances=1)
+    current = {"n1": {"a": 1}}
+    drained = {"n1": {"a": {"count_was": 1, "n": 1, "move": 1}}}
+    first = plan([notes], nodes, running(current), {}, current, released=drained)
+    assert first.assignments == {"n1": {"a": 1}, "n2": {"a": 1}} and first.leaving == {"n1": {"a": 1}}
+    # While the replacement starts, nothing more moves (the release is still the node's) and n1 keeps it.
+    still = plan([notes], nodes, running(current), {}, first.assignments, leaving=first.leaving, released=drained)
+    assert still.assignments == first.assignments and still.leaving == first.leaving
+    # Up: n1's count drops (the node then drains the very instance the admin named).
+    up = plan([notes], nodes, running(first.assignments), {}, first.assignments, leaving=first.leaving,
+              released=drained)  # fmt: skip
+    assert up.assignments == {"n2": {"a": 1}} and up.leaving == {}
+    # Not needed (above min_instances), or nowhere else to go: it stops at once, never placed back on n1.
+    spare = model("b", min_instances=1, max_instances=3)
+    two = {"n1": {"b": 2}}
+    released = {"n1": {"b": {"count_was": 2, "n": 1, "move": 1}}}
+    assert plan([spare], nodes, running(two), {}, two, released=released).assignments == {"n1": {"b": 1}}
+    alone = plan([notes], nodes[:1], running(current), {}, current, released=drained)
+    assert alone.assignments == {} and any("no other node has room" in e for e in alone.events)

@@ -431,6 +431,8 @@ def test_a_conversation_whose_instance_moved_to_another_node_is_carried_there_an
         (before,) = cluster.instances(second, "notes")
         drained = cluster.call(second, "DELETE", f"/api/instances/{before['instance_id']}")
         assert drained.status_code == 200, drained.text
+        # Answered once the instance stopped, its replacement (min_instances 1) up on another node before.
+        assert [i["node"] != before["node"] for i in cluster.instances(second, "notes")] == [True], first.log()[-3000:]
 
         def moved() -> bool:
             now = [i["node"] for g in cluster.gateways for i in cluster.instances(g, "notes")]

@@ -23,6 +23,7 @@ from llmserver import gpu
 from llmserver.cluster.records import ASSIGN_KEY, STATUS_KEY
 from llmserver.models.files import ModelFileError, estimate_gpu_mb, estimate_mb, mmproj_path, model_path
 from llmserver.outage import redis_unreachable
+from llmserver.pool.instance import Instance, Status
 from llmserver.settings import ModelConfig, Settings, share_threads
 
 if TYPE_CHECKING:
@@ -49,10 +50,13 @@ class Assignments:
             log.info("GPUs: %s; %d MiB of their memory for instances", found, self.gpu_budget_mb)
         self._applied: bytes | str | None = None  # the assignment last applied, as read
         self._revisions: dict[str, int] = {}
-        # Instances an admin drained here (DELETE /api/instances/ID), per model: run one fewer each until the
-        # scheduler's assignment says so itself ({"count_was": the count then, "n": how many}).
+        # Instances an admin drained here (DELETE /api/instances/ID), per model, until the scheduler's assignment
+        # takes them into its count ({"count_was": the count then, "n": how many, "move": 1}): they serve until
+        # then (their replacements start first where the model needs them), and drain as the count drops.
         self.released: dict[str, dict[str, int]] = {}
+        self._leaving: dict[str, set[str]] = {}  # per model, the ids of those instances
         self._counts: dict[str, int] = {}  # per model, the count last assigned
+        self._draining: set[asyncio.Task[None]] = set()
 
     def record(self) -> dict[str, Any]:
         """What the node's record carries for the scheduler."""
@@ -62,20 +66,16 @@ class Assignments:
             "released": self.released,
         }  # fmt: skip
 
-    async def release(self, name: str) -> None:
-        """An admin drains one of `name`'s instances here: not started again here; the scheduler places
-        its replacement (elsewhere when it can) and lowers this node's count. Applied before the drain
-        goes on: left to the next step (up to READ_EVERY later), an instance that drained at once left its
-        pool below the old count, and the supervisor started it again here."""
+    def release(self, name: str, instance_id: str) -> None:
+        """An admin drains instance `instance_id` of `name` here: the scheduler lowers this node's count and
+        places its replacement elsewhere when it can — once the replacement is up when the model needs the
+        instance (`min_instances`), at once when it does not (cluster/scheduler.py, rule 6). It serves until
+        then, and drains when `step` sees the count drop (never another instance of the model in its place)."""
         given = self._counts.get(name, 0)
         held = self.released.get(name)
         kept = held["n"] if held is not None and held["count_was"] == given else 0
-        self.released[name] = {"count_was": given, "n": min(given, kept + 1)}
-        self._applied = None  # applied again, one fewer
-        try:
-            await self.step()
-        except redis_unreachable():
-            pass  # the next step applies it
+        self.released[name] = {"count_was": given, "n": min(given, kept + 1), "move": 1}
+        self._leaving[name] = (self._leaving.get(name, set()) if kept else set()) | {instance_id}
 
     async def run(self) -> None:
         while True:
@@ -96,12 +96,19 @@ class Assignments:
             return
         assigned = json.loads(assignment)["models"] if assignment else {}
         self._counts = {name: int(given["count"]) for name, given in assigned.items()}
+        leaving: list[Instance] = []
         for name in list(self.released):  # the scheduler took a release into its count: it is done
             if self.released[name]["count_was"] != self._counts.get(name, 0):
                 del self.released[name]
+                for instance_id in self._leaving.pop(name, set()):
+                    instance = next((i for i in self._supervisor.all_instances() if i.id == instance_id), None)
+                    if instance is not None and instance.status in (Status.READY, Status.BUSY):
+                        instance.status = Status.DRAINING  # before the count drops: no other one goes in its place
+                        leaving.append(instance)
         models: list[ModelConfig] = []
         for name, given in assigned.items():
-            count = int(given["count"]) - (self.released[name]["n"] if name in self.released else 0)
+            release = self.released.get(name)
+            count = int(given["count"]) - (release["n"] if release is not None and not release.get("move") else 0)
             try:
                 model = ModelConfig.model_validate(
                     {**given["config"], "min_instances": count, "max_instances": max(1, count)}
@@ -114,6 +121,10 @@ class Assignments:
         counts = ", ".join(f"{m.name} {m.min_instances}" for m in models) or "nothing"
         log.info("assigned: %s", counts)
         await self._supervisor.apply(models)
+        for instance in leaving:  # those of a model that left this node altogether drain with it (apply)
+            if instance.model.name in self._supervisor.pools:
+                self._draining.add(asyncio.create_task(self._supervisor.drain(instance)))
+                self._draining = {task for task in self._draining if not task.done()}
         self._applied = assignment
         self._revisions = {name: int(given["revision"]) for name, given in assigned.items()}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 from llmserver.cluster.records import NODE_KEY, scan_json
@@ -17,6 +18,8 @@ from llmserver.errors import APIError, GatewayTimeout
 
 if TYPE_CHECKING:
     import redis.asyncio
+
+POP_SECONDS = 1  # one blocking wait for a node's reply (under the Redis connections' 2-s socket timeout)
 
 
 class NodeCommands:
@@ -29,7 +32,12 @@ class NodeCommands:
         """Send a node a command and wait for its outcome (504 when it does not answer in time)."""
         command_id = secrets.token_hex(8)
         await self._redis.rpush(NODE_KEY + node + ":commands", json.dumps({"id": command_id, "op": op, **args}))
-        popped = await self._redis.blpop([f"llmserver:reply:{command_id}"], timeout=max(1, int(timeout)))
+        deadline = time.monotonic() + max(1.0, timeout)
+        popped = None
+        # A second at a time: the connection's socket timeout (2 s) would cut one long blocking pop, and a start
+        # or a drain (its replacement started first) can take longer.
+        while popped is None and time.monotonic() < deadline:
+            popped = await self._redis.blpop([f"llmserver:reply:{command_id}"], timeout=POP_SECONDS)
         if popped is None:
             raise GatewayTimeout(f"Node {node!r} did not answer the {op} command within {timeout:.0f} s.")
         reply: dict[str, Any] = json.loads(popped[1])

@@ -11,7 +11,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from llmserver.cluster.records import (
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmserver.pool.registry")  # its name before the move: log_levels name it
 
 
-async def _nothing_released(name: str) -> None:
+def _nothing_released(name: str, instance_id: str) -> None:
     """A node that runs its own [[models]]: an admin's drain there is no release for a scheduler."""
 
 
@@ -61,7 +61,7 @@ class Publisher:
         # More of the node's record: a node that takes assignments adds its labels and model checks.
         self.extra: Callable[[], dict[str, Any]] = dict
         self.scheduled = False  # it runs the scheduler's assignments: no start by command
-        self.on_release: Callable[[str], Awaitable[None]] = _nothing_released  # an admin drained one of a model's
+        self.on_release: Callable[[str, str], None] = _nothing_released  # an admin drained one of a model's
         self._in_flight: collections.Counter[str] = collections.Counter()  # per instance, every gateway's
         self.listener: str | None = None  # where gateways reach the node's listener (its saved prompts), if they can
 
@@ -189,6 +189,17 @@ class Publisher:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
+    async def _released(self, instance: Instance) -> None:
+        """An admin drains an instance of the scheduler's: released to it (cluster/assignments.py), published
+        at once, and waited for until it has stopped — its replacement started first where its model needs
+        it — or for `server.drain_timeout` (the gateway waits that long for the answer; it stops after)."""
+        if instance.status in (Status.READY, Status.BUSY):
+            self.on_release(instance.model.name, instance.id)
+            await self.publish()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._supervisor.settings.server.drain_timeout):
+                await instance.stopped.wait()
+
     async def _run_command(self, command: dict[str, Any]) -> None:
         try:
             if command["op"] == "start" and self.scheduled:
@@ -200,10 +211,10 @@ class Publisher:
                 instance = await self._supervisor.start_instance(command["model"])
             elif command["op"] == "drain":
                 instance = self._supervisor.find(command["instance_id"])
-                if self.scheduled:  # not started again here: the scheduler places its replacement
-                    instance.status = Status.DRAINING
-                    await self.on_release(instance.model.name)
-                await self._supervisor.drain(instance)
+                if self.scheduled:  # the scheduler places its replacement (first, if the model needs it)
+                    await self._released(instance)
+                else:
+                    await self._supervisor.drain(instance)
             else:
                 raise InvalidRequest(f"unknown command {command['op']!r}")
             await self.publish()  # a started instance is routable at once

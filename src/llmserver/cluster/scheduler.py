@@ -34,6 +34,9 @@ The rules, in order, each tick (`plan`, a pure function):
    instances are uneven over the nodes that may run it (a node joined, came back or was uncordoned:
    one has two more than another with room), one of the fuller node's is moved there the same way.
    The instances being replaced are written in their node's assignment (`leaving`) for the next round.
+   An instance an admin drains (DELETE /api/instances/ID: its node says so, `released`) is moved the
+   same way when its model needs it for `min_instances` and another node has room; otherwise its node's
+   count is lowered at once and it goes.
 What could not be placed, and why, is written to `llmserver:schedule` for every gateway: a request
 that waits for such a model ends in 503 with that reason (pool.blocked).
 """
@@ -155,6 +158,8 @@ class _Ledger:
     planned: dict[str, int] = field(default_factory=dict)
     planned_gpu: dict[str, int] = field(default_factory=dict)
     avoid: set[tuple[str, str]] = field(default_factory=set)  # (node, model): an admin just drained one there
+    # (node, model): an admin's drain there stops one this round: none placed there again before the next
+    barred: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         for node_id, counts in self.assign.items():
@@ -191,7 +196,10 @@ class _Ledger:
     def room_for(self, model: Model, but: str | None = None) -> list[NodeView]:
         """The nodes where one more instance of `model` may start now (`but` one)."""
         need = self.sizes[model.name]
-        return [n for n in self.nodes.values() if n.id != but and self.fits(model, n) and self.free(n) >= need]
+        return [
+            n for n in self.nodes.values()
+            if n.id != but and (n.id, model.name) not in self.barred and self.fits(model, n) and self.free(n) >= need
+        ]  # fmt: skip
 
     def emptiest(self, model: Model, candidates: list[NodeView]) -> NodeView:
         return min(
@@ -218,8 +226,9 @@ def plan(
     min_instances and max_instances; the scheduler neither places nor stops them). `leaving`: the last
     round's `Plan.leaving` (moves under way). `assigned_min`: each model's min_instances as its nodes
     were last assigned (a lower one in the catalog now stops idle instances above it at once).
-    `released`: per node and model, instances an admin drained there (`{"count_was", "n"}`, from the
-    node's record): that node's count lowered by them, their replacements placed elsewhere if they can."""
+    `released`: per node and model, instances an admin drained there (`{"count_was", "n", "move"}`, from the
+    node's record): moved (rule 6) where the model needs them, else that node's count lowered by them at once
+    (always, for a node that sends no "move": it stops them itself); never placed back on that node."""
     unscheduled = unscheduled or {}
     by_name = {m.name: m for m in models}
     live = {n.id: n for n in nodes}
@@ -227,6 +236,7 @@ def plan(
     blocked: dict[str, str] = {}
     assign: dict[str, dict[str, int]] = {node_id: {} for node_id in live}
     avoid: set[tuple[str, str]] = set()
+    moving: dict[tuple[str, str], int] = {}  # instances an admin drained that their node keeps until told
     for node_id, counts in current.items():
         if node_id not in live:
             if counts:
@@ -242,11 +252,14 @@ def plan(
             elif count > 0:
                 drained = (released or {}).get(node_id, {}).get(name)
                 if drained and int(drained["count_was"]) == count:
-                    count -= int(drained["n"])
                     avoid.add((node_id, name))
-                    events.append(
-                        f"{name}: {drained['n']} drained on {node_id} by an admin: placed elsewhere if need be"
-                    )
+                    if drained.get("move"):
+                        moving[(node_id, name)] = int(drained["n"])
+                    else:
+                        count -= int(drained["n"])
+                        events.append(
+                            f"{name}: {drained['n']} drained on {node_id} by an admin: placed elsewhere if need be"
+                        )
                 if count > 0:
                     assign[node_id][name] = count
 
@@ -264,6 +277,8 @@ def plan(
     }  # fmt: skip
     ledger = _Ledger(live, assign, sizes, gpu_sizes, avoid=avoid)
     moves = _Moves(ledger, instances, leaving or {}, events)
+    for (node_id, name), count in sorted(moving.items()):
+        moves.release(by_name[name], node_id, count, unscheduled.get(name, 0))
 
     published: Counter[tuple[str, str]] = Counter((i.node, i.model) for i in instances)
     for model in sorted(models, key=lambda m: m.name):
@@ -419,6 +434,22 @@ class _Moves:
         target = ledger.emptiest(model, [c for c in candidates if c.id != source] or candidates)
         if ledger.count(source, name) - ledger.count(target.id, name) >= 2:
             self._move(model, source, target)
+
+    def release(self, model: Model, node_id: str, count: int, static: int) -> None:
+        """`count` of `model`'s instances on `node_id` drained by an admin: each one the model needs for
+        min_instances is moved to another node with room (started there first: its node keeps it until its
+        count drops); the rest go now. Those being moved already (the last rounds') are not moved again."""
+        ledger, name = self.ledger, model.name
+        for _ in range(count - self.replaced(node_id, model)):
+            staying = ledger.total(name) - self.going(model) - 1 + static
+            candidates = ledger.room_for(model, but=node_id)
+            if staying < model.min_instances and candidates:
+                self._move(model, node_id, ledger.emptiest(model, candidates))
+                continue
+            ledger.take(node_id, name)
+            ledger.barred.add((node_id, name))  # its count must drop for its node to stop it
+            why = "no other node has room for it" if staying < model.min_instances else "not needed"
+            self.events.append(f"{name}: one drained on {node_id} by an admin stops now ({why})")
 
     def _move(self, model: Model, source: str, target: NodeView) -> None:
         self.ledger.give(target.id, model.name)

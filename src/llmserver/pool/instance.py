@@ -220,6 +220,7 @@ class Instance:
     saved_prompts: SavedPrompts | None = None
     prompt_folder: Path | None = None
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set once `stop` has ended its process
     _ps: psutil.Process | None = None
 
     def __post_init__(self) -> None:
@@ -508,6 +509,7 @@ class Instance:
     async def start(self, binary: Path, model_file: Path, timeout: float, mmproj: Path | None = None) -> None:
         """Spawn llama-server and wait until it answers /health; InstanceStartError otherwise."""
         self.status = Status.STARTING
+        self.stopped.clear()
         self.cpu_percent = None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         args = llama_server_args(
@@ -651,3 +653,4 @@ class Instance:
                 await asyncio.to_thread(process.wait)
         if self.status != Status.FAILED:
             self.status = Status.STOPPED
+        self.stopped.set()
