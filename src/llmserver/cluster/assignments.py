@@ -56,7 +56,6 @@ class Assignments:
         self.released: dict[str, dict[str, int]] = {}
         self._leaving: dict[str, set[str]] = {}  # per model, the ids of those instances
         self._counts: dict[str, int] = {}  # per model, the count last assigned
-        self._draining: set[asyncio.Task[None]] = set()
 
     def record(self) -> dict[str, Any]:
         """What the node's record carries for the scheduler."""
@@ -107,8 +106,7 @@ class Assignments:
                         leaving.append(instance)
         models: list[ModelConfig] = []
         for name, given in assigned.items():
-            release = self.released.get(name)
-            count = int(given["count"]) - (release["n"] if release is not None and not release.get("move") else 0)
+            count = int(given["count"])  # what an admin drained here serves on until the scheduler lowers it
             try:
                 model = ModelConfig.model_validate(
                     {**given["config"], "min_instances": count, "max_instances": max(1, count)}
@@ -123,8 +121,7 @@ class Assignments:
         await self._supervisor.apply(models)
         for instance in leaving:  # those of a model that left this node altogether drain with it (apply)
             if instance.model.name in self._supervisor.pools:
-                self._draining.add(asyncio.create_task(self._supervisor.drain(instance)))
-                self._draining = {task for task in self._draining if not task.done()}
+                self._supervisor.drain_soon(instance)
         self._applied = assignment
         self._revisions = {name: int(given["revision"]) for name, given in assigned.items()}
 

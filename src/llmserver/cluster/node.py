@@ -4,7 +4,6 @@ gateways' commands served, the scheduler's assignments followed, /health, /ready
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 import socket
@@ -22,7 +21,7 @@ from llmserver.metrics.prometheus import Metrics
 from llmserver.models.lineup import Lineup
 from llmserver.pool.collector import PoolCollector
 from llmserver.pool.supervisor import Supervisor
-from llmserver.settings import ModelConfig, Settings
+from llmserver.settings import ModelConfig, Settings, is_loopback
 from llmserver.systemd import Notifier
 
 if TYPE_CHECKING:
@@ -128,18 +127,11 @@ def listener_url(settings: Settings, listening: socket.socket | None) -> str | N
     bound, advertised = settings.node.host, settings.instances.host
     if bound in ("", "0.0.0.0", "::"):
         host = advertised
-    elif _loopback(bound) and not _loopback(advertised):
+    elif is_loopback(bound) and not is_loopback(advertised):
         return None
     else:
         host = bound
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 TRIM_EVERY = 10.0  # seconds between trims of the saved prompts the gateways write into this node's folders

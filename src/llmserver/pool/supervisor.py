@@ -423,6 +423,10 @@ class Supervisor:
                             instance.id, pool.name, exc)  # fmt: skip
         await self.drain(instance)
 
+    def drain_soon(self, instance: Instance) -> None:
+        """Drain `instance` in the background (a stop cancels it with the supervisor's other tasks)."""
+        self._spawn(self.drain(instance))
+
     def _spawn(self, coroutine: object) -> None:
         task: asyncio.Task[None] = asyncio.create_task(coroutine)  # type: ignore[arg-type]
         self._tasks.add(task)
