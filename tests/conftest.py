@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import MODEL, Server, create_key, launched_chromium, shared_servers
+from tests.support import MODEL, THREADS, Server, create_key, launched_chromium, shared_servers
 from tests.support.services import Postgres, Redis
 
 # A small per-request context so that the context-length limit is cheap to hit.
@@ -23,8 +23,16 @@ server.max_request_bytes = 25165824  # 24 MiB: room for one 16 MB file, base64-e
 name = "{MODEL}"
 parallel = 2
 ctx_size = 1024
-threads = 2
+threads = {THREADS}
 """
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that hold slow tests first: the two workers (pyproject.toml) take modules whole, in this
+    order, so the long ones start early and short ones fill the end rather than one worker finishing a
+    long module alone."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,14 @@ from llmserver import __version__, console, tracing
 from llmserver.api import anthropic, embeddings, health, instances, jobs, keys, metrics, models, native, nodes, openai
 from llmserver.api import audit as audit_api
 from llmserver.api import responses as responses_api
+from llmserver.api import teams as teams_api
 from llmserver.api.access import check_routes
 from llmserver.api.deps import direct_routes
 from llmserver.auth.audit import Audit
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
+from llmserver.auth.teams import TeamService
 from llmserver.cluster.collector import GatewayCollector
 from llmserver.cluster.gateways import GatewayLease
 from llmserver.cluster.registry import Registry
@@ -124,6 +126,7 @@ def create_app(settings: Settings) -> FastAPI:
             await speed.refresh()
 
         key_service = KeyService(store, admin_key, settings.state.key_cache_seconds)
+        app.state.teams = TeamService(store, key_service)
 
         async def use_models(catalog_entries: list[CatalogEntry]) -> None:
             models = model_catalog.served(catalog_entries, settings, own)
@@ -264,6 +267,7 @@ def create_app(settings: Settings) -> FastAPI:
         instances,
         nodes,
         keys,
+        teams_api,
         audit_api,
         metrics,
         health,

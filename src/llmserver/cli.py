@@ -9,7 +9,7 @@ import tomllib
 import click
 
 from llmserver import __version__
-from llmserver.commands import ask, audit, config, db, extract, instances, keys, models, node, nodes, serve
+from llmserver.commands import ask, audit, config, db, extract, instances, keys, models, node, nodes, serve, teams
 from llmserver.models.files import ModelFileError
 
 
@@ -21,6 +21,7 @@ def cli() -> None:
 
 cli.add_command(serve.serve)
 cli.add_command(keys.keys)
+cli.add_command(teams.teams)
 cli.add_command(models.models)
 cli.add_command(config.config)
 cli.add_command(instances.instances)

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from tests.agents.gate import Exchange, Gate
-from tests.support import MODEL, Server, create_key
+from tests.support import MODEL, THREADS, Server, create_key
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ limits.max_tokens = 256
 name = "{MODEL}"
 parallel = 1
 ctx_size = 16384
-threads = 2
+threads = {THREADS}
 llama_server_args = ["--override-kv", "llama.context_length=int:16384", "--temp", "0"]
 """
 

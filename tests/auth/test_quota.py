@@ -9,7 +9,7 @@ import pytest
 
 from llmserver.auth.keys import Principal
 from llmserver.auth.quota import InsufficientQuota, QuotaService, Reservation, window
-from llmserver.store import KeyLimits, Store, UsageBatch
+from llmserver.store import KeyLimits, Store, TeamRecord, UsageBatch
 from tests.support import with_store
 
 
@@ -25,10 +25,9 @@ def principal(**limits: object) -> Principal:
     return Principal("key_q", "q", "qqqqqqqq", False, KeyLimits(**limits))  # type: ignore[arg-type]
 
 
-async def settle(store: Store, quota: QuotaService, reservation: Reservation | None, used: int) -> None:
-    """What the usage recorder does when a request closes: the settlement, written with the ledger."""
-    settlement = quota.settlement(reservation, used)
-    await store.record(UsageBatch(settlements=[settlement] if settlement else []))
+async def settle(store: Store, quota: QuotaService, reservations: list[Reservation], used: int) -> None:
+    """What the usage recorder does when a request closes: the settlements, written with the ledger."""
+    await store.record(UsageBatch(settlements=quota.settlements(reservations, used)))
 
 
 def test_windows() -> None:
@@ -60,7 +59,7 @@ def test_reserve_settle_and_day_rollover(database_url: str) -> None:
         with pytest.raises(InsufficientQuota):
             await quota.reserve(who, 1)
         clock.now += 120  # a new UTC day: a fresh window
-        assert await quota.reserve(who, 100) is not None
+        assert await quota.reserve(who, 100)
         assert await quota.headers(who) == {
             "x-ratelimit-limit-tokens": "100",
             "x-ratelimit-remaining-tokens": "0",
@@ -76,12 +75,12 @@ def test_adjust_shrinks_or_grows_within_what_is_left(database_url: str) -> None:
         who = principal(quota_tokens=100, quota_period="month")
         held = await quota.reserve(who, 80)
         await quota.adjust(held, 30)  # the inputs turned out smaller than their bound
-        assert held is not None and held.amount == 30
+        assert [r.amount for r in held] == [30]
         other = await quota.reserve(who, 60)
         with pytest.raises(InsufficientQuota) as caught:
             await quota.adjust(held, 41)  # 60 + 41 > 100
         assert "may use up to 41 tokens and 40 are left" in caught.value.message
-        assert held.amount == 30  # a refused growth changes nothing
+        assert [r.amount for r in held] == [30]  # a refused growth changes nothing
         await quota.adjust(held, 40)  # exactly what is left
         assert (await quota.headers(who))["x-ratelimit-remaining-tokens"] == "0"
         await settle(store, quota, other, 0)
@@ -129,7 +128,7 @@ def test_total_quota_never_resets_and_keys_without_quota(database_url: str) -> N
         assert caught.value.headers["Retry-After"] == "1"
         await settle(store, quota, held, 12)
         await quota.reserve(other, 20)
-        assert await quota.reserve(principal(), 10**9) is None and await quota.headers(principal()) == {}
+        assert await quota.reserve(principal(), 10**9) == [] and await quota.headers(principal()) == {}
 
     with_store(database_url, test)
 
@@ -158,5 +157,43 @@ def test_a_keys_standing_counts_what_is_used_and_held_and_says_when_it_resets(da
         )
         total = await quota.standing(who.key_id, KeyLimits(quota_tokens=5, quota_period="total"))
         assert total is not None and total["resets_at"] is None
+
+    with_store(database_url, test)
+
+
+def test_a_teams_quota_holds_for_its_keys_together_and_each_key_within_its_own(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        quota = QuotaService(store, "gw1", Clock(datetime(2026, 3, 1, tzinfo=UTC)))
+        team = TeamRecord("team_r", "research", "2026-03-01", KeyLimits(quota_tokens=100, quota_period="day"))
+        alice = Principal(
+            "key_a", "alice", "aaaaaaaa", False, KeyLimits(quota_tokens=70, quota_period="month"), team=team
+        )
+        bob = Principal("key_b", "bob", "bbbbbbbb", False, team=team)  # no quota of its own: the team's
+        held = await quota.reserve(alice, 60)
+        assert [(r.key_id, r.amount) for r in held] == [("key_a", 60), ("team_r", 60)]
+        with pytest.raises(InsufficientQuota) as caught:
+            await quota.reserve(bob, 41)  # 60 + 41 > the team's 100
+        assert "team 'research' (100 per day)" in caught.value.message and "40 are left" in caught.value.message
+        with pytest.raises(InsufficientQuota) as caught:
+            await quota.reserve(alice, 11)  # the team has 40 left, alice's own quota 10
+        assert caught.value.message.startswith("This API key's token quota (70 per month)")
+        # A refusal by the team leaves nothing held on the key's own counter.
+        roomy = Principal(
+            "key_a", "alice", "aaaaaaaa", False, KeyLimits(quota_tokens=1000, quota_period="month"), team=team
+        )
+        with pytest.raises(InsufficientQuota):
+            await quota.reserve(roomy, 41)  # its own counter would grant it; the team's refuses
+        assert await store.quota_counts("key_a", "2026-03") == (0, 60)
+        assert await store.quota_counts("team_r", "2026-03-01") == (0, 60)
+        # Settled: both counters charged what was used, the rest given back.
+        await settle(store, quota, held, 25)
+        assert await store.quota_counts("key_a", "2026-03") == (25, 0)
+        assert await store.quota_counts("team_r", "2026-03-01") == (25, 0)
+        second = await quota.reserve(bob, 75)
+        assert [r.key_id for r in second] == ["team_r"]
+        with pytest.raises(InsufficientQuota):
+            await quota.exhausted(alice)  # the team's day is spent, though alice's month is not
+        standing = await quota.standing(team.id, team.limits)
+        assert standing is not None and (standing["used"], standing["reserved"], standing["left"]) == (25, 75, 0)
 
     with_store(database_url, test)

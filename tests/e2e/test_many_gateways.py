@@ -117,6 +117,36 @@ def test_forty_requests_through_two_gateways_never_overshoot_a_quota(deployment:
     assert charged <= 400
 
 
+def test_a_teams_quota_holds_exactly_for_its_keys_on_both_gateways(deployment: Deployment) -> None:
+    """Four keys of one team, each with room of its own, forty requests at once through both gateways:
+    the team's 400 tokens are never overshot, and its counter and each key's end exact."""
+    a, b = both(deployment)
+    made = cli(deployment.root, "teams", "create", "team-400", "--quota-tokens", "400", "--quota-period", "total",
+               env=deployment.env("cli"))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    team_id = made.stdout.strip().splitlines()[-1]
+    members = [
+        deployment.key(f"team-400-{i}", "--team", "team-400", "--quota-tokens", "1000", "--quota-period", "total")
+        for i in range(4)
+    ]
+    body = {"prompt": COUNTING, "raw": True, "max_tokens": 20, "temperature": 0}
+    with ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(lambda i: (i % 4, post(a if i % 2 else b, members[i % 4][1], body)), range(40)))
+    ok = [(who, r) for who, r in answers if r.status_code == 200]
+    refused = [r for _, r in answers if r.status_code != 200]
+    assert ok and refused
+    assert {(r.status_code, r.json()["error"]["type"]) for r in refused} == {(429, "insufficient_quota")}
+    assert all("team 'team-400'" in r.json()["error"]["message"] for r in refused)
+
+    def used(who: int) -> int:
+        return sum(r.json()["prompt_tokens"] + r.json()["completion_tokens"] for i, r in ok if i == who)
+
+    charged = sum(used(who) for who in range(4))
+    assert wait_for(lambda: deployment.counts(team_id) == (charged, 0), 10), deployment.counts(team_id)
+    assert all(deployment.counts(key_id) == (used(who), 0) for who, (key_id, _) in enumerate(members))
+    assert charged <= 400
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
 def test_a_request_is_settled_before_its_client_hears_the_end(deployment: Deployment, stream: bool) -> None:
     """One request at a time, alternating gateways, on a 400-token total quota: each answer's end comes

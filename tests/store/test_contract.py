@@ -8,10 +8,11 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from llmserver.store import AuditQuery, LedgerQuery, Store, UsageBatch
+from llmserver.store import NO_LIMITS, AuditQuery, KeyLimits, LedgerQuery, Store, UsageBatch
 from llmserver.store.migrations import POSTGRES
 from tests.support import with_store as run
 
@@ -335,5 +336,36 @@ def test_the_audit_log_appends_pages_newest_first_with_filters_and_sweeps_by_age
         assert len(await store.audit_page(AuditQuery(since=101.0, until=103.0))) == 2
         assert await store.delete_audit_before(102.0) == 2
         assert [r["time"] for r in await store.audit_page(AuditQuery())] == [104.0, 103.0, 102.0]
+
+    run(database_url, test)
+
+
+def test_teams_are_made_renamed_joined_left_and_deleted_only_without_active_keys(database_url: str) -> None:
+    async def test(store: Store) -> None:
+        limits = KeyLimits(quota_tokens=1000, quota_period="day", rpm=60, max_concurrency=4, models=("a*",))
+        team = await store.insert_team("team_r", "research", limits)
+        assert team is not None and (team.name, team.limits) == ("research", limits)
+        assert await store.insert_team("team_x", "research", NO_LIMITS) is None  # the name is taken
+        assert await store.team_by_id("team_r") == team and await store.team_by_id("team_x") is None
+        other = await store.insert_team("team_o", "ops", NO_LIMITS)
+        assert [t.id for t in await store.list_teams()] == ["team_o", "team_r"]  # by name
+        assert await store.update_team("team_o", "research", NO_LIMITS) is True  # another team's name
+        renamed = await store.update_team("team_o", "operations", KeyLimits(rpm=5))
+        assert renamed == replace(other, name="operations", limits=KeyLimits(rpm=5))  # type: ignore[type-var]
+        assert await store.update_team("team_missing", "x", NO_LIMITS) is False
+        # Keys join at creation or later, and leave; never a team that does not exist.
+        member = await store.insert_key("key_m", "member", "m" * 64, "mmmmmmmm", False, team_id="team_r")
+        assert member.team_id == "team_r" and (await store.key_by_hash("m" * 64)).team_id == "team_r"  # type: ignore[union-attr]
+        await store.insert_key("key_n", "newcomer", "n" * 64, "nnnnnnnn", False)
+        assert await store.set_key_team("key_n", "team_r")
+        assert not await store.set_key_team("key_n", "team_missing")
+        assert (await store.key_by_id("key_n")).team_id == "team_r"  # type: ignore[union-attr]
+        # Deleted only once no active key is a member; a revoked member's record then names no team.
+        assert await store.delete_team("team_r") == 2
+        assert await store.set_key_team("key_n", None) and await store.revoke_key("key_m")
+        assert not await store.set_key_team("key_m", "team_o")  # a revoked key moves nowhere
+        assert await store.delete_team("team_r") == 0
+        assert await store.team_by_id("team_r") is None and await store.delete_team("team_r") is None
+        assert (await store.key_by_id("key_m")).team_id is None  # type: ignore[union-attr]
 
     run(database_url, test)

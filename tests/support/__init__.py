@@ -12,6 +12,7 @@ import atexit
 import ctypes
 import hashlib
 import os
+import random
 import secrets
 import signal
 import socket
@@ -35,6 +36,19 @@ if TYPE_CHECKING:
 
     from tests.support.services import Postgres, Redis
 
+# Under pytest-xdist (`-n 2`, the default: pyproject.toml) each worker keeps to a CPU of its own, and so
+# does every server it starts (affinity is inherited; llmserver shares out the CPUs it may run on).
+# llama.cpp's threads spin while they wait: two workers' instances on the same cores slow each other down
+# many times over, and deadlines a test sets would then be missed for no fault of the server.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
+    _cpus, _workers = sorted(os.sched_getaffinity(0)), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _share = max(1, len(_cpus) // _workers)
+    _first = int(_WORKER[2:]) * _share % len(_cpus)
+    os.sched_setaffinity(0, set(_cpus[_first : _first + _share]))
+# The threads a test instance that wants all of this test process's CPUs (up to 2) is given.
+THREADS = min(2, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 2
+
 MODEL = "SmolLM2-135M-Instruct-Q4_1"
 # An untemplated counting prompt that the embedded model continues to max_tokens. Greedy chat answers
 # are not as long everywhere: "Count from 1 to 1000" stops after 122 tokens on some CPUs.
@@ -45,10 +59,31 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# Under pytest-xdist each worker takes its ports from a range of its own, below the kernel's ephemeral
+# ports. A port picked free is bound only later, by the server started on it, and llama-server listens with
+# SO_REUSEPORT: two workers that picked the same port would each start an instance there, and the kernel
+# would share either's connections between the two (a request answered by the other test's instance).
+PORTS = (10000, 32000)
+if _WORKER.startswith("gw"):
+    _span = (PORTS[1] - PORTS[0]) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    PORTS = (PORTS[0] + int(_WORKER[2:]) * _span, PORTS[0] + (int(_WORKER[2:]) + 1) * _span)
+
+
+def free_port(size: int = 1) -> int:
+    """A port nothing listens on now (the first of `size` in this worker's range when under xdist)."""
+    if not _WORKER.startswith("gw"):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+    for _ in range(1000):
+        port = random.randrange(PORTS[0], PORTS[1] - size)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS[0]}-{PORTS[1]}")
 
 
 @asynccontextmanager
@@ -86,7 +121,7 @@ def free_port_range(size: int, avoid: int | None = None) -> int:
     """The first of `size` consecutive free ports (for instances, which take base, base+1, …), none of
     them `avoid` (a port already picked but not yet bound: the kernel may offer it again)."""
     for _ in range(200):
-        base = free_port()
+        base = free_port(size)
         if base + size > 65000 or (avoid is not None and base <= avoid < base + size):
             continue
         ok = True

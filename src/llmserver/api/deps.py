@@ -23,6 +23,7 @@ from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED
 from llmserver.auth.audit import Audit
 from llmserver.auth.keys import KeyService, Principal
 from llmserver.auth.quota import QuotaService
+from llmserver.auth.teams import TeamService
 from llmserver.engine.embeddings import EmbeddingService
 from llmserver.engine.generation import GenerationService
 from llmserver.errors import APIError, ClientClosedRequest, InvalidRequest, PermissionDenied, validation_error
@@ -90,6 +91,11 @@ def audit(request: Request) -> Audit:
 
 def keys(request: Request) -> KeyService:
     value: KeyService = request.app.state.keys
+    return value
+
+
+def teams(request: Request) -> TeamService:
+    value: TeamService = request.app.state.teams
     return value
 
 

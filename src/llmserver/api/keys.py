@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmserver.api.access import Access, body_of, caller, router
-from llmserver.api.deps import check_page, keys, lineup, quota, recorder, settings, store, validate
+from llmserver.api.deps import check_page, keys, lineup, quota, recorder, settings, store, teams, validate
 from llmserver.auth.keys import DEFAULT_GRACE, Principal, check_limits, describe, limit_fields, unmatched
 from llmserver.errors import FieldProblem, InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, status_of, summarise
@@ -37,10 +37,20 @@ class Limits(BaseModel):
         models = tuple(self.models) if self.models is not None else None
         return KeyLimits(self.quota_tokens, self.quota_period, self.rpm, self.max_concurrency, models)
 
+    def patched(self, request: Request, current: KeyLimits) -> KeyLimits:
+        """`current` with the limits this PATCH body names (null clears one) and the others kept, checked."""
+        given = self.limits()
+        named = self.model_fields_set & set(Limits.model_fields)
+        changed = replace(current, **{name: getattr(given, name) for name in named})
+        return checked_limits(request, changed, "models" in named)
+
 
 class Expiry(Limits):
     expires_at: float | str | None = Field(
         default=None, description="When the key stops being accepted: Unix seconds or ISO-8601; null: never."
+    )
+    team_id: str | None = Field(
+        default=None, max_length=64, description="The team whose limits apply around the key's own; null: none."
     )
 
     def expiry(self) -> float | None:
@@ -68,9 +78,13 @@ async def list_keys(request: Request) -> dict[str, Any]:
 @admin.post("/api/keys", status_code=201, response_model=None)
 async def create_key(request: Request) -> JSONResponse:
     body = validate(CreateKey, body_of(request))
-    limits = _checked(request, body.limits(), body.models is not None)
+    limits = checked_limits(request, body.limits(), body.models is not None)
+    if body.team_id is not None:
+        await _team(request, body.team_id)
     try:
-        record, key = await keys(request).create(body.name, admin=body.admin, limits=limits, expires_at=body.expiry())
+        record, key = await keys(request).create(
+            body.name, admin=body.admin, limits=limits, expires_at=body.expiry(), team_id=body.team_id
+        )
     except FieldProblem as exc:
         raise exc.refusal() from None
     # The secret, shown once: no cache along the way may keep a copy.
@@ -84,25 +98,36 @@ async def update_key(request: Request, key_id: str) -> dict[str, Any]:
     current = await keys(request).get(key_id)
     if current is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
-    given = body.limits()
-    named = body.model_fields_set - {"expires_at"}
-    changed = replace(current.limits, **{name: getattr(given, name) for name in named})
-    found = await keys(request).update(key_id, _checked(request, changed, "models" in named))
+    limits = body.patched(request, current.limits)
+    if "team_id" in body.model_fields_set and body.team_id is not None:
+        await _team(request, body.team_id)
+    found = await keys(request).update(key_id, limits)
     if found and "expires_at" in body.model_fields_set:
         try:
             await keys(request).set_expiry(key_id, body.expiry())
         except FieldProblem as exc:
             raise exc.refusal() from None
+    moved = found and "team_id" in body.model_fields_set and body.team_id != current.team_id
+    if moved and not await keys(request).set_team(key_id, body.team_id):
+        if body.team_id is not None and await teams(request).get(body.team_id) is None:
+            raise InvalidRequest(f"team_id: no team with id {body.team_id!r}", param="team_id")
+        raise NotFound(f"No active key with id {key_id!r}.", param="key_id")
     record = await keys(request).get(key_id) if found else None
     if record is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
     return describe(record)
 
 
+async def _team(request: Request, team_id: str) -> None:
+    """400 unless the team exists (a key sent to a team that does not would have no team's limits)."""
+    if await teams(request).get(team_id) is None:
+        raise InvalidRequest(f"team_id: no team with id {team_id!r}", param="team_id")
+
+
 KNOWN_NAMED = 20  # the models a refused allow-list's message names at most
 
 
-def _checked(request: Request, limits: KeyLimits, models_given: bool) -> KeyLimits:
+def checked_limits(request: Request, limits: KeyLimits, models_given: bool) -> KeyLimits:
     """Limits that make sense together, with (when given) an allow-list whose every entry names or matches a
     model this server serves or lists in its catalog: a typo would otherwise make a key that every request
     refuses, and nobody would know why. An empty list is kept: a key allowed no model (for later)."""
@@ -180,6 +205,7 @@ async def me(request: Request) -> dict[str, Any]:
         "admin": principal.is_admin,
         **limit_fields(principal.limits),
         "quota": await quota(request).standing(principal.key_id, principal.limits),
+        "team": await _own_team(request, principal),
         # The server's request limits, for clients that check inputs before sending them (the names they had
         # before the settings were put in sections: clients read them).
         "server": {
@@ -189,6 +215,19 @@ async def me(request: Request) -> dict[str, Any]:
             "max_files": config.limits.files.max_files,
             "max_file_bytes": config.limits.files.max_bytes,
         },
+    }
+
+
+async def _own_team(request: Request, principal: Principal) -> dict[str, Any] | None:
+    """The caller's team, its limits and where its quota stands (what applies around the key's own)."""
+    team = principal.team
+    if team is None:
+        return None
+    return {
+        "id": team.id,
+        "name": team.name,
+        **limit_fields(team.limits),
+        "quota": await quota(request).standing(team.id, team.limits),
     }
 
 

@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, JSONResponse
 
 from llmserver.api.access import Access, body_of, caller, router
 from llmserver.api.deps import lineup, settings, speed, store, supervisor
-from llmserver.auth.keys import may_use
+from llmserver.auth.keys import allowed
 from llmserver.errors import InvalidRequest, NotFound
 from llmserver.models import catalog as model_catalog
 from llmserver.models.files import CHECKSUM_HEADER, file_checksum
@@ -31,7 +31,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     pools = supervisor(request).pools
     data = []
     for model in lineup(request):
-        if not may_use(principal.limits, model.name):
+        if not allowed(principal, model.name):
             continue
         entry: dict[str, Any] = {"id": model.name, "object": "model", "created": created, "owned_by": config.owned_by}
         average = speed(request).average(model.name)  # in memory: no ledger scan; omitted while there is no data

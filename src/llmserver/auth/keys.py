@@ -18,10 +18,15 @@ import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from llmserver.errors import APIError, AuthenticationError, FieldProblem, KeyExpired
-from llmserver.store import NO_LIMITS, KeyLimits, KeyRecord, KeyStore
+from llmserver.store import NO_LIMITS, KeyLimits, KeyRecord, KeyStore, TeamRecord, TeamStore
+
+
+class KeysAndTeams(KeyStore, TeamStore, Protocol):
+    """What the key service reads: keys, and the teams whose limits apply around their members'."""
+
 
 KEY_PREFIX = "llms-"
 ADMIN_ENV_KEY_ID = "env-admin"
@@ -38,6 +43,7 @@ class Principal:
     limits: KeyLimits = NO_LIMITS
     expires_at: float | None = None  # the key's own expiry (KeyExpired from then on)
     retired_at: float | None = None  # a rotated-out secret's end of grace (an unknown key from then on)
+    team: TeamRecord | None = None  # its team, whose limits apply around the key's own
 
 
 PERIODS = ("day", "month", "total")
@@ -83,6 +89,7 @@ def describe(record: KeyRecord) -> dict[str, Any]:
         "last_used_at": record.last_used_at,
         "previous_valid_until": record.previous_until if (record.previous_until or 0) > time.time() else None,
         **limit_fields(record.limits),
+        "team_id": record.team_id,
     }
 
 
@@ -94,6 +101,12 @@ def limit_fields(limits: KeyLimits) -> dict[str, Any]:
 def may_use(limits: KeyLimits, model: str) -> bool:
     """Whether a key's allow-list (names or fnmatch patterns; none: every model) lets it use `model`."""
     return limits.models is None or any(fnmatch.fnmatchcase(model, pattern) for pattern in limits.models)
+
+
+def allowed(principal: Principal, model: str) -> bool:
+    """Whether the key's allow-list and its team's both let it use `model`."""
+    team = principal.team
+    return may_use(principal.limits, model) and (team is None or may_use(team.limits, model))
 
 
 MAX_GRACE = 30 * 86400.0  # seconds a rotated-out secret may stay valid
@@ -127,7 +140,7 @@ def fingerprint(key_hash: str) -> str:
 
 
 class KeyService:
-    def __init__(self, store: KeyStore, admin_key: str | None = None, cache_seconds: float = 0.0) -> None:
+    def __init__(self, store: KeysAndTeams, admin_key: str | None = None, cache_seconds: float = 0.0) -> None:
         self._store = store
         self._admin: tuple[str, Principal] | None = None  # LLMSERVER_ADMIN_KEY's hash and principal
         if admin_key:
@@ -144,7 +157,13 @@ class KeyService:
         self._used: dict[str, float] = {}  # key id → when this gateway last saw it, until flush_used
 
     async def create(
-        self, name: str, *, admin: bool = False, limits: KeyLimits = NO_LIMITS, expires_at: float | None = None
+        self,
+        name: str,
+        *,
+        admin: bool = False,
+        limits: KeyLimits = NO_LIMITS,
+        expires_at: float | None = None,
+        team_id: str | None = None,
     ) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
         if not name.strip():
@@ -159,6 +178,7 @@ class KeyService:
             is_admin=admin,
             limits=check_limits(limits),
             expires_at=check_expiry(expires_at),
+            team_id=team_id,
         )
         return record, key
 
@@ -193,6 +213,16 @@ class KeyService:
                 self._used[key_id] = max(when, self._used.get(key_id, 0.0))
             raise
 
+    async def set_team(self, key_id: str, team_id: str | None) -> bool:
+        """Move an active key into a team that exists, or out of its team (None)."""
+        moved = await self._store.set_key_team(key_id, team_id)
+        self._cache.clear()
+        return moved
+
+    def forget(self) -> None:
+        """Drop what this gateway remembers of keys (a team's limits changed)."""
+        self._cache.clear()
+
     async def update(self, key_id: str, limits: KeyLimits) -> bool:
         changed = await self._store.update_key_limits(key_id, check_limits(limits))
         self._cache.clear()  # at once on this gateway; elsewhere within cache_seconds
@@ -211,14 +241,18 @@ class KeyService:
         return revoked
 
     async def _lookup(self, key_hash: str) -> Principal | None:
-        principal = _principal_of(await self._store.key_by_hash(key_hash))
-        if principal is not None:
-            return principal
-        retired = await self._store.key_by_previous_hash(key_hash, time.time())  # rotated out, in its grace
-        old = _principal_of(retired)
-        if old is None or retired is None or retired.previous_until is None:
+        record = await self._store.key_by_hash(key_hash)
+        retired_at = None
+        if record is None:
+            record = await self._store.key_by_previous_hash(key_hash, time.time())  # rotated out, in its grace
+            if record is None or record.previous_until is None:
+                return None
+            retired_at = record.previous_until
+        principal = _principal_of(record)
+        if principal is None:
             return None
-        return replace(old, retired_at=retired.previous_until)
+        team = await self._store.team_by_id(record.team_id) if record.team_id is not None else None
+        return replace(principal, retired_at=retired_at, team=team) if retired_at or team else principal
 
     async def _principal(self, key_hash: str) -> Principal | None:
         if self._cache_seconds <= 0:

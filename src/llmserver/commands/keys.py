@@ -16,7 +16,7 @@ from llmserver.auth.keys import DEFAULT_GRACE, MAX_GRACE, KeyService, check_expi
 from llmserver.commands import F, load, settings_options, with_store
 from llmserver.errors import APIError, FieldProblem
 from llmserver.metrics.usage import parse_time, summarise
-from llmserver.store import KeyLimits
+from llmserver.store import KeyLimits, KeyRecord, Store, TeamStore
 
 T = TypeVar("T")
 
@@ -43,21 +43,21 @@ def limit_options(func: F) -> F:
     return func
 
 
-def _limits(
+def limits_given(
     quota_tokens: int | None,
     quota_period: str | None,
     rpm: int | None,
     max_concurrency: int | None,
     models: str | None,
 ) -> KeyLimits:
-    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, _models(models))
+    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models))
     try:
         return check_limits(limits)
     except FieldProblem as exc:
         raise click.UsageError(f"{exc.param}: {exc}") from None
 
 
-def _models(listed: str | None) -> tuple[str, ...] | None:
+def models_given(listed: str | None) -> tuple[str, ...] | None:
     """The allow-list given: absent, every model; "" none; an empty entry (`a,,b`, `,,,`) is refused rather
     than read as nothing (which would be every model or none, and neither is what was typed)."""
     if listed is None:
@@ -84,6 +84,17 @@ def _expiry(expires: str | None) -> float | None:
 expires_option = click.option(
     "--expires", default=None, help="When the key stops being accepted: Unix seconds or ISO-8601 (UTC if no offset)."
 )
+team_option = click.option(
+    "--team", default=None, help="The team (its id or name) whose limits apply around the key's own."
+)
+
+
+async def team_id_of(store: TeamStore, team: str) -> str:
+    """The id of the team named or numbered `team`; a usage error when there is none."""
+    for record in await store.list_teams():
+        if team in (record.id, record.name):
+            return record.id
+    raise click.BadParameter(f"no team with id or name {team!r}", param_hint="--team")
 
 
 @keys.command()
@@ -92,6 +103,7 @@ expires_option = click.option(
 @click.option("--admin", is_flag=True, help="Allow the admin API.")
 @limit_options
 @expires_option
+@team_option
 def create(
     config_file: Path | None,
     data_dir: Path | None,
@@ -103,13 +115,17 @@ def create(
     max_concurrency: int | None,
     models: str | None,
     expires: str | None,
+    team: str | None,
 ) -> None:
     """Create a key and print it, alone on the last line. It is shown only this once."""
-    limits = _limits(quota_tokens, quota_period, rpm, max_concurrency, models)
+    limits = limits_given(quota_tokens, quota_period, rpm, max_concurrency, models)
     expires_at = _expiry(expires)
-    record, key = _keys(
-        config_file, data_dir, lambda service: service.create(name, admin=admin, limits=limits, expires_at=expires_at)
-    )
+
+    async def make(store: Store) -> tuple[KeyRecord, str]:
+        team_id = await team_id_of(store, team) if team is not None else None
+        return await KeyService(store).create(name, admin=admin, limits=limits, expires_at=expires_at, team_id=team_id)
+
+    record, key = with_store(load(config_file, data_dir=data_dir), make)
     click.echo(
         f"created {'admin ' if record.is_admin else ''}key {record.id} ({record.name}); it is shown only once:",
         err=True,
@@ -127,14 +143,15 @@ def list_keys(config_file: Path | None, data_dir: Path | None, as_json: bool) ->
         click.echo(json.dumps([describe(record) for record in records], indent=2))
         return
     click.echo(
-        f"{'ID':<18} {'NAME':<24} {'ADMIN':<6} {'FINGERPRINT':<12} {'QUOTA':<16} {'CREATED':<26} {'EXPIRES':<20} "
-        f"{'LAST USED':<20} REVOKED"
+        f"{'ID':<18} {'NAME':<24} {'ADMIN':<6} {'FINGERPRINT':<12} {'QUOTA':<16} {'TEAM':<18} {'CREATED':<26} "
+        f"{'EXPIRES':<20} {'LAST USED':<20} REVOKED"
     )
     for r in records:
         quota = f"{r.limits.quota_tokens}/{r.limits.quota_period}" if r.limits.quota_tokens else "-"
         click.echo(
             f"{r.id:<18} {r.name[:24]:<24} {'yes' if r.is_admin else 'no':<6} {r.fingerprint:<12} {quota:<16} "
-            f"{r.created_at:<26} {_when(r.expires_at):<20} {_when(r.last_used_at):<20} {r.revoked_at or '-'}"
+            f"{r.team_id or '-':<18} {r.created_at:<26} {_when(r.expires_at):<20} {_when(r.last_used_at):<20} "
+            f"{r.revoked_at or '-'}"
         )
 
 
@@ -145,7 +162,7 @@ def _when(moment: float | None) -> str:
 
 
 CLEARABLE = {"quota": ("quota_tokens", "quota_period"), "rpm": ("rpm",),
-             "max-concurrency": ("max_concurrency",), "models": ("models",), "expires": ()}  # fmt: skip
+             "max-concurrency": ("max_concurrency",), "models": ("models",), "expires": (), "team": ()}  # fmt: skip
 
 
 @keys.command()
@@ -153,6 +170,7 @@ CLEARABLE = {"quota": ("quota_tokens", "quota_period"), "rpm": ("rpm",),
 @click.argument("key_id")
 @limit_options
 @expires_option
+@team_option
 @click.option(
     "--clear", "cleared", multiple=True, type=click.Choice(list(CLEARABLE)), help="Remove a limit. Repeatable."
 )
@@ -166,17 +184,19 @@ def update(
     max_concurrency: int | None,
     models: str | None,
     expires: str | None,
+    team: str | None,
     cleared: tuple[str, ...],
 ) -> None:
-    """Change the limits and expiry given (as PATCH /api/keys/ID does); the others stay; --clear removes one
-    (--clear expires: the key never expires)."""
+    """Change the limits, expiry and team given (as PATCH /api/keys/ID does); the others stay; --clear
+    removes one (--clear expires: the key never expires; --clear team: it leaves its team)."""
     expires_at = _expiry(expires)
 
-    async def change(service: KeyService) -> bool:
+    async def change(store: Store) -> bool:
+        service = KeyService(store)
         record = await service.get(key_id)
         if record is None:
             return False
-        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, _models(models))
+        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models))
         changes: dict[str, Any] = {name: value for name, value in asdict(given).items() if value is not None}
         changes.update({field: None for name in cleared for field in CLEARABLE[name]})
         try:
@@ -185,9 +205,12 @@ def update(
             raise click.UsageError(str(exc)) from None
         if expires_at is not None or "expires" in cleared:
             await service.set_expiry(key_id, expires_at)
+        if team is not None or "team" in cleared:
+            team_id = await team_id_of(store, team) if team is not None else None
+            updated = await service.set_team(key_id, team_id) and updated
         return updated
 
-    if not _keys(config_file, data_dir, change):
+    if not with_store(load(config_file, data_dir=data_dir), change):
         raise click.ClickException(f"no key with id {key_id}")
     click.echo(f"updated {key_id}")
 

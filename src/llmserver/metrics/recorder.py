@@ -33,7 +33,7 @@ class Tally:
     principal: Principal
     endpoint: str
     model: str
-    reservation: Reservation | None
+    reservations: list[Reservation]  # on its key's quota and its team's (none without quotas)
     started: float = field(default_factory=time.perf_counter)
     instance_id: str | None = None
     prompt_tokens: int = 0
@@ -42,7 +42,7 @@ class Tally:
     ttft: float | None = None
     last_token_at: float | None = None
     closed: bool = False
-    settlement: Settlement | None = None  # its quota settlement, until written
+    settlements: list[Settlement] = field(default_factory=list)  # its quota settlements, until written
     span: Any = None  # its streamed instance call's trace span, ended when it closes (tracing.py)
     prices: Prices | None = None  # its model's, when it was admitted: the ledger row's cost
 
@@ -75,9 +75,9 @@ class UsageRecorder:
         self._open: set[Tally] = set()  # requests holding a quota reservation, until they close
         self._unwritten = Outage(log)  # down: the last write found the store unreachable
 
-    def settling(self, key_id: str) -> bool:
-        """Whether a settlement of this key's quota is queued or being written."""
-        return any(s.key_id == key_id for s in (*self._batch.settlements, *self._writing.settlements))
+    def settling(self, *counters: str) -> bool:
+        """Whether a settlement of these quota counters (a key's, a team's) is queued or being written."""
+        return any(s.key_id in counters for s in (*self._batch.settlements, *self._writing.settlements))
 
     async def flush(self) -> None:
         """Write everything queued so far (and wait for a write already under way); StateUnavailable
@@ -131,24 +131,26 @@ class UsageRecorder:
         request of the key, through any gateway sharing the store, then sees the true balance rather
         than this one's whole reservation. While the store cannot be reached it stays queued (written
         when it answers again) and the answer is not held back."""
-        settlement, tally.settlement = tally.settlement, None
-        if settlement is None or self._unwritten.down:
+        settlements, tally.settlements = tally.settlements, []
+        if not settlements or self._unwritten.down:
             return
-        if settlement in self._writing.settlements and self._writer is not None:
+        if any(s in self._writing.settlements for s in settlements) and self._writer is not None:
             await asyncio.wait({self._writer}, timeout=1.0)  # being written with a batch
             return
-        if settlement not in self._batch.settlements:
+        queued = [s for s in settlements if s in self._batch.settlements]
+        if not queued:
             return
-        self._batch.settlements.remove(settlement)
+        for settlement in queued:
+            self._batch.settlements.remove(settlement)
         try:
-            await self._store.record(UsageBatch(settlements=[settlement]))
+            await self._store.record(UsageBatch(settlements=queued))
         except Exception:
-            self._batch.settlements.insert(0, settlement)  # the writer keeps trying (and logs why)
+            self._batch.settlements[:0] = queued  # the writer keeps trying (and logs why)
             self._schedule_write()
 
     def opened(self, tally: Tally) -> None:
         """A request that holds a quota reservation started: counted in `produced()` until it closes."""
-        if tally.reservation is not None:
+        if tally.reservations:
             self._open.add(tally)
 
     def produced(self) -> dict[tuple[str, str], int]:
@@ -156,11 +158,11 @@ class UsageRecorder:
         per (key, window): those in flight (so far) and those settled but not yet written."""
         produced: dict[tuple[str, str], int] = {}
         for tally in self._open:
-            reservation = tally.reservation
-            if reservation is not None and not reservation.settled:
-                where = (reservation.key_id, reservation.window.start)
-                tokens = min(reservation.amount, tally.prompt_tokens + tally.completion_tokens)
-                produced[where] = produced.get(where, 0) + tokens
+            for reservation in tally.reservations:
+                if not reservation.settled:
+                    where = (reservation.key_id, reservation.window.start)
+                    tokens = min(reservation.amount, tally.prompt_tokens + tally.completion_tokens)
+                    produced[where] = produced.get(where, 0) + tokens
         for settlement in (*self._writing.settlements, *self._batch.settlements):
             if settlement.used:
                 where = (settlement.key_id, settlement.period_start)
@@ -190,10 +192,10 @@ class UsageRecorder:
             tally.span.end()
         latency = time.perf_counter() - tally.started
         charged = tally.prompt_tokens + tally.completion_tokens if tally.completion_tokens or outcome == "ok" else 0
-        settlement = self._quota.settlement(tally.reservation, charged)
-        if settlement is not None:
-            self._batch.settlements.append(settlement)
-            tally.settlement = settlement
+        settlements = self._quota.settlements(tally.reservations, charged)
+        if settlements:
+            self._batch.settlements.extend(settlements)
+            tally.settlements = settlements
         # Refused for unreachable shared state: not accepted, no row (unless it generated: charged, recorded).
         row = charged or outcome != UNAVAILABLE
         if outcome == UNAVAILABLE:

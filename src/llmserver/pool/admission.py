@@ -6,6 +6,9 @@ extracted, or any prompt templated:
     the model exists → the key's requests per minute → the key's requests in flight
       → a quota reservation sized from what the request holds → the model's queue lease (a slot)
 
+A key in a team passes each check twice, its own and then its team's (a team's rpm, requests in flight
+and quota are counted under the team's id, for all its keys together, on every gateway).
+
 Each refusal is immediate (429 with Retry-After, or 503/504 from the queue) and leaves nothing
 behind. What was taken is held by the request's `Ticket` and given back, once, when it closes:
 the slot, the place in flight, and the reservation, settled to what the request really used.
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from llmserver import tracing
-from llmserver.auth.keys import Principal, may_use
+from llmserver.auth.keys import Principal, allowed, may_use
 from llmserver.auth.limiters import ConcurrencyLimiter, RateLimiter
 from llmserver.auth.quota import InsufficientQuota, QuotaService
 from llmserver.errors import APIError, PermissionDenied, RateLimited, StateUnavailable
@@ -45,6 +48,7 @@ class Ticket:
     lease: Lease
     admission: Admission = field(repr=False)
     places: ConcurrencyLimiter = field(repr=False)  # the limiter that counts its place in flight
+    team_places: ConcurrencyLimiter | None = field(default=None, repr=False)  # its team's, when it has a limit
 
     @property
     def model(self) -> str:
@@ -60,7 +64,7 @@ class Ticket:
         sent at once to any of them sees the key's true balance and finds its conversation's
         instance free rather than one request busier — and, on a node's instance, its slot idle and its
         own (cluster/slots.py), so that the turn reuses its cached prompt."""
-        if self.tally.settlement is not None:
+        if self.tally.settlements:
             await self.admission.settle(self)
         if (load_shared := self.lease.pool.load_shared) is not None:
             await load_shared()
@@ -68,20 +72,22 @@ class Ticket:
             await self.lease.freed(SLOT_FREED_WAIT)
 
 
-def _check_rate(principal: Principal, wait: float | None) -> None:
+def _check_rate(principal: Principal, wait: float | None, team: bool = False) -> None:
     if wait is not None:
-        error = RateLimited(
-            f"This API key is limited to {principal.limits.rpm} requests per minute.",
-            retry_after=max(1, math.ceil(wait)),
-        )
+        if team:
+            assert principal.team is not None
+            who, rpm = f"This API key's team {principal.team.name!r} is", principal.team.limits.rpm
+        else:
+            who, rpm = "This API key is", principal.limits.rpm
+        error = RateLimited(f"{who} limited to {rpm} requests per minute.", retry_after=max(1, math.ceil(wait)))
         error.reason = "rpm"
         raise error
 
 
-def _too_many_in_flight(held: int) -> RateLimited:
+def _too_many_in_flight(held: int, team: str | None = None) -> RateLimited:
+    who = "This API key already has" if team is None else f"This API key's team {team!r} already has"
     error = RateLimited(
-        f"This API key already has {held} {'request' if held == 1 else 'requests'} in flight, its limit. "
-        "Retry when one has finished.",
+        f"{who} {held} {'request' if held == 1 else 'requests'} in flight, its limit. Retry when one has finished.",
         retry_after=1,
     )
     error.reason = "concurrency"
@@ -132,6 +138,14 @@ class Admission:
             held = await self._limiter(principal).held(key)
             if held >= self._places(principal):
                 raise _too_many_in_flight(held)
+            team = principal.team
+            if team is not None:
+                if team.limits.rpm is not None:
+                    _check_rate(principal, await self._rate.wait(team.id, team.limits.rpm), team=True)
+                if team.limits.max_concurrency is not None:
+                    held = await self._concurrency.held(team.id)
+                    if held >= team.limits.max_concurrency:
+                        raise _too_many_in_flight(held, team.name)
             await self._settled(principal, lambda: self._quota.exhausted(principal))
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
@@ -154,7 +168,8 @@ class Admission:
         try:
             return await check()
         except InsufficientQuota:
-            if not self._recorder.settling(principal.key_id):
+            team = principal.team.id if principal.team is not None else ""
+            if not self._recorder.settling(principal.key_id, team):
                 raise
         await self._recorder.flush()
         return await check()
@@ -171,28 +186,40 @@ class Admission:
         """Every check but the slot, in order; a ticket holding the place in flight and the reservation.
         `affinity` is the request's prompt-cache key, for the slot's choice of instance."""
         lease = self._router.lease(model, principal.key_id, affinity, keep_alive)
-        if not may_use(principal.limits, model):
-            raise PermissionDenied(f"This API key may not use the model {model!r}.", param="model")
+        team = principal.team
+        if not allowed(principal, model):
+            whose = "This API key's team" if may_use(principal.limits, model) else "This API key"
+            raise PermissionDenied(f"{whose} may not use the model {model!r}.", param="model")
         key = principal.key_id
         try:
             with tracing.span("admission", {"model": model}):
                 if principal.limits.rpm is not None:
                     _check_rate(principal, await self._rate.hit(key, principal.limits.rpm))
+                if team is not None and team.limits.rpm is not None:
+                    _check_rate(principal, await self._rate.hit(team.id, team.limits.rpm), team=True)
                 places = self._limiter(principal)
                 refused = await places.acquire(key, self._places(principal))
                 if refused is not None:
                     raise _too_many_in_flight(refused)
+                team_places = None
                 try:
-                    reservation = await self._settled(principal, lambda: self._quota.reserve(principal, tokens))
+                    if team is not None and team.limits.max_concurrency is not None:
+                        refused = await self._concurrency.acquire(team.id, team.limits.max_concurrency)
+                        if refused is not None:
+                            raise _too_many_in_flight(refused, team.name)
+                        team_places = self._concurrency
+                    reservations = await self._settled(principal, lambda: self._quota.reserve(principal, tokens))
                 except BaseException:
                     places.release(key)
+                    if team_places is not None and team is not None:
+                        team_places.release(team.id)
                     raise
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
-        tally = Tally(principal, endpoint, model, reservation, prices=lease.pool.config.prices)
+        tally = Tally(principal, endpoint, model, reservations, prices=lease.pool.config.prices)
         self._recorder.opened(tally)
-        return Ticket(tally, lease, self, places)
+        return Ticket(tally, lease, self, places, team_places)
 
     async def take_slot(self, ticket: Ticket) -> None:
         """The model's queue lease: wait for a slot (503 when the queue is full, 504 past its timeout)."""
@@ -217,7 +244,7 @@ class Admission:
         """Hold `tokens` instead, now that the inputs are known (429 insufficient_quota if it grew
         past what is left): before anything reaches an instance."""
         try:
-            await self._settled(ticket.tally.principal, lambda: self._quota.adjust(ticket.tally.reservation, tokens))
+            await self._settled(ticket.tally.principal, lambda: self._quota.adjust(ticket.tally.reservations, tokens))
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
@@ -231,4 +258,6 @@ class Admission:
             return
         ticket.lease.release(finished=outcome == "ok")
         ticket.places.release(tally.principal.key_id)
+        if ticket.team_places is not None and tally.principal.team is not None:
+            ticket.team_places.release(tally.principal.team.id)
         self._recorder.close(tally, outcome)

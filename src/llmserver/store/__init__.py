@@ -34,6 +34,8 @@ from llmserver.store.interfaces import (
     Settlement,
     Store,
     Sweep,
+    TeamRecord,
+    TeamStore,
     UsageBatch,
     UsageStore,
 )
@@ -64,6 +66,8 @@ __all__ = [
     "Settlement",
     "Store",
     "Sweep",
+    "TeamRecord",
+    "TeamStore",
     "UsageBatch",
     "UsageStore",
     "open_store",

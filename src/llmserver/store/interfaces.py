@@ -45,10 +45,21 @@ class KeyRecord:
     expires_at: float | None = None  # Unix seconds: refused from then on; None: never
     last_used_at: float | None = None  # as of the last batch a gateway wrote (every lease beat)
     previous_until: float | None = None  # the secret a rotation replaced is accepted until then
+    team_id: str | None = None  # the team whose limits apply around its own; None: none
 
     @property
     def active(self) -> bool:
         return self.revoked_at is None
+
+
+@dataclass(frozen=True)
+class TeamRecord:
+    """Keys that share limits: each request of a member key must fit both the key's and the team's."""
+
+    id: str
+    name: str
+    created_at: str
+    limits: KeyLimits = NO_LIMITS
 
 
 @dataclass(frozen=True)
@@ -186,6 +197,7 @@ class KeyStore(Protocol):
         is_admin: bool,
         limits: KeyLimits = NO_LIMITS,
         expires_at: float | None = None,
+        team_id: str | None = None,
     ) -> KeyRecord: ...
 
     async def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool: ...
@@ -213,6 +225,29 @@ class KeyStore(Protocol):
 
     async def revoke_key(self, key_id: str) -> bool:
         """Mark a key revoked; False when no active key has that id."""
+        ...
+
+
+class TeamStore(Protocol):
+    async def insert_team(self, team_id: str, name: str, limits: KeyLimits) -> TeamRecord | None:
+        """None when another team has the name."""
+        ...
+
+    async def update_team(self, team_id: str, name: str, limits: KeyLimits) -> TeamRecord | bool:
+        """The team as changed; False for an unknown team, True when another team has the name."""
+        ...
+
+    async def team_by_id(self, team_id: str) -> TeamRecord | None: ...
+
+    async def list_teams(self) -> list[TeamRecord]: ...
+
+    async def delete_team(self, team_id: str) -> int | None:
+        """Deleted when no active key is a member (0); else how many are (nothing changed). None: no
+        such team."""
+        ...
+
+    async def set_key_team(self, key_id: str, team_id: str | None) -> bool:
+        """Move an active key into a team (that exists) or out of its team (None)."""
         ...
 
 
@@ -424,7 +459,9 @@ class AuditStore(Protocol):
     async def delete_audit_before(self, moment: float) -> int: ...
 
 
-class Store(KeyStore, QuotaStore, UsageStore, JobStore, OutboxStore, GatewayStore, CatalogStore, AuditStore, Protocol):
+class Store(
+    KeyStore, TeamStore, QuotaStore, UsageStore, JobStore, OutboxStore, GatewayStore, CatalogStore, AuditStore, Protocol
+):
     """Everything at once: what `open_store` returns."""
 
     @property

@@ -180,6 +180,22 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE usage_ledger ADD COLUMN cost REAL;
     """,
+    # 13: teams: keys that share limits (a member's requests fit both its own and its team's). A team's
+    # token quota is counted in quota_usage and quota_reservations under the team's id, as a key's is.
+    """
+    CREATE TABLE teams (
+        id              TEXT PRIMARY KEY,
+        name            TEXT NOT NULL UNIQUE,
+        created_at      TEXT NOT NULL,
+        quota_tokens    INTEGER,
+        quota_period    TEXT,
+        rpm             INTEGER,
+        max_concurrency INTEGER,
+        models          TEXT
+    );
+    ALTER TABLE api_keys ADD COLUMN team_id TEXT REFERENCES teams (id) ON DELETE SET NULL;
+    CREATE INDEX api_keys_by_team ON api_keys (team_id);
+    """,
 ]
 
 POSTGRES: list[str] = [
@@ -325,5 +341,20 @@ POSTGRES: list[str] = [
     # 7: as SQLite's 12: each request's cost.
     """
     ALTER TABLE usage_ledger ADD COLUMN cost DOUBLE PRECISION;
+    """,
+    # 8: as SQLite's 13: teams.
+    """
+    CREATE TABLE teams (
+        id              TEXT PRIMARY KEY,
+        name            TEXT NOT NULL UNIQUE,
+        created_at      TEXT NOT NULL,
+        quota_tokens    BIGINT,
+        quota_period    TEXT,
+        rpm             INTEGER,
+        max_concurrency INTEGER,
+        models          TEXT
+    );
+    ALTER TABLE api_keys ADD COLUMN team_id TEXT REFERENCES teams (id) ON DELETE SET NULL;
+    CREATE INDEX api_keys_by_team ON api_keys (team_id);
     """,
 ]

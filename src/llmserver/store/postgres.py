@@ -33,12 +33,13 @@ from llmserver.store.interfaces import (
     QuotaGrant,
     SchemaError,
     Sweep,
+    TeamRecord,
     UsageBatch,
     failure_webhook,
     utc_now,
 )
 from llmserver.store.migrations import POSTGRES
-from llmserver.store.rows import job_record, key_record, limit_values, redact
+from llmserver.store.rows import job_record, key_record, limit_values, redact, team_record
 
 log = logging.getLogger(__name__)
 
@@ -154,15 +155,16 @@ class PostgresStore:
         is_admin: bool,
         limits: KeyLimits = NO_LIMITS,
         expires_at: float | None = None,
+        team_id: str | None = None,
     ) -> KeyRecord:
         created = utc_now()
         await self._execute(
             "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at,"
-            " quota_tokens, quota_period, rpm, max_concurrency, models, expires_at)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
-            key_id, name, key_hash, fingerprint, is_admin, created, *limit_values(limits), expires_at,
+            " quota_tokens, quota_period, rpm, max_concurrency, models, expires_at, team_id)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+            key_id, name, key_hash, fingerprint, is_admin, created, *limit_values(limits), expires_at, team_id,
         )  # fmt: skip
-        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits, expires_at)
+        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits, expires_at, team_id=team_id)
 
     async def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
         status = await self._execute(
@@ -214,7 +216,61 @@ class PostgresStore:
         )
         return status == "UPDATE 1"
 
-    # Quota counters
+    # Teams
+
+    async def insert_team(self, team_id: str, name: str, limits: KeyLimits) -> TeamRecord | None:
+        created = utc_now()
+        status = await self._execute(
+            "INSERT INTO teams (id, name, created_at, quota_tokens, quota_period, rpm, max_concurrency, models)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (name) DO NOTHING",
+            team_id, name, created, *limit_values(limits),
+        )  # fmt: skip
+        return TeamRecord(team_id, name, created, limits) if status == "INSERT 0 1" else None
+
+    async def update_team(self, team_id: str, name: str, limits: KeyLimits) -> TeamRecord | bool:
+        try:
+            row = await self._fetchrow(
+                "UPDATE teams SET name = $1, quota_tokens = $2, quota_period = $3, rpm = $4, max_concurrency = $5,"
+                " models = $6 WHERE id = $7 RETURNING *",
+                name, *limit_values(limits), team_id,
+            )  # fmt: skip
+        except asyncpg.UniqueViolationError:
+            return True
+        return team_record(row) if row is not None else False
+
+    async def team_by_id(self, team_id: str) -> TeamRecord | None:
+        row = await self._fetchrow("SELECT * FROM teams WHERE id = $1", team_id)
+        return team_record(row) if row is not None else None
+
+    async def list_teams(self) -> list[TeamRecord]:
+        return [team_record(row) for row in await self._fetch("SELECT * FROM teams ORDER BY name")]
+
+    async def delete_team(self, team_id: str) -> int | None:
+        async with self._transaction() as conn:
+            # The team's row locked first, as a key moved into it locks it (set_key_team): no key joins
+            # a team being deleted.
+            if await conn.fetchval("SELECT 1 FROM teams WHERE id = $1 FOR UPDATE", team_id) is None:
+                return None
+            members = await conn.fetchval(
+                "SELECT COUNT(*) FROM api_keys WHERE team_id = $1 AND revoked_at IS NULL", team_id
+            )
+            if not members:
+                await conn.execute("DELETE FROM teams WHERE id = $1", team_id)
+        return int(members)
+
+    async def set_key_team(self, key_id: str, team_id: str | None) -> bool:
+        async with self._transaction() as conn:
+            if (
+                team_id is not None
+                and await conn.fetchval("SELECT 1 FROM teams WHERE id = $1 FOR SHARE", team_id) is None
+            ):
+                return False
+            status = await conn.execute(
+                "UPDATE api_keys SET team_id = $1 WHERE id = $2 AND revoked_at IS NULL", team_id, key_id
+            )
+        return str(status) == "UPDATE 1"
+
+    # Quota counters (a key's or a team's)
 
     @staticmethod
     async def _lock_counter(conn: asyncpg.Connection, key_id: str, period_start: str) -> int:

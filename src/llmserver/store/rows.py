@@ -6,7 +6,7 @@ import json
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from llmserver.store.interfaces import JobRecord, KeyLimits, KeyRecord
+from llmserver.store.interfaces import JobRecord, KeyLimits, KeyRecord, TeamRecord
 
 
 class Row(Protocol):
@@ -14,9 +14,15 @@ class Row(Protocol):
 
 
 def limit_values(limits: KeyLimits) -> tuple[int | None, str | None, int | None, int | None, str | None]:
-    """The api_keys columns quota_tokens, quota_period, rpm, max_concurrency, models."""
+    """The columns quota_tokens, quota_period, rpm, max_concurrency, models (of api_keys and of teams)."""
     models = json.dumps(list(limits.models)) if limits.models is not None else None
     return (limits.quota_tokens, limits.quota_period, limits.rpm, limits.max_concurrency, models)
+
+
+def _limits(row: Row) -> KeyLimits:
+    """The limit columns keys and teams share."""
+    models = tuple(json.loads(row["models"])) if row["models"] is not None else None
+    return KeyLimits(row["quota_tokens"], row["quota_period"], row["rpm"], row["max_concurrency"], models)
 
 
 def key_record(row: Row) -> KeyRecord:
@@ -27,17 +33,16 @@ def key_record(row: Row) -> KeyRecord:
         is_admin=bool(row["is_admin"]),
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
-        limits=KeyLimits(
-            row["quota_tokens"],
-            row["quota_period"],
-            row["rpm"],
-            row["max_concurrency"],
-            tuple(json.loads(row["models"])) if row["models"] is not None else None,
-        ),
+        limits=_limits(row),
         expires_at=row["expires_at"],
         last_used_at=row["last_used_at"],
         previous_until=row["previous_until"],
+        team_id=row["team_id"],
     )
+
+
+def team_record(row: Row) -> TeamRecord:
+    return TeamRecord(id=row["id"], name=row["name"], created_at=row["created_at"], limits=_limits(row))
 
 
 def job_record(row: Row) -> JobRecord:

@@ -32,12 +32,13 @@ from llmserver.store.interfaces import (
     QuotaGrant,
     SchemaError,
     Sweep,
+    TeamRecord,
     UsageBatch,
     failure_webhook,
     utc_now,
 )
 from llmserver.store.migrations import MIGRATIONS
-from llmserver.store.rows import job_record, key_record, limit_values
+from llmserver.store.rows import job_record, key_record, limit_values, team_record
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -119,14 +120,16 @@ class SQLiteStore:
         is_admin: bool,
         limits: KeyLimits = NO_LIMITS,
         expires_at: float | None = None,
+        team_id: str | None = None,
     ) -> KeyRecord:
         created = utc_now()
         self._db.execute(
             "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at, quota_tokens,"
-            " quota_period, rpm, max_concurrency, models, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (key_id, name, key_hash, fingerprint, int(is_admin), created, *limit_values(limits), expires_at),
+            " quota_period, rpm, max_concurrency, models, expires_at, team_id)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (key_id, name, key_hash, fingerprint, int(is_admin), created, *limit_values(limits), expires_at, team_id),
         )
-        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits, expires_at)
+        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits, expires_at, team_id=team_id)
 
     @_in_thread
     def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
@@ -188,7 +191,62 @@ class SQLiteStore:
         )
         return cursor.rowcount == 1
 
-    # Quota counters: what was used per key and window, and what each gateway holds reserved
+    # Teams
+
+    @_in_thread
+    def insert_team(self, team_id: str, name: str, limits: KeyLimits) -> TeamRecord | None:
+        created = utc_now()
+        cursor = self._db.execute(
+            "INSERT INTO teams (id, name, created_at, quota_tokens, quota_period, rpm, max_concurrency, models)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO NOTHING",
+            (team_id, name, created, *limit_values(limits)),
+        )
+        return TeamRecord(team_id, name, created, limits) if cursor.rowcount == 1 else None
+
+    @_in_thread
+    def update_team(self, team_id: str, name: str, limits: KeyLimits) -> TeamRecord | bool:
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM teams WHERE name = ? AND id != ?", (name, team_id)).fetchone():
+                return True
+            db.execute(
+                "UPDATE teams SET name = ?, quota_tokens = ?, quota_period = ?, rpm = ?, max_concurrency = ?,"
+                " models = ? WHERE id = ?",
+                (name, *limit_values(limits), team_id),
+            )
+            row = db.execute("SELECT * FROM teams WHERE id = ?", (team_id,)).fetchone()
+        return team_record(row) if row is not None else False
+
+    @_in_thread
+    def team_by_id(self, team_id: str) -> TeamRecord | None:
+        row = self._db.execute("SELECT * FROM teams WHERE id = ?", (team_id,)).fetchone()
+        return team_record(row) if row is not None else None
+
+    @_in_thread
+    def list_teams(self) -> list[TeamRecord]:
+        return [team_record(row) for row in self._db.execute("SELECT * FROM teams ORDER BY name").fetchall()]
+
+    @_in_thread
+    def delete_team(self, team_id: str) -> int | None:
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM teams WHERE id = ?", (team_id,)).fetchone() is None:
+                return None
+            members = db.execute(
+                "SELECT COUNT(*) FROM api_keys WHERE team_id = ? AND revoked_at IS NULL", (team_id,)
+            ).fetchone()[0]
+            if not members:
+                db.execute("DELETE FROM teams WHERE id = ?", (team_id,))
+        return int(members)
+
+    @_in_thread
+    def set_key_team(self, key_id: str, team_id: str | None) -> bool:
+        cursor = self._db.execute(
+            "UPDATE api_keys SET team_id = ? WHERE id = ? AND revoked_at IS NULL"
+            " AND (? IS NULL OR EXISTS (SELECT 1 FROM teams WHERE id = ?))",
+            (team_id, key_id, team_id, team_id),
+        )
+        return cursor.rowcount == 1
+
+    # Quota counters: what was used per key (or team) and window, and what each gateway holds reserved
 
     def _counts(self, key_id: str, period_start: str) -> tuple[int, int]:
         used = self._db.execute(

@@ -1,0 +1,136 @@
+"""`llmserver teams`: create, list, change and delete teams (keys that share limits) in the database."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmserver.auth.keys import KeyService, limit_fields
+from llmserver.auth.teams import TeamService
+from llmserver.commands import load, settings_options, with_store
+from llmserver.commands.keys import CLEARABLE, limit_options, limits_given, models_given, team_id_of
+from llmserver.errors import APIError, FieldProblem
+from llmserver.store import KeyLimits, Store
+
+TEAM_CLEARABLE = {name: fields for name, fields in CLEARABLE.items() if fields}
+
+
+def _service(store: Store) -> TeamService:
+    return TeamService(store, KeyService(store))
+
+
+def _run(config_file: Path | None, data_dir: Path | None, use: Any) -> Any:
+    try:
+        return with_store(load(config_file, data_dir=data_dir), use)
+    except FieldProblem as exc:
+        raise click.UsageError(f"{exc.param}: {exc}") from None
+    except APIError as exc:
+        raise click.ClickException(exc.message) from None
+
+
+@click.group()
+def teams() -> None:
+    """Manage teams: keys whose requests must also fit their team's limits (changes take effect at once)."""
+
+
+@teams.command()
+@settings_options
+@click.argument("name")
+@limit_options
+def create(
+    config_file: Path | None,
+    data_dir: Path | None,
+    name: str,
+    quota_tokens: int | None,
+    quota_period: str | None,
+    rpm: int | None,
+    max_concurrency: int | None,
+    models: str | None,
+) -> None:
+    """Create a team with these limits (for all its keys together) and print its id."""
+    limits = limits_given(quota_tokens, quota_period, rpm, max_concurrency, models)
+    team = _run(config_file, data_dir, lambda store: _service(store).create(name, limits))
+    click.echo(f"created team {team.id} ({team.name})", err=True)
+    click.echo(team.id)
+
+
+@teams.command("list")
+@settings_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def list_teams(config_file: Path | None, data_dir: Path | None, as_json: bool) -> None:
+    """List teams, their limits and their active keys."""
+
+    async def read(store: Store) -> list[dict[str, Any]]:
+        members = [key for key in await store.list_keys() if key.active]
+        return [
+            {"id": team.id, "name": team.name, "created_at": team.created_at, **limit_fields(team.limits),
+             "keys": [key.id for key in members if key.team_id == team.id]}
+            for team in await store.list_teams()
+        ]  # fmt: skip
+
+    found = _run(config_file, data_dir, read)
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    click.echo(f"{'ID':<18} {'NAME':<24} {'QUOTA':<16} {'RPM':<6} {'IN FLIGHT':<10} {'MODELS':<24} KEYS")
+    for t in found:
+        quota = f"{t['quota_tokens']}/{t['quota_period']}" if t["quota_tokens"] else "-"
+        listed = ",".join(t["models"]) if t["models"] is not None else "all"
+        click.echo(
+            f"{t['id']:<18} {t['name'][:24]:<24} {quota:<16} {t['rpm'] or '-'!s:<6} "
+            f"{t['max_concurrency'] or '-'!s:<10} {listed[:24]:<24} {len(t['keys'])}"
+        )
+
+
+@teams.command()
+@settings_options
+@click.argument("team")
+@click.option("--name", default=None, help="A new name.")
+@limit_options
+@click.option(
+    "--clear", "cleared", multiple=True, type=click.Choice(list(TEAM_CLEARABLE)), help="Remove a limit. Repeatable."
+)
+def update(
+    config_file: Path | None,
+    data_dir: Path | None,
+    team: str,
+    name: str | None,
+    quota_tokens: int | None,
+    quota_period: str | None,
+    rpm: int | None,
+    max_concurrency: int | None,
+    models: str | None,
+    cleared: tuple[str, ...],
+) -> None:
+    """Change the team's (id or name) name and the limits given; the others stay; --clear removes one."""
+
+    async def change(store: Store) -> str:
+        service = _service(store)
+        record = await service.get(await team_id_of(store, team))
+        assert record is not None
+        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models))
+        changes: dict[str, Any] = {field: value for field, value in asdict(given).items() if value is not None}
+        changes.update({field: None for option in cleared for field in TEAM_CLEARABLE[option]})
+        updated = await service.update(record.id, name or record.name, replace(record.limits, **changes))
+        assert updated is not None
+        return updated.id
+
+    click.echo(f"updated {_run(config_file, data_dir, change)}")
+
+
+@teams.command()
+@settings_options
+@click.argument("team")
+def delete(config_file: Path | None, data_dir: Path | None, team: str) -> None:
+    """Delete a team (id or name) that has no active keys (move them out or revoke them first)."""
+
+    async def remove(store: Store) -> str:
+        team_id = await team_id_of(store, team)
+        await _service(store).delete(team_id)
+        return team_id
+
+    click.echo(f"deleted {_run(config_file, data_dir, remove)}")
