@@ -134,3 +134,29 @@ def test_a_public_route_must_be_listed(tmp_path: Path) -> None:
     app.include_router(public)
     with pytest.raises(RuntimeError, match="not listed"):
         check_routes(app)
+
+
+def test_every_team_route_refuses_a_user_key_and_every_admin_route_a_team_admin_key(
+    server: Server, table: list[tuple[str, str, Access | None]]
+) -> None:
+    """The team admin role (Access.TEAM: an admin key or a team admin key): a user key gets none of its
+    routes, and a team admin key none of the admin routes."""
+    admin = {"Authorization": f"Bearer {make_key(server.data_dir, 'admin-of-teams', admin=True)}"}
+    team = httpx.post(server.url + "/api/teams", json={"name": "access-team"}, headers=admin).json()
+    made = httpx.post(
+        server.url + "/api/keys", json={"name": "access-team-admin", "team_id": team["id"], "team_admin": True},
+        headers=admin,
+    )  # fmt: skip
+    assert made.status_code == 201 and made.json()["team_admin"], made.text
+    team_admin, user = made.json()["key"], make_key(server.data_dir, "user")
+    team_routes = [(method, path) for method, path, access in table if access is Access.TEAM]
+    admin_routes = [(method, path) for method, path, access in table if access is Access.ADMIN]
+    assert ("POST", "/api/keys") in team_routes and ("POST", "/api/teams") in admin_routes
+    answered = {}
+    for (method, path), key in [
+        *((route, user) for route in team_routes),
+        *((route, team_admin) for route in admin_routes),
+    ]:
+        answer = _call(server, method, path, key)
+        answered[method, path] = (answer.status_code, answer.json()["error"]["type"])
+    assert set(answered.values()) == {(403, "permission_error")}, answered

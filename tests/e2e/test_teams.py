@@ -165,6 +165,7 @@ def test_the_cli_manages_teams_and_puts_keys_in_them(server: Server) -> None:
     assert cli(server.data_dir, "teams", "create", "cli-team").returncode != 0  # the name is taken
     key = cli(server.data_dir, "keys", "create", "--name", "cli-member", "--team", "cli-team")
     assert key.returncode == 0, key.stderr
+    assert cli(server.data_dir, "keys", "create", "--name", "x", "--team-admin").returncode != 0  # needs --team
     listed = json.loads(cli(server.data_dir, "teams", "list", "--json").stdout)
     (entry,) = [t for t in listed if t["id"] == team_id]
     assert (entry["quota_tokens"], len(entry["keys"])) == (100, 1)
@@ -177,6 +178,68 @@ def test_the_cli_manages_teams_and_puts_keys_in_them(server: Server) -> None:
         k for k in json.loads(cli(server.data_dir, "keys", "list", "--json").stdout) if k["name"] == "cli-member"
     ]
     assert member["team_id"] == team_id
+    assert member["team_admin"] is False
     assert cli(server.data_dir, "keys", "update", member["id"], "--clear", "team").returncode == 0
     assert cli(server.data_dir, "teams", "delete", "cli-team").returncode == 0
     assert cli(server.data_dir, "keys", "create", "--name", "x", "--team", "cli-team").returncode != 0
+
+
+def test_a_team_admin_key_manages_its_teams_keys_within_the_teams_limits_and_nothing_else(server: Server) -> None:
+    with _admin(server) as admin:
+        team = _team(admin, "managed-team", rpm=30, max_concurrency=4, quota_tokens=10000, quota_period="month")
+        other = _team(admin, "other-team")
+        outsider_id, outsider = _member(admin, "outsider", other["id"])
+        assert_error(
+            admin.post("/api/keys", json={"name": "lone-lead", "team_admin": True}), 400, "invalid_request_error"
+        )
+        made = admin.post("/api/keys", json={"name": "team-lead", "team_id": team["id"], "team_admin": True})
+        assert made.status_code == 201 and made.json()["team_admin"] is True, made.text
+        lead_id = made.json()["id"]
+    lead = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {made.json()['key']}"}, timeout=60)
+    with lead:
+        # Keys it makes are its team's, within the team's limits.
+        member = lead.post("/api/keys", json={"name": "lead-made", "rpm": 10})
+        assert member.status_code == 201, member.text
+        assert (member.json()["team_id"], member.json()["team_admin"], member.json()["admin"]) == (
+            team["id"],
+            False,
+            False,
+        )
+        member_id = member.json()["id"]
+        assert _complete(server, member.json()["key"]).status_code == 200
+        over = lead.post("/api/keys", json={"name": "greedy", "rpm": 31})
+        assert_error(over, 400, "invalid_request_error")
+        assert over.json()["error"]["message"] == "rpm: at most the team's 30"
+        assert_error(lead.post("/api/keys", json={"name": "boss", "admin": True}), 403, "permission_error")
+        assert_error(lead.post("/api/keys", json={"name": "lead-2", "team_admin": True}), 403, "permission_error")
+        assert_error(
+            lead.post("/api/keys", json={"name": "elsewhere", "team_id": other["id"]}), 403, "permission_error"
+        )
+        # It sees, changes, rotates and revokes its team's keys; another team's key does not exist for it.
+        listed = {k["id"] for k in lead.get("/api/keys").json()["data"]}
+        assert listed == {lead_id, member_id}
+        assert lead.patch(f"/api/keys/{member_id}", json={"max_concurrency": 2}).json()["max_concurrency"] == 2
+        assert_error(lead.patch(f"/api/keys/{member_id}", json={"team_id": None}), 403, "permission_error")
+        assert_error(lead.patch(f"/api/keys/{member_id}", json={"max_concurrency": 5}), 400, "invalid_request_error")
+        for method, path in [("PATCH", f"/api/keys/{outsider_id}"), ("DELETE", f"/api/keys/{outsider_id}"),
+                             ("POST", f"/api/keys/{outsider_id}/rotate")]:  # fmt: skip
+            assert_error(
+                lead.request(method, path, json={"rpm": 1} if method == "PATCH" else None), 404, "not_found_error"
+            )
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {outsider}"}).status_code == 200
+        # Its team's usage, not another's, nor everyone's.
+        assert lead.get("/api/usage", params={"key": member_id}).json()["requests"] == 1
+        assert_error(lead.get("/api/usage", params={"key": outsider_id}), 403, "permission_error")
+        assert_error(lead.get("/api/usage", params={"key": "*"}), 403, "permission_error")
+        rotated = lead.post(f"/api/keys/{member_id}/rotate", params={"grace_seconds": 0})
+        assert rotated.status_code == 200 and rotated.json()["key"] != member.json()["key"]
+        assert lead.delete(f"/api/keys/{member_id}").json()["revoked_at"] is not None
+        # Nothing beyond its team's keys: teams, models, instances are the server admins'.
+        assert_error(lead.get("/api/teams"), 403, "permission_error")
+        assert_error(lead.post("/api/models", json={"name": "x"}), 403, "permission_error")
+    # Its actions are in the audit log under its own name.
+    with _admin(server) as admin:
+        rows = admin.get("/api/audit", params={"limit": 200}).json()["data"]
+        assert {("keys.create", "team-lead"), ("keys.delete", "team-lead")} <= {
+            (r["action"], r["key"]["name"]) for r in rows
+        }

@@ -360,6 +360,15 @@ def test_teams_are_made_renamed_joined_left_and_deleted_only_without_active_keys
         assert await store.set_key_team("key_n", "team_r")
         assert not await store.set_key_team("key_n", "team_missing")
         assert (await store.key_by_id("key_n")).team_id == "team_r"  # type: ignore[union-attr]
+        # A team admin key is one of its team's; out of the team it is no one's admin.
+        lead = await store.insert_key("key_l", "lead", "l" * 64, "llllllll", False, team_id="team_r", team_admin=True)
+        assert lead.team_admin and (await store.key_by_hash("l" * 64)).team_admin  # type: ignore[union-attr]
+        assert not (await store.insert_key("key_x", "x", "x" * 64, "xxxxxxxx", False, team_admin=True)).team_admin
+        assert await store.set_key_team("key_l", None, team_admin=True)
+        assert (await store.key_by_id("key_l")).team_admin is False  # type: ignore[union-attr]
+        assert await store.set_key_team("key_n", "team_r", team_admin=True)
+        assert (await store.key_by_id("key_n")).team_admin is True  # type: ignore[union-attr]
+        assert await store.set_key_team("key_n", "team_r")
         # Deleted only once no active key is a member; a revoked member's record then names no team.
         assert await store.delete_team("team_r") == 2
         assert await store.set_key_team("key_n", None) and await store.revoke_key("key_m")

@@ -3,6 +3,8 @@
 Every router is made by `router(access)`:
 - `Access.ADMIN`: the router carries `admin_key` as a dependency, so none of its routes can forget it;
 - `Access.KEY`: the router carries `any_key`; the endpoint reads the caller with `caller(request)`;
+- `Access.TEAM`: an admin key or a team admin key (`team_key`); the endpoint limits a team admin to its
+  own team's keys (api/keys.py);
 - `Access.NODE`: a worker node's key (`instances.api_key`, which nodes and gateways share) or an admin
   key: what nodes fetch from a gateway (a catalog model's file);
 - `Access.PUBLIC`: no key, and only for the paths in `PUBLIC` below;
@@ -37,6 +39,7 @@ class Access(enum.Enum):
     PUBLIC = "public"
     KEY = "key"
     ADMIN = "admin"
+    TEAM = "team"
     NODE = "node"
     OWN = "own"
 
@@ -50,7 +53,7 @@ PUBLIC_MOUNTS = frozenset({"/console/assets"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
-async def _caller(request: Request, *, admin: bool) -> Principal:
+async def _caller(request: Request, *, admin: bool, team: bool = False) -> Principal:
     """The key (header, query string, or the body's `api_key`), checked before anything else: a bad key
     is a 401 whatever the body; a body's own problem is kept for the endpoint (`body_of`)."""
     body: dict[str, Any] | None = None
@@ -61,8 +64,8 @@ async def _caller(request: Request, *, admin: bool) -> Principal:
         except APIError as exc:
             problem = exc
     principal = await authenticate(request, body)
-    if admin and not principal.is_admin:
-        raise PermissionDenied("This endpoint needs an admin key.")
+    if admin and not principal.is_admin and not (team and principal.team_admin):
+        raise PermissionDenied(f"This endpoint needs an admin key{' or a team admin key' if team else ''}.")
     request.state.body = body
     request.state.body_problem = problem
     if admin and request.method in CHANGING:  # an admin action: the front appends its row with the answer
@@ -83,6 +86,11 @@ async def any_key(request: Request) -> Principal:
     return await _caller(request, admin=False)
 
 
+async def team_key(request: Request) -> Principal:
+    """An admin key, or a team admin key (whose actions are audited as an admin's are)."""
+    return await _caller(request, admin=True, team=True)
+
+
 NODE_PRINCIPAL = Principal(key_id="node", name="a worker node", fingerprint="instances.api_key", is_admin=False)
 
 
@@ -95,7 +103,7 @@ async def node_key(request: Request) -> Principal:
     return await _caller(request, admin=True)
 
 
-_DEPENDENCY = {Access.ADMIN: admin_key, Access.KEY: any_key, Access.NODE: node_key}
+_DEPENDENCY = {Access.ADMIN: admin_key, Access.KEY: any_key, Access.TEAM: team_key, Access.NODE: node_key}
 
 
 def router(access: Access) -> APIRouter:

@@ -1,5 +1,10 @@
-"""The key admin API (/api/keys, admin only), the caller's own key (/api/me), usage summaries
-(/api/usage, /api/usage/series) and the request log (/api/usage/requests)."""
+"""The key admin API (/api/keys: admin keys, and team admin keys for their own team's keys), the caller's
+own key (/api/me), usage summaries (/api/usage, /api/usage/series) and the request log
+(/api/usage/requests).
+
+A team admin key manages its team's keys and nothing else: it sees only them (any other key is a 404, as
+one that does not exist), makes keys only in its team, with limits within the team's, and can neither
+make admin or team admin keys nor move a key out of its team."""
 
 from __future__ import annotations
 
@@ -14,14 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmserver.api.access import Access, body_of, caller, router
 from llmserver.api.deps import check_page, keys, lineup, quota, recorder, settings, store, teams, validate
-from llmserver.auth.keys import DEFAULT_GRACE, Principal, check_limits, describe, limit_fields, unmatched
+from llmserver.auth.keys import DEFAULT_GRACE, Principal, check_limits, describe, limit_fields, may_use, unmatched
 from llmserver.errors import FieldProblem, InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, status_of, summarise
-from llmserver.store import STATUSES, KeyLimits, LedgerQuery
+from llmserver.store import STATUSES, KeyLimits, KeyRecord, LedgerQuery, TeamRecord
 
 keyed = router(Access.KEY)
-admin = router(Access.ADMIN)
-routers = (keyed, admin)
+managing = router(Access.TEAM)
+routers = (keyed, managing)
 
 
 class Limits(BaseModel):
@@ -52,6 +57,7 @@ class Expiry(Limits):
     team_id: str | None = Field(
         default=None, max_length=64, description="The team whose limits apply around the key's own; null: none."
     )
+    team_admin: bool = Field(default=False, description="The key manages its team's keys (admin keys only).")
 
     def expiry(self) -> float | None:
         return None if self.expires_at is None else parse_time(str(self.expires_at), 0.0, "expires_at")
@@ -62,10 +68,47 @@ class CreateKey(Expiry):
     admin: bool = False
 
 
-@admin.get("/api/keys")
+def _managed_team(request: Request) -> TeamRecord | None:
+    """The team a team admin key manages (its keys are all it may see or change); None for an admin key."""
+    principal = caller(request)
+    return None if principal.is_admin else principal.team
+
+
+async def _managed(request: Request, key_id: str) -> KeyRecord:
+    """The key, if the caller may manage it: any for an admin key, its team's for a team admin key (another
+    is a 404, as a key that does not exist: a team admin learns nothing of other teams' keys)."""
+    record = await keys(request).get(key_id)
+    team = _managed_team(request)
+    if record is None or (team is not None and record.team_id != team.id):
+        raise NotFound(f"No key with id {key_id!r}.", param="key_id")
+    return record
+
+
+def _for_team_admin(body: Expiry, team: TeamRecord, limits: KeyLimits) -> None:
+    """What a team admin may not do: make admin or team admin keys, put a key in another team (or none), or
+    give a key more than its team has."""
+    if (isinstance(body, CreateKey) and body.admin) or "team_admin" in body.model_fields_set:
+        raise PermissionDenied("A team admin key cannot make admin or team admin keys.", param="admin")
+    if "team_id" in body.model_fields_set and body.team_id != team.id:
+        raise PermissionDenied(
+            f"A team admin key manages the keys of its own team ({team.id!r}) only.", param="team_id"
+        )
+    for name in ("quota_tokens", "rpm", "max_concurrency"):
+        mine, theirs = getattr(limits, name), getattr(team.limits, name)
+        if mine is not None and theirs is not None and mine > theirs:
+            raise InvalidRequest(f"{name}: at most the team's {theirs}", param=name)
+    if limits.models is not None and team.limits.models is not None:
+        outside = [m for m in limits.models if not may_use(team.limits, m)]
+        if outside:
+            raise InvalidRequest(f"models: {', '.join(map(repr, outside))} not among the team's models", param="models")
+
+
+@managing.get("/api/keys")
 async def list_keys(request: Request) -> dict[str, Any]:
-    """Every key, and where each with a quota stands in its current window."""
+    """Every key (a team admin: its team's), and where each with a quota stands in its current window."""
     records = await keys(request).list()
+    if (team := _managed_team(request)) is not None:
+        records = [k for k in records if k.team_id == team.id]
     quotas = quota(request)
     standing = await asyncio.gather(*(quotas.standing(k.id, k.limits) for k in records if k.revoked_at is None))
     live = iter(standing)
@@ -75,31 +118,39 @@ async def list_keys(request: Request) -> dict[str, Any]:
     }
 
 
-@admin.post("/api/keys", status_code=201, response_model=None)
+@managing.post("/api/keys", status_code=201, response_model=None)
 async def create_key(request: Request) -> JSONResponse:
     body = validate(CreateKey, body_of(request))
     limits = checked_limits(request, body.limits(), body.models is not None)
-    if body.team_id is not None:
-        await _team(request, body.team_id)
+    team_id = body.team_id
+    if (team := _managed_team(request)) is not None:
+        _for_team_admin(body, team, limits)
+        team_id = team.id
+    elif team_id is not None:
+        await _team(request, team_id)
+    elif body.team_admin:
+        raise InvalidRequest("team_admin: a team admin key needs a team_id", param="team_admin")
     try:
         record, key = await keys(request).create(
-            body.name, admin=body.admin, limits=limits, expires_at=body.expiry(), team_id=body.team_id
-        )
+            body.name, admin=body.admin, limits=limits, expires_at=body.expiry(), team_id=team_id,
+            team_admin=body.team_admin,
+        )  # fmt: skip
     except FieldProblem as exc:
         raise exc.refusal() from None
     # The secret, shown once: no cache along the way may keep a copy.
     return JSONResponse({**describe(record), "key": key}, status_code=201, headers={"Cache-Control": "no-store"})
 
 
-@admin.patch("/api/keys/{key_id}")
+@managing.patch("/api/keys/{key_id}")
 async def update_key(request: Request, key_id: str) -> dict[str, Any]:
-    """Change the limits and the expiry the body names (null clears one); the others stay as they are."""
+    """Change the limits, the expiry and the team the body names (null clears one); the others stay as they
+    are."""
     body = validate(Expiry, body_of(request))
-    current = await keys(request).get(key_id)
-    if current is None:
-        raise NotFound(f"No key with id {key_id!r}.", param="key_id")
+    current = await _managed(request, key_id)
     limits = body.patched(request, current.limits)
-    if "team_id" in body.model_fields_set and body.team_id is not None:
+    if (team := _managed_team(request)) is not None:
+        _for_team_admin(body, team, limits)
+    elif "team_id" in body.model_fields_set and body.team_id is not None:
         await _team(request, body.team_id)
     found = await keys(request).update(key_id, limits)
     if found and "expires_at" in body.model_fields_set:
@@ -107,10 +158,14 @@ async def update_key(request: Request, key_id: str) -> dict[str, Any]:
             await keys(request).set_expiry(key_id, body.expiry())
         except FieldProblem as exc:
             raise exc.refusal() from None
-    moved = found and "team_id" in body.model_fields_set and body.team_id != current.team_id
-    if moved and not await keys(request).set_team(key_id, body.team_id):
-        if body.team_id is not None and await teams(request).get(body.team_id) is None:
-            raise InvalidRequest(f"team_id: no team with id {body.team_id!r}", param="team_id")
+    team_id = body.team_id if "team_id" in body.model_fields_set else current.team_id
+    team_admin = body.team_admin if "team_admin" in body.model_fields_set else current.team_admin
+    if team_admin and team_id is None:
+        raise InvalidRequest("team_admin: a team admin key needs a team_id", param="team_admin")
+    moved = found and (team_id, team_admin and team_id is not None) != (current.team_id, current.team_admin)
+    if moved and not await keys(request).set_team(key_id, team_id, team_admin):
+        if team_id is not None and await teams(request).get(team_id) is None:
+            raise InvalidRequest(f"team_id: no team with id {team_id!r}", param="team_id")
         raise NotFound(f"No active key with id {key_id!r}.", param="key_id")
     record = await keys(request).get(key_id) if found else None
     if record is None:
@@ -150,10 +205,11 @@ def checked_limits(request: Request, limits: KeyLimits, models_given: bool) -> K
     return limits
 
 
-@admin.post("/api/keys/{key_id}/rotate", response_model=None)
+@managing.post("/api/keys/{key_id}/rotate", response_model=None)
 async def rotate_key(request: Request, key_id: str, grace_seconds: float = DEFAULT_GRACE) -> JSONResponse:
     """A new secret for the key (in the answer, once); the old one is still accepted for `grace_seconds`
     (default 3600, at most 30 days; 0: not at all), so that its users can switch without an outage."""
+    await _managed(request, key_id)
     try:
         rotated = await keys(request).rotate(key_id, grace_seconds)
     except FieldProblem as exc:
@@ -164,8 +220,9 @@ async def rotate_key(request: Request, key_id: str, grace_seconds: float = DEFAU
     return JSONResponse({**describe(record), "key": key}, headers={"Cache-Control": "no-store"})
 
 
-@admin.delete("/api/keys/{key_id}")
+@managing.delete("/api/keys/{key_id}")
 async def revoke_key(request: Request, key_id: str) -> dict[str, Any]:
+    await _managed(request, key_id)
     if not await keys(request).revoke(key_id):
         raise NotFound(f"No active key with id {key_id!r}.", param="key_id")
     record = await keys(request).get(key_id)
@@ -178,19 +235,25 @@ async def usage(
     request: Request, key: str | None = None, since: str | None = None, until: str | None = None
 ) -> dict[str, Any]:
     """Usage of one key (default: the caller's own); admins may ask for any key, or all with key=*."""
-    wanted = _usage_of(caller(request), key)
+    wanted = await _usage_of(request, key)
     start = parse_time(since, 0.0, "since")
     end = parse_time(until, time.time() + 1, "until")
     await recorder(request).flush()  # rows of requests that just finished
     return await summarise(store(request), wanted, start, end, settings(request).billing.currency)
 
 
-def _usage_of(principal: Principal, key: str | None) -> str | None:
-    """The key whose usage is asked for (None: all keys), if the caller may read it."""
+async def _usage_of(request: Request, key: str | None) -> str | None:
+    """The key whose usage is asked for (None: all keys), if the caller may read it: its own, any for an
+    admin key, one of its team's for a team admin key."""
+    principal = caller(request)
     wanted = key or principal.key_id
-    if wanted != principal.key_id and not principal.is_admin:
-        raise PermissionDenied("Only admin keys may read another key's usage.")
-    return None if wanted == "*" else wanted
+    if wanted == principal.key_id or principal.is_admin:
+        return None if wanted == "*" else wanted
+    if principal.team_admin and principal.team is not None and wanted != "*":
+        record = await keys(request).get(wanted)
+        if record is not None and record.team_id == principal.team.id:
+            return wanted
+    raise PermissionDenied("Only admin keys may read another key's usage (team admin keys: their team's).")
 
 
 @keyed.get("/api/me")
@@ -245,7 +308,7 @@ async def usage_series(
 ) -> dict[str, Any]:
     """Usage per bucket ("hour" or "day", starting at the caller's local midnight when given its
     clock's `offset_minutes` ahead of UTC) and model; the same rules for `key` as /api/usage."""
-    wanted = _usage_of(caller(request), key)
+    wanted = await _usage_of(request, key)
     if bucket not in BUCKETS:
         raise InvalidRequest("bucket must be 'hour' or 'day'.", param="bucket")
     if not -14 * 60 <= offset_minutes <= 14 * 60:
@@ -271,7 +334,7 @@ async def usage_requests(
     with `before` set to this page's `next_before`. Filters: `model`, `status` (ok, error: the server's
     or the request's fault, cancelled: its client went away), `since`/`until`; the same rules for `key`
     as /api/usage."""
-    wanted = _usage_of(caller(request), key)
+    wanted = await _usage_of(request, key)
     check_page(limit, before)
     if status is not None and status not in STATUSES:
         raise InvalidRequest(f"status must be one of {', '.join(STATUSES)}.", param="status")

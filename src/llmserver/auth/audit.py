@@ -39,7 +39,7 @@ VERBS = {"POST": "create", "PUT": "replace", "PATCH": "update", "DELETE": "delet
 # take that is configuration, never a credential.
 RECORDED = frozenset(
     {*(f.name for f in dataclasses.fields(KeyLimits))}
-    | {"name", "admin", "expires_at", "grace_seconds", "model", "node", "instances", "team_id"}
+    | {"name", "admin", "expires_at", "grace_seconds", "model", "node", "instances", "team_id", "team_admin"}
 )
 WITHHELD = "(withheld)"
 

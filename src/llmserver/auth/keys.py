@@ -44,6 +44,7 @@ class Principal:
     expires_at: float | None = None  # the key's own expiry (KeyExpired from then on)
     retired_at: float | None = None  # a rotated-out secret's end of grace (an unknown key from then on)
     team: TeamRecord | None = None  # its team, whose limits apply around the key's own
+    team_admin: bool = False  # it manages its team's keys (and nothing else)
 
 
 PERIODS = ("day", "month", "total")
@@ -90,6 +91,7 @@ def describe(record: KeyRecord) -> dict[str, Any]:
         "previous_valid_until": record.previous_until if (record.previous_until or 0) > time.time() else None,
         **limit_fields(record.limits),
         "team_id": record.team_id,
+        "team_admin": record.team_admin,
     }
 
 
@@ -164,6 +166,7 @@ class KeyService:
         limits: KeyLimits = NO_LIMITS,
         expires_at: float | None = None,
         team_id: str | None = None,
+        team_admin: bool = False,
     ) -> tuple[KeyRecord, str]:
         """A new key: its record, and the key itself, which is never stored."""
         if not name.strip():
@@ -179,6 +182,7 @@ class KeyService:
             limits=check_limits(limits),
             expires_at=check_expiry(expires_at),
             team_id=team_id,
+            team_admin=team_admin,
         )
         return record, key
 
@@ -213,9 +217,9 @@ class KeyService:
                 self._used[key_id] = max(when, self._used.get(key_id, 0.0))
             raise
 
-    async def set_team(self, key_id: str, team_id: str | None) -> bool:
-        """Move an active key into a team that exists, or out of its team (None)."""
-        moved = await self._store.set_key_team(key_id, team_id)
+    async def set_team(self, key_id: str, team_id: str | None, team_admin: bool = False) -> bool:
+        """Move an active key into a team that exists (as one of its admins or not), or out of its team (None)."""
+        moved = await self._store.set_key_team(key_id, team_id, team_admin)
         self._cache.clear()
         return moved
 
@@ -252,7 +256,9 @@ class KeyService:
         if principal is None:
             return None
         team = await self._store.team_by_id(record.team_id) if record.team_id is not None else None
-        return replace(principal, retired_at=retired_at, team=team) if retired_at or team else principal
+        if not (retired_at or team):
+            return principal
+        return replace(principal, retired_at=retired_at, team=team, team_admin=record.team_admin and team is not None)
 
     async def _principal(self, key_hash: str) -> Principal | None:
         if self._cache_seconds <= 0:

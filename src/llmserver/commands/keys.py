@@ -104,6 +104,7 @@ async def team_id_of(store: TeamStore, team: str) -> str:
 @limit_options
 @expires_option
 @team_option
+@click.option("--team-admin", is_flag=True, help="The key manages its team's keys (with --team).")
 def create(
     config_file: Path | None,
     data_dir: Path | None,
@@ -116,14 +117,19 @@ def create(
     models: str | None,
     expires: str | None,
     team: str | None,
+    team_admin: bool,
 ) -> None:
     """Create a key and print it, alone on the last line. It is shown only this once."""
     limits = limits_given(quota_tokens, quota_period, rpm, max_concurrency, models)
     expires_at = _expiry(expires)
+    if team_admin and team is None:
+        raise click.UsageError("--team-admin needs --team")
 
     async def make(store: Store) -> tuple[KeyRecord, str]:
         team_id = await team_id_of(store, team) if team is not None else None
-        return await KeyService(store).create(name, admin=admin, limits=limits, expires_at=expires_at, team_id=team_id)
+        return await KeyService(store).create(
+            name, admin=admin, limits=limits, expires_at=expires_at, team_id=team_id, team_admin=team_admin
+        )
 
     record, key = with_store(load(config_file, data_dir=data_dir), make)
     click.echo(

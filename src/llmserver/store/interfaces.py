@@ -46,6 +46,7 @@ class KeyRecord:
     last_used_at: float | None = None  # as of the last batch a gateway wrote (every lease beat)
     previous_until: float | None = None  # the secret a rotation replaced is accepted until then
     team_id: str | None = None  # the team whose limits apply around its own; None: none
+    team_admin: bool = False  # it manages its team's keys (and nothing else)
 
     @property
     def active(self) -> bool:
@@ -198,6 +199,7 @@ class KeyStore(Protocol):
         limits: KeyLimits = NO_LIMITS,
         expires_at: float | None = None,
         team_id: str | None = None,
+        team_admin: bool = False,
     ) -> KeyRecord: ...
 
     async def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool: ...
@@ -246,8 +248,9 @@ class TeamStore(Protocol):
         such team."""
         ...
 
-    async def set_key_team(self, key_id: str, team_id: str | None) -> bool:
-        """Move an active key into a team (that exists) or out of its team (None)."""
+    async def set_key_team(self, key_id: str, team_id: str | None, team_admin: bool = False) -> bool:
+        """Move an active key into a team (that exists), as one of its admins or not, or out of its team
+        (None: and it is no team's admin)."""
         ...
 
 

@@ -196,6 +196,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE api_keys ADD COLUMN team_id TEXT REFERENCES teams (id) ON DELETE SET NULL;
     CREATE INDEX api_keys_by_team ON api_keys (team_id);
     """,
+    # 14: team admin keys: a key of a team that manages its team's keys (and nothing else).
+    """
+    ALTER TABLE api_keys ADD COLUMN is_team_admin INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 POSTGRES: list[str] = [
@@ -356,5 +360,9 @@ POSTGRES: list[str] = [
     );
     ALTER TABLE api_keys ADD COLUMN team_id TEXT REFERENCES teams (id) ON DELETE SET NULL;
     CREATE INDEX api_keys_by_team ON api_keys (team_id);
+    """,
+    # 9: as SQLite's 14: team admin keys.
+    """
+    ALTER TABLE api_keys ADD COLUMN is_team_admin BOOLEAN NOT NULL DEFAULT FALSE;
     """,
 ]

@@ -156,15 +156,29 @@ class PostgresStore:
         limits: KeyLimits = NO_LIMITS,
         expires_at: float | None = None,
         team_id: str | None = None,
+        team_admin: bool = False,
     ) -> KeyRecord:
         created = utc_now()
+        team_admin = team_admin and team_id is not None
         await self._execute(
             "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at,"
-            " quota_tokens, quota_period, rpm, max_concurrency, models, expires_at, team_id)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+            " quota_tokens, quota_period, rpm, max_concurrency, models, expires_at, team_id, is_team_admin)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
             key_id, name, key_hash, fingerprint, is_admin, created, *limit_values(limits), expires_at, team_id,
+            team_admin,
         )  # fmt: skip
-        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits, expires_at, team_id=team_id)
+        return KeyRecord(
+            key_id,
+            name,
+            fingerprint,
+            is_admin,
+            created,
+            None,
+            limits,
+            expires_at,
+            team_id=team_id,
+            team_admin=team_admin,
+        )
 
     async def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
         status = await self._execute(
@@ -258,7 +272,7 @@ class PostgresStore:
                 await conn.execute("DELETE FROM teams WHERE id = $1", team_id)
         return int(members)
 
-    async def set_key_team(self, key_id: str, team_id: str | None) -> bool:
+    async def set_key_team(self, key_id: str, team_id: str | None, team_admin: bool = False) -> bool:
         async with self._transaction() as conn:
             if (
                 team_id is not None
@@ -266,8 +280,9 @@ class PostgresStore:
             ):
                 return False
             status = await conn.execute(
-                "UPDATE api_keys SET team_id = $1 WHERE id = $2 AND revoked_at IS NULL", team_id, key_id
-            )
+                "UPDATE api_keys SET team_id = $1, is_team_admin = $2 WHERE id = $3 AND revoked_at IS NULL",
+                team_id, team_admin and team_id is not None, key_id,
+            )  # fmt: skip
         return str(status) == "UPDATE 1"
 
     # Quota counters (a key's or a team's)

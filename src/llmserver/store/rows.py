@@ -38,6 +38,7 @@ def key_record(row: Row) -> KeyRecord:
         last_used_at=row["last_used_at"],
         previous_until=row["previous_until"],
         team_id=row["team_id"],
+        team_admin=bool(row["is_team_admin"]),
     )
 
 

@@ -121,15 +121,29 @@ class SQLiteStore:
         limits: KeyLimits = NO_LIMITS,
         expires_at: float | None = None,
         team_id: str | None = None,
+        team_admin: bool = False,
     ) -> KeyRecord:
         created = utc_now()
+        team_admin = team_admin and team_id is not None
         self._db.execute(
             "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at, quota_tokens,"
-            " quota_period, rpm, max_concurrency, models, expires_at, team_id)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (key_id, name, key_hash, fingerprint, int(is_admin), created, *limit_values(limits), expires_at, team_id),
+            " quota_period, rpm, max_concurrency, models, expires_at, team_id, is_team_admin)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (key_id, name, key_hash, fingerprint, int(is_admin), created, *limit_values(limits), expires_at, team_id,
+             int(team_admin)),
+        )  # fmt: skip
+        return KeyRecord(
+            key_id,
+            name,
+            fingerprint,
+            is_admin,
+            created,
+            None,
+            limits,
+            expires_at,
+            team_id=team_id,
+            team_admin=team_admin,
         )
-        return KeyRecord(key_id, name, fingerprint, is_admin, created, None, limits, expires_at, team_id=team_id)
 
     @_in_thread
     def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
@@ -238,11 +252,11 @@ class SQLiteStore:
         return int(members)
 
     @_in_thread
-    def set_key_team(self, key_id: str, team_id: str | None) -> bool:
+    def set_key_team(self, key_id: str, team_id: str | None, team_admin: bool = False) -> bool:
         cursor = self._db.execute(
-            "UPDATE api_keys SET team_id = ? WHERE id = ? AND revoked_at IS NULL"
+            "UPDATE api_keys SET team_id = ?, is_team_admin = ? WHERE id = ? AND revoked_at IS NULL"
             " AND (? IS NULL OR EXISTS (SELECT 1 FROM teams WHERE id = ?))",
-            (team_id, key_id, team_id, team_id),
+            (team_id, int(team_admin and team_id is not None), key_id, team_id, team_id),
         )
         return cursor.rowcount == 1
 
