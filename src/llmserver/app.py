@@ -102,7 +102,13 @@ def create_app(settings: Settings) -> FastAPI:
         supervisor = Supervisor(settings, lineup)
         metrics = Metrics(supervisor.pools)
         metrics.registry.register(PoolCollector(supervisor, node=settings.node.id or gateway))
-        quota = QuotaService(store, gateway)
+        quota = QuotaService(
+            store,
+            gateway,
+            currency=settings.billing.currency,
+            thresholds=tuple(settings.billing.budget_alerts),
+            webhook=settings.billing.budget_webhook,
+        )
         speed = RollingSpeed(store)
         supervisor.speed_of = speed.average
         await speed.load()
@@ -174,6 +180,7 @@ def create_app(settings: Settings) -> FastAPI:
             isolate_keys=settings.prompt_cache.isolation == "key",
         )
         job_service = JobService(settings, store, store, store, store)
+        recorder.on_alert = job_service.outbox.wake  # a budget alert's webhook, queued by a settlement
 
         app.state.settings = settings
         app.state.store = store

@@ -123,6 +123,11 @@ class Prices(BaseModel):
     )
     output: float = Field(ge=0, le=1e6, description="Per million completion tokens.")
 
+    @property
+    def most(self) -> float:
+        """The most one token may cost, per million: what a budget reserves for each token a request may use."""
+        return max(self.input, self.output, self.cached_input or 0.0)
+
     def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
         """A request's cost: its prompt read, its prompt from the cache, its completion."""
         cached = min(cached_tokens, prompt_tokens)
@@ -652,6 +657,22 @@ class BillingSettings(Section):
     currency: str = Field(
         default="USD", pattern="^[A-Z]{3}$", description="The currency of the models' prices and of spend (ISO 4217)."
     )
+    budget_alerts: list[int] = Field(
+        default_factory=lambda: [50, 80, 100],
+        description="Percentages of a key's or team's budget in money whose crossing is counted "
+        "(llmserver_budget_alerts_total) and sent to budget_webhook, once each per period.",
+    )
+    budget_webhook: str | None = Field(
+        default=None,
+        description="Where a budget's crossed threshold is POSTed as JSON (through the webhook outbox); empty: none.",
+    )
+
+    @field_validator("budget_alerts")
+    @classmethod
+    def _check_alerts(cls, value: list[int]) -> list[int]:
+        if any(not 1 <= pct <= 100 for pct in value):
+            raise ValueError("each threshold is a percentage of the budget, 1 to 100")
+        return sorted(set(value))
 
 
 class ObservabilitySettings(Section):

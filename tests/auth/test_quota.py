@@ -3,6 +3,7 @@ on each engine (a real SQLite file, a real PostgreSQL database), with an injecta
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 import pytest
@@ -195,5 +196,46 @@ def test_a_teams_quota_holds_for_its_keys_together_and_each_key_within_its_own(d
             await quota.exhausted(alice)  # the team's day is spent, though alice's month is not
         standing = await quota.standing(team.id, team.limits)
         assert standing is not None and (standing["used"], standing["reserved"], standing["left"]) == (25, 75, 0)
+
+    with_store(database_url, test)
+
+
+def test_a_budget_in_money_holds_what_a_request_may_cost_and_its_thresholds_are_crossed_once(
+    database_url: str,
+) -> None:
+    """At 1,000 per million tokens (0.001 a token) a 0.1 budget holds 100 tokens' worth; each settlement is
+    charged the request's real cost, and each threshold is reported by the one settlement that crosses
+    it, whichever of two gateways writes it."""
+
+    async def test(store: Store) -> None:
+        clock = Clock(datetime(2026, 3, 1, tzinfo=UTC))
+        mine = QuotaService(store, "gw1", clock, currency="EUR", thresholds=(50, 80, 100))
+        theirs = QuotaService(store, "gw2", clock, currency="EUR", thresholds=(50, 80, 100))
+        who = principal(budget=0.1, budget_period="day")
+        assert await mine.reserve(who, 10**6) == []  # a model without prices costs nothing
+        held = await mine.reserve(who, 60, price=1000.0)
+        assert [(r.key_id, r.amount) for r in held] == [("key_q/money", 60_000_000)]
+        with pytest.raises(InsufficientQuota) as caught:
+            await theirs.reserve(who, 50, price=1000.0)
+        assert caught.value.message.startswith(
+            "This API key's budget (0.1 EUR per day) cannot cover this request: it may cost up to 0.050000 EUR and "
+            "0.040000 are left; 0.060000 EUR of them are held by this key's requests in flight"
+        )
+        crossed = []
+        for service, reservation, cost in [(mine, held, 0.03), (theirs, None, 0.03), (mine, None, 0.021)]:
+            taken = reservation or await service.reserve(who, 30, price=1000.0)
+            crossed += await store.record(UsageBatch(settlements=service.settlements(taken, 30, cost)))
+        assert [(a.owner, a.threshold) for a in crossed] == [("key", 50), ("key", 80)]  # 0.03, 0.06, 0.081
+        standing = await mine.budget_standing("key_q", who.limits)
+        assert standing is not None and (standing["spent"], standing["reserved"], standing["currency"]) == (
+            0.081,
+            0.0,
+            "EUR",
+        )
+        last = await theirs.reserve(who, 19, price=1000.0)
+        crossed = await store.record(UsageBatch(settlements=theirs.settlements(last, 19, 0.019)))
+        assert [a.threshold for a in crossed] == [100] and json.loads(crossed[0].payload)["window"] == "2026-03-01"
+        with pytest.raises(InsufficientQuota):
+            await mine.reserve(who, 1, price=1000.0)
 
     with_store(database_url, test)

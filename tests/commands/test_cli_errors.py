@@ -92,7 +92,8 @@ def test_keys_update_changes_only_what_it_names(tmp_path: Path) -> None:
     assert (listed[0]["rpm"], listed[0]["quota_tokens"], listed[0]["quota_period"]) == (100, 300, "day")
     assert set(listed[0]) == {"id", "name", "fingerprint", "admin", "created_at", "revoked_at", "expires_at",
                               "last_used_at", "previous_valid_until", "quota_tokens", "quota_period", "rpm",
-                              "max_concurrency", "models", "team_id", "team_admin"}  # fmt: skip  # the API's shape
+                              "max_concurrency", "models", "budget", "budget_period", "team_id",
+                              "team_admin"}  # fmt: skip  # the API's shape
     cleared = llmserver("keys", "update", key_id, "--clear", "quota", "--data-dir", str(tmp_path))
     assert cleared.returncode == 0, cleared.stderr
     listed = json.loads(llmserver("keys", "list", "--json", "--data-dir", str(tmp_path)).stdout)

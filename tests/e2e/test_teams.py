@@ -4,11 +4,14 @@ its keys together (quota, requests in flight, requests per minute, models) aroun
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
-from tests.support import COUNTING, MODEL, Server, assert_error, cli, make_key
+from tests.support import COUNTING, MODEL, THREADS, Server, assert_error, cli, make_key, metric, wait_for
+from tests.support.receiver import Receiver
 
 
 def _admin(server: Server) -> httpx.Client:
@@ -243,3 +246,53 @@ def test_a_team_admin_key_manages_its_teams_keys_within_the_teams_limits_and_not
         assert {("keys.create", "team-lead"), ("keys.delete", "team-lead")} <= {
             (r["action"], r["key"]["name"]) for r in rows
         }
+
+
+@pytest.mark.slow  # a server of its own, with prices
+def test_a_teams_budget_in_money_refuses_what_it_cannot_pay_and_each_threshold_is_sent_once(
+    start_server: Callable[..., Server],
+) -> None:
+    receiver = Receiver().start()
+    try:
+        config = f"""
+billing.currency = "EUR"
+billing.budget_alerts = [50, 90]
+billing.budget_webhook = "{receiver.url}"
+[[models]]
+name = "{MODEL}"
+parallel = 2
+ctx_size = 1024
+threads = {THREADS}
+prices = {{ input = 1000.0, output = 1000.0 }}
+"""
+        server = start_server(config)
+        with _admin(server) as admin:
+            team = _team(admin, "paying-team", budget=0.2, budget_period="day")
+            keys = [_member(admin, f"payer-{i}", team["id"])[1] for i in range(2)]
+            spent, answers = 0.0, []
+            for i in range(8):  # 0.001 a token: about 0.038 a request; the 8th cannot fit
+                answer = _complete(server, keys[i % 2])
+                answers.append(answer)
+                if answer.status_code == 200:
+                    spent += answer.json()["usage"]["total_tokens"] * 0.001
+            refused = [a for a in answers if a.status_code != 200]
+            assert refused and all(a.status_code == 429 for a in refused)
+            message = refused[0].json()["error"]["message"]
+            assert message.startswith("The budget of this API key's team 'paying-team' (0.2 EUR per day)"), message
+            assert_error(refused[0], 429, "insufficient_quota")
+            standing = admin.get(f"/api/teams/{team['id']}").json()["spend"]
+            assert standing["spent"] == pytest.approx(spent) and standing["reserved"] == 0
+            assert spent <= 0.2 and standing["currency"] == "EUR"
+            cost = admin.get("/api/usage", params={"key": "*"}).json()["cost"]
+            assert cost == pytest.approx(spent)  # the ledger's rows and the budget's counter agree
+            # Each threshold crossed once, to the operator's (private) webhook and in the metric.
+            assert wait_for(lambda: len(receiver.received) == 2, 15), receiver.received
+            sent = sorted(receiver.received, key=lambda alert: alert["threshold"])
+            assert [(a["threshold"], a["owner"], a["id"], a["team"]) for a in sent] == [
+                (50, "team", team["id"], "paying-team"),
+                (90, "team", team["id"], "paying-team"),
+            ]
+            admin_key = admin.headers["Authorization"].removeprefix("Bearer ")
+            assert metric(server, admin_key, "llmserver_budget_alerts_total", owner="team", threshold="50") == 1
+    finally:
+        receiver.stop()

@@ -342,7 +342,7 @@ def test_the_audit_log_appends_pages_newest_first_with_filters_and_sweeps_by_age
 
 def test_teams_are_made_renamed_joined_left_and_deleted_only_without_active_keys(database_url: str) -> None:
     async def test(store: Store) -> None:
-        limits = KeyLimits(quota_tokens=1000, quota_period="day", rpm=60, max_concurrency=4, models=("a*",))
+        limits = KeyLimits(1000, "day", 60, 4, ("a*",), budget=12.5, budget_period="month")
         team = await store.insert_team("team_r", "research", limits)
         assert team is not None and (team.name, team.limits) == ("research", limits)
         assert await store.insert_team("team_x", "research", NO_LIMITS) is None  # the name is taken

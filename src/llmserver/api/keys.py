@@ -37,10 +37,20 @@ class Limits(BaseModel):
     rpm: int | None = Field(default=None, ge=1)
     max_concurrency: int | None = Field(default=None, ge=1)
     models: list[str] | None = Field(default=None, description="Model names or patterns the key may use; null: all.")
+    budget: float | None = Field(default=None, gt=0, description="What its requests may cost per budget_period.")
+    budget_period: str | None = Field(default=None, pattern="^(day|month|total)$")
 
     def limits(self) -> KeyLimits:
         models = tuple(self.models) if self.models is not None else None
-        return KeyLimits(self.quota_tokens, self.quota_period, self.rpm, self.max_concurrency, models)
+        return KeyLimits(
+            self.quota_tokens,
+            self.quota_period,
+            self.rpm,
+            self.max_concurrency,
+            models,
+            self.budget,
+            self.budget_period,
+        )
 
     def patched(self, request: Request, current: KeyLimits) -> KeyLimits:
         """`current` with the limits this PATCH body names (null clears one) and the others kept, checked."""
@@ -93,7 +103,7 @@ def _for_team_admin(body: Expiry, team: TeamRecord, limits: KeyLimits) -> None:
         raise PermissionDenied(
             f"A team admin key manages the keys of its own team ({team.id!r}) only.", param="team_id"
         )
-    for name in ("quota_tokens", "rpm", "max_concurrency"):
+    for name in ("quota_tokens", "rpm", "max_concurrency", "budget"):
         mine, theirs = getattr(limits, name), getattr(team.limits, name)
         if mine is not None and theirs is not None and mine > theirs:
             raise InvalidRequest(f"{name}: at most the team's {theirs}", param=name)
@@ -110,12 +120,17 @@ async def list_keys(request: Request) -> dict[str, Any]:
     if (team := _managed_team(request)) is not None:
         records = [k for k in records if k.team_id == team.id]
     quotas = quota(request)
-    standing = await asyncio.gather(*(quotas.standing(k.id, k.limits) for k in records if k.revoked_at is None))
-    live = iter(standing)
+    active = [k for k in records if k.revoked_at is None]
+    standing = iter(await asyncio.gather(*(quotas.standing(k.id, k.limits) for k in active)))
+    spent = iter(await asyncio.gather(*(quotas.budget_standing(k.id, k.limits) for k in active)))
     return {
         "object": "list",
-        "data": [{**describe(k), "quota": next(live) if k.revoked_at is None else None} for k in records],
-    }
+        "data": [
+            {**describe(k), "quota": next(standing) if k.revoked_at is None else None,
+             "spend": next(spent) if k.revoked_at is None else None}
+            for k in records
+        ],
+    }  # fmt: skip
 
 
 @managing.post("/api/keys", status_code=201, response_model=None)
@@ -268,6 +283,7 @@ async def me(request: Request) -> dict[str, Any]:
         "admin": principal.is_admin,
         **limit_fields(principal.limits),
         "quota": await quota(request).standing(principal.key_id, principal.limits),
+        "spend": await quota(request).budget_standing(principal.key_id, principal.limits),
         "team": await _own_team(request, principal),
         # The server's request limits, for clients that check inputs before sending them (the names they had
         # before the settings were put in sections: clients read them).
@@ -291,6 +307,7 @@ async def _own_team(request: Request, principal: Principal) -> dict[str, Any] | 
         "name": team.name,
         **limit_fields(team.limits),
         "quota": await quota(request).standing(team.id, team.limits),
+        "spend": await quota(request).budget_standing(team.id, team.limits),
     }
 
 

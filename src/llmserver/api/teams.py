@@ -39,6 +39,7 @@ async def _described(request: Request, team: TeamRecord, members: list[KeyRecord
         **limit_fields(team.limits),
         "keys": [{"id": k.id, "name": k.name} for k in members if k.team_id == team.id and k.active],
         "quota": await quota(request).standing(team.id, team.limits),
+        "spend": await quota(request).budget_standing(team.id, team.limits),
     }
 
 

@@ -48,6 +48,7 @@ class Principal:
 
 
 PERIODS = ("day", "month", "total")
+MAX_BUDGET = 1e9  # in billing.currency: counted in billionths, well within a 64-bit counter
 MODEL_PATTERN = re.compile(r"^[A-Za-z0-9._:*?\[\]-]{1,128}$")
 
 
@@ -60,6 +61,13 @@ def check_limits(limits: KeyLimits) -> KeyLimits:
             raise FieldProblem(f"a token quota needs a period: one of {', '.join(PERIODS)}", "quota_period")
     elif limits.quota_period is not None:
         raise FieldProblem("a period needs a token quota", "quota_tokens")
+    if limits.budget is not None:
+        if not 0 < limits.budget <= MAX_BUDGET:
+            raise FieldProblem(f"must be more than 0 and at most {MAX_BUDGET:,.0f}", "budget")
+        if limits.budget_period not in PERIODS:
+            raise FieldProblem(f"a budget needs a period: one of {', '.join(PERIODS)}", "budget_period")
+    elif limits.budget_period is not None:
+        raise FieldProblem("a period needs a budget", "budget")
     for name in ("rpm", "max_concurrency"):
         value = getattr(limits, name)
         if value is not None and value < 1:

@@ -15,6 +15,8 @@ first is released when the second is refused).
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from typing import Any
 
 from llmserver.auth.keys import Principal
 from llmserver.errors import APIError
-from llmserver.store import KeyLimits, QuotaStore, Settlement
+from llmserver.store import Alert, KeyLimits, QuotaStore, Settlement
 
 Clock = Callable[[], float]
 
@@ -39,23 +41,58 @@ class Window:
     resets_at: datetime | None  # None for total quotas
 
 
+MONEY = "/money"  # a budget's counter: its key's or team's id, then this
+NANO = 1_000_000_000  # a budget is counted in billionths of billing.currency
+
+
+@dataclass(frozen=True)
+class Counter:
+    """One limit a request draws on: a token quota or a budget in money, of its key or of its team."""
+
+    id: str  # the counter's row key: the key's or team's id (with MONEY after it for a budget)
+    limit: int  # tokens, or billionths
+    period: str
+    team: str | None  # the team's name, when the counter is a team's
+    budget: float | None = None  # a budget's, in billing.currency (None: a token quota)
+
+
 @dataclass
 class Reservation:
     key_id: str  # the counter's id: the key's, or its team's
     limit: int
     period: str
     window: Window
-    amount: int
+    amount: int  # in the counter's units: tokens, or billionths
     settled: bool = False
     team: str | None = None  # the team's name, when the counter is a team's
+    per_token: int = 0  # a budget's: the most one token may cost, in billionths (0: a token quota)
+    budget: float | None = None
+
+    def units(self, tokens: int) -> int:
+        """What `tokens` hold on this counter."""
+        return tokens * self.per_token if self.per_token else tokens
 
 
-def _counters(principal: Principal) -> list[tuple[str, KeyLimits, str | None]]:
-    """The quota counters a request of this key draws on: its own, then its team's."""
-    counters: list[tuple[str, KeyLimits, str | None]] = [(principal.key_id, principal.limits, None)]
+def _counters(principal: Principal, priced: bool = False) -> list[Counter]:
+    """The counters a request of this key draws on, its own before its team's: token quotas, and budgets
+    when its model has prices (a model without prices costs nothing)."""
+    owners: list[tuple[str, KeyLimits, str | None]] = [(principal.key_id, principal.limits, None)]
     if principal.team is not None:
-        counters.append((principal.team.id, principal.team.limits, principal.team.name))
-    return [c for c in counters if c[1].quota_tokens is not None and c[1].quota_period is not None]
+        owners.append((principal.team.id, principal.team.limits, principal.team.name))
+    counters = []
+    for owner, limits, team in owners:
+        if limits.quota_tokens is not None and limits.quota_period is not None:
+            counters.append(Counter(owner, limits.quota_tokens, limits.quota_period, team))
+        if priced and limits.budget is not None and limits.budget_period is not None:
+            counters.append(
+                Counter(owner + MONEY, round(limits.budget * NANO), limits.budget_period, team, limits.budget)
+            )
+    return counters
+
+
+def per_token(price: float) -> int:
+    """One token at `price` per million tokens, in billionths (rounded up)."""
+    return math.ceil(price * NANO / 1e6)
 
 
 def window(period: str, now: float) -> Window:
@@ -71,21 +108,37 @@ def window(period: str, now: float) -> Window:
 
 
 class QuotaService:
-    def __init__(self, store: QuotaStore, gateway_id: str, clock: Clock = time.time) -> None:
+    def __init__(
+        self,
+        store: QuotaStore,
+        gateway_id: str,
+        clock: Clock = time.time,
+        *,
+        currency: str = "USD",
+        thresholds: tuple[int, ...] = (),
+        webhook: str | None = None,
+    ) -> None:
         self._store = store
+        self.currency = currency
+        self.thresholds = thresholds  # percentages of a budget whose crossing is reported (billing.budget_alerts)
+        self.webhook = webhook  # where it is POSTed (billing.budget_webhook)
         self.gateway_id = gateway_id
         self._clock = clock
 
-    async def reserve(self, principal: Principal, amount: int) -> list[Reservation]:
-        """Reserve `amount` tokens on the key's quota and its team's (none when neither has one)."""
+    async def reserve(self, principal: Principal, amount: int, price: float | None = None) -> list[Reservation]:
+        """Reserve `amount` tokens on the key's quota and its team's, and on their budgets what they may
+        cost at `price` (the most a token of the model costs, per million; None: the model has no prices);
+        429 for the first that cannot cover it."""
         held: list[Reservation] = []
         now = self._clock()
-        for counter, limits, team in _counters(principal):
-            assert limits.quota_tokens is not None and limits.quota_period is not None
-            current = window(limits.quota_period, now)
-            reservation = Reservation(counter, limits.quota_tokens, limits.quota_period, current, 0, team=team)
+        for counter in _counters(principal, price is not None):
+            reservation = Reservation(
+                counter.id, counter.limit, counter.period, window(counter.period, now), 0, team=counter.team,
+                per_token=max(1, per_token(price)) if counter.budget is not None and price is not None else 0,
+                budget=counter.budget,
+            )  # fmt: skip
             try:
-                await self._grow(reservation, amount)
+                await self._grow(reservation, reservation.units(amount))
             except BaseException:
                 for taken in held:
                     await self._store.quota_release(taken.key_id, taken.window.start, self.gateway_id, taken.amount)
@@ -94,18 +147,19 @@ class QuotaService:
         return held
 
     async def adjust(self, reservations: list[Reservation], amount: int) -> None:
-        """Hold `amount` instead: release the difference, or reserve more (429 if that does not fit; what
-        was held stays held until the request closes and is settled)."""
+        """Hold `amount` tokens instead: release the difference, or reserve more (429 if that does not fit;
+        what was held stays held until the request closes and is settled)."""
         for reservation in reservations:
-            if reservation.settled or amount == reservation.amount:
+            wanted = reservation.units(amount)
+            if reservation.settled or wanted == reservation.amount:
                 continue
-            if amount < reservation.amount:
+            if wanted < reservation.amount:
                 await self._store.quota_release(
-                    reservation.key_id, reservation.window.start, self.gateway_id, reservation.amount - amount
+                    reservation.key_id, reservation.window.start, self.gateway_id, reservation.amount - wanted
                 )
-                reservation.amount = amount
+                reservation.amount = wanted
                 continue
-            await self._grow(reservation, amount - reservation.amount)
+            await self._grow(reservation, wanted - reservation.amount)
 
     async def _grow(self, reservation: Reservation, more: int) -> None:
         grant = await self._store.quota_reserve(
@@ -118,19 +172,23 @@ class QuotaService:
 
     def _refusal(self, reservation: Reservation, wanted: int, taken: int, held: int = 0) -> InsufficientQuota:
         left = max(0, reservation.limit - taken)
-        whose = "This API key's token quota"
+        what = "token quota" if reservation.budget is None else "budget"
+        whose = f"This API key's {what}"
         if reservation.team is not None:
-            whose = f"The token quota of this API key's team {reservation.team!r}"
-        message = (
-            f"{whose} ({reservation.limit} per {reservation.period}) cannot cover this "
-            f"request: it may use up to {wanted} tokens and {left} are left"
-        )
+            whose = f"The {what} of this API key's team {reservation.team!r}"
+        if reservation.budget is None:
+            size, asked = f"{reservation.limit}", f"use up to {wanted} tokens and {left} are left"
+        else:
+            size = f"{reservation.budget:g} {self.currency}"
+            asked = f"cost up to {wanted / NANO:.6f} {self.currency} and {left / NANO:.6f} are left"
+        message = f"{whose} ({size} per {reservation.period}) cannot cover this request: it may {asked}"
         resets_at = reservation.window.resets_at
         if held > 0 and wanted <= reservation.limit - (taken - held):
             # What blocks it is held by the key's requests in flight, settled (most of it given back) as
             # they end: a retry then may well succeed, whatever the period.
+            amount = f"{held}" if reservation.budget is None else f"{held / NANO:.6f} {self.currency}"
             message += (
-                f"; {held} of them are held by {'this key' if reservation.team is None else 'the team'}'s requests"
+                f"; {amount} of them are held by {'this key' if reservation.team is None else 'the team'}'s requests"
                 " in flight until they end (each holds what it "
                 "may use and is charged what it used): retry when one has finished"
             )
@@ -144,19 +202,43 @@ class QuotaService:
             message += "; a total quota does not reset."
         return InsufficientQuota(message, headers=headers)
 
-    def settlements(self, reservations: list[Reservation], used: int) -> list[Settlement]:
-        """The writes that charge the real count and release the reservations (once), for the usage batch."""
+    def settlements(self, reservations: list[Reservation], used: int, cost: float | None = None) -> list[Settlement]:
+        """The writes that charge the real count (`used` tokens; `cost` on budgets) and release the
+        reservations (once), for the usage batch; a budget's crossed thresholds are reported by the store."""
         writes = []
         for reservation in reservations:
             if reservation.settled:
                 continue
             reservation.settled = True
+            charged = max(0, used) if reservation.budget is None else max(0, round((cost or 0.0) * NANO))
             writes.append(
                 Settlement(
-                    reservation.key_id, reservation.window.start, self.gateway_id, reservation.amount, max(0, used)
+                    reservation.key_id,
+                    reservation.window.start,
+                    self.gateway_id,
+                    reservation.amount,
+                    charged,
+                    alerts=self._alerts(reservation),
                 )
             )
         return writes
+
+    def _alerts(self, reservation: Reservation) -> tuple[Alert, ...]:
+        """A budget's thresholds (billing.budget_alerts), each with what its webhook says when crossed."""
+        if reservation.budget is None or not self.thresholds:
+            return ()
+        owner = reservation.key_id.removesuffix(MONEY)
+        kind = "team" if reservation.team is not None else "key"
+        alerts = []
+        for pct in self.thresholds:
+            payload = {
+                "type": "budget.threshold", "owner": kind, "id": owner, "team": reservation.team,
+                "threshold": pct, "budget": reservation.budget, "currency": self.currency,
+                "period": reservation.period, "window": reservation.window.start,
+            }  # fmt: skip
+            mark = math.ceil(reservation.limit * pct / 100)
+            alerts.append(Alert(mark, self.webhook, json.dumps(payload), kind, pct))
+        return tuple(alerts)
 
     async def standing(self, key_id: str, limits: KeyLimits) -> dict[str, Any] | None:
         """Where a key stands in its quota's current window (None: no quota): what the console shows."""
@@ -174,16 +256,32 @@ class QuotaService:
             "resets_at": current.resets_at.isoformat() if current.resets_at is not None else None,
         }
 
+    async def budget_standing(self, owner_id: str, limits: KeyLimits) -> dict[str, Any] | None:
+        """Where a key's or team's budget stands in its current window (None: no budget), in billing.currency."""
+        if limits.budget is None or limits.budget_period is None:
+            return None
+        current = window(limits.budget_period, self._clock())
+        used, reserved = await self._store.quota_counts(owner_id + MONEY, current.start)
+        return {
+            "budget": limits.budget,
+            "currency": self.currency,
+            "period": limits.budget_period,
+            "window": current.start,
+            "spent": used / NANO,
+            "reserved": reserved / NANO,  # what requests in flight may still cost, on every gateway
+            "left": max(0, round(limits.budget * NANO) - used - reserved) / NANO,
+            "resets_at": current.resets_at.isoformat() if current.resets_at is not None else None,
+        }
+
     async def exhausted(self, principal: Principal) -> None:
         """429 when the key's quota or its team's has nothing left in this window (a check that needs no
         request)."""
         now = self._clock()
-        for counter, limits, team in _counters(principal):
-            assert limits.quota_tokens is not None and limits.quota_period is not None
-            current = window(limits.quota_period, now)
-            used, reserved = await self._store.quota_counts(counter, current.start)
-            if used + reserved >= limits.quota_tokens:
-                reservation = Reservation(counter, limits.quota_tokens, limits.quota_period, current, 0, team=team)
+        for counter in _counters(principal):  # token quotas: whether a request costs anything depends on its model
+            current = window(counter.period, now)
+            used, reserved = await self._store.quota_counts(counter.id, current.start)
+            if used + reserved >= counter.limit:
+                reservation = Reservation(counter.id, counter.limit, counter.period, current, 0, team=counter.team)
                 raise self._refusal(reservation, 1, used + reserved)
 
     async def headers(self, principal: Principal) -> dict[str, str]:

@@ -32,6 +32,10 @@ def keys() -> None:
 
 def limit_options(func: F) -> F:
     func = click.option(
+        "--budget-period", type=click.Choice(["day", "month", "total"]), default=None, help="The budget's period."
+    )(func)
+    func = click.option("--budget", type=float, default=None, help="What requests may cost, in billing.currency.")(func)
+    func = click.option(
         "--models", default=None, help="Comma-separated model names or patterns the key may use (default: all)."
     )(func)
     func = click.option("--max-concurrency", type=int, default=None, help="Requests in flight at once.")(func)
@@ -49,8 +53,10 @@ def limits_given(
     rpm: int | None,
     max_concurrency: int | None,
     models: str | None,
+    budget: float | None = None,
+    budget_period: str | None = None,
 ) -> KeyLimits:
-    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models))
+    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models), budget, budget_period)
     try:
         return check_limits(limits)
     except FieldProblem as exc:
@@ -115,12 +121,14 @@ def create(
     rpm: int | None,
     max_concurrency: int | None,
     models: str | None,
+    budget: float | None,
+    budget_period: str | None,
     expires: str | None,
     team: str | None,
     team_admin: bool,
 ) -> None:
     """Create a key and print it, alone on the last line. It is shown only this once."""
-    limits = limits_given(quota_tokens, quota_period, rpm, max_concurrency, models)
+    limits = limits_given(quota_tokens, quota_period, rpm, max_concurrency, models, budget, budget_period)
     expires_at = _expiry(expires)
     if team_admin and team is None:
         raise click.UsageError("--team-admin needs --team")
@@ -168,7 +176,8 @@ def _when(moment: float | None) -> str:
 
 
 CLEARABLE = {"quota": ("quota_tokens", "quota_period"), "rpm": ("rpm",),
-             "max-concurrency": ("max_concurrency",), "models": ("models",), "expires": (), "team": ()}  # fmt: skip
+             "max-concurrency": ("max_concurrency",), "models": ("models",), "budget": ("budget", "budget_period"),
+             "expires": (), "team": ()}  # fmt: skip
 
 
 @keys.command()
@@ -189,6 +198,8 @@ def update(
     rpm: int | None,
     max_concurrency: int | None,
     models: str | None,
+    budget: float | None,
+    budget_period: str | None,
     expires: str | None,
     team: str | None,
     cleared: tuple[str, ...],
@@ -202,7 +213,7 @@ def update(
         record = await service.get(key_id)
         if record is None:
             return False
-        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models))
+        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models), budget, budget_period)
         changes: dict[str, Any] = {name: value for name, value in asdict(given).items() if value is not None}
         changes.update({field: None for name in cleared for field in CLEARABLE[name]})
         try:

@@ -50,9 +50,11 @@ def create(
     rpm: int | None,
     max_concurrency: int | None,
     models: str | None,
+    budget: float | None,
+    budget_period: str | None,
 ) -> None:
     """Create a team with these limits (for all its keys together) and print its id."""
-    limits = limits_given(quota_tokens, quota_period, rpm, max_concurrency, models)
+    limits = limits_given(quota_tokens, quota_period, rpm, max_concurrency, models, budget, budget_period)
     team = _run(config_file, data_dir, lambda store: _service(store).create(name, limits))
     click.echo(f"created team {team.id} ({team.name})", err=True)
     click.echo(team.id)
@@ -104,6 +106,8 @@ def update(
     rpm: int | None,
     max_concurrency: int | None,
     models: str | None,
+    budget: float | None,
+    budget_period: str | None,
     cleared: tuple[str, ...],
 ) -> None:
     """Change the team's (id or name) name and the limits given; the others stay; --clear removes one."""
@@ -112,7 +116,7 @@ def update(
         service = _service(store)
         record = await service.get(await team_id_of(store, team))
         assert record is not None
-        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models))
+        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models), budget, budget_period)
         changes: dict[str, Any] = {field: value for field, value in asdict(given).items() if value is not None}
         changes.update({field: None for option in cleared for field in TEAM_CLEARABLE[option]})
         updated = await service.update(record.id, name or record.name, replace(record.limits, **changes))

@@ -28,6 +28,7 @@ from llmserver.store import OutboxItem, OutboxStore
 log = logging.getLogger(__name__)
 
 BATCH = 16
+OPERATORS = "budget:"  # the outbox items whose URL comes from the server's settings (store.alert_id)
 MAX_POLL = 8.0  # seconds between looks for other gateways' items, while none turn up
 
 
@@ -139,7 +140,9 @@ class WebhookOutbox:
                 item.url,
                 payload,
                 timeout=self._timeout,
-                allow_private=self._allow_private,
+                # A budget alert goes where the operator's settings say (billing.budget_webhook), often an
+                # internal address; a job's goes where its client said, so not to private ones by default.
+                allow_private=self._allow_private or item.tracking_id.startswith(OPERATORS),
                 max_url_length=self._max_url_length,
             )
             if span is not None:

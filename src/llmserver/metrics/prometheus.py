@@ -124,6 +124,12 @@ class Metrics:
         self.quota_rejections = Counter(
             "llmserver_quota_rejections", "Requests refused by a key's limits", ["type"], registry=self.registry
         )
+        self.budget_alerts = Counter(
+            "llmserver_budget_alerts",
+            "Budget thresholds (billing.budget_alerts) crossed, once each per period, by a key's or a team's spend",
+            ["owner", "threshold"],
+            registry=self.registry,
+        )
         self.refusals = Counter(
             "llmserver_refusals",
             "Requests answered with an error, by reason: rpm, concurrency, queue_full, queue_timeout, no_instance, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from llmserver.metrics.prometheus import Metrics
 from llmserver.metrics.speed import RollingSpeed
 from llmserver.outage import Outage
 from llmserver.settings import Prices
-from llmserver.store import Settlement, UsageBatch, UsageStore
+from llmserver.store import Alert, Settlement, UsageBatch, UsageStore
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class UsageRecorder:
         self._writer: asyncio.Task[None] | None = None
         self._open: set[Tally] = set()  # requests holding a quota reservation, until they close
         self._unwritten = Outage(log)  # down: the last write found the store unreachable
+        self.on_alert: Callable[[], None] | None = None  # a budget threshold's webhook was queued (wakes the outbox)
 
     def settling(self, *counters: str) -> bool:
         """Whether a settlement of these quota counters (a key's, a team's) is queued or being written."""
@@ -104,7 +106,7 @@ class UsageRecorder:
             self._writing, self._batch = self._batch, UsageBatch()
             batch = self._writing
             try:
-                await self._store.record(batch)
+                self._crossed(await self._store.record(batch))
             except StateUnavailable:
                 # Kept, in order, and written once the store answers again: nothing accepted is lost.
                 self._batch = UsageBatch(
@@ -143,10 +145,18 @@ class UsageRecorder:
         for settlement in queued:
             self._batch.settlements.remove(settlement)
         try:
-            await self._store.record(UsageBatch(settlements=queued))
+            self._crossed(await self._store.record(UsageBatch(settlements=queued)))
         except Exception:
             self._batch.settlements[:0] = queued  # the writer keeps trying (and logs why)
             self._schedule_write()
+
+    def _crossed(self, alerts: list[Alert]) -> None:
+        """Budget thresholds the settlements just written crossed (each once, whichever gateway wrote it)."""
+        for alert in alerts:
+            self._metrics.budget_alerts.labels(alert.owner, str(alert.threshold)).inc()
+            log.warning("budget threshold crossed: %s", alert.payload)
+        if alerts and self.on_alert is not None and any(alert.url for alert in alerts):
+            self.on_alert()
 
     def opened(self, tally: Tally) -> None:
         """A request that holds a quota reservation started: counted in `produced()` until it closes."""
@@ -161,8 +171,8 @@ class UsageRecorder:
             for reservation in tally.reservations:
                 if not reservation.settled:
                     where = (reservation.key_id, reservation.window.start)
-                    tokens = min(reservation.amount, tally.prompt_tokens + tally.completion_tokens)
-                    produced[where] = produced.get(where, 0) + tokens
+                    tokens = reservation.units(tally.prompt_tokens + tally.completion_tokens)
+                    produced[where] = produced.get(where, 0) + min(reservation.amount, tokens)
         for settlement in (*self._writing.settlements, *self._batch.settlements):
             if settlement.used:
                 where = (settlement.key_id, settlement.period_start)
@@ -192,7 +202,7 @@ class UsageRecorder:
             tally.span.end()
         latency = time.perf_counter() - tally.started
         charged = tally.prompt_tokens + tally.completion_tokens if tally.completion_tokens or outcome == "ok" else 0
-        settlements = self._quota.settlements(tally.reservations, charged)
+        settlements = self._quota.settlements(tally.reservations, charged, cost_of(tally, charged))
         if settlements:
             self._batch.settlements.extend(settlements)
             tally.settlements = settlements

@@ -208,7 +208,9 @@ class Admission:
                         if refused is not None:
                             raise _too_many_in_flight(refused, team.name)
                         team_places = self._concurrency
-                    reservations = await self._settled(principal, lambda: self._quota.reserve(principal, tokens))
+                    prices = lease.pool.config.prices
+                    price = prices.most if prices is not None else None
+                    reservations = await self._settled(principal, lambda: self._quota.reserve(principal, tokens, price))
                 except BaseException:
                     places.release(key)
                     if team_places is not None and team is not None:

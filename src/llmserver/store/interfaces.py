@@ -28,6 +28,8 @@ class KeyLimits:
     rpm: int | None = None
     max_concurrency: int | None = None
     models: tuple[str, ...] | None = None  # the model names (or fnmatch patterns) it may use; None: all
+    budget: float | None = None  # what its requests may cost per budget_period, in billing.currency
+    budget_period: str | None = None  # day | month | total
 
 
 NO_LIMITS = KeyLimits()
@@ -85,6 +87,18 @@ class QuotaGrant:
 
 
 @dataclass(frozen=True)
+class Alert:
+    """A mark on a counter whose crossing is reported (a budget's threshold): by the settlement that crosses
+    it, once, whichever gateway writes it; with a webhook, queued in the outbox in the same transaction."""
+
+    mark: int  # the counter's value
+    url: str | None  # where `payload` is POSTed
+    payload: str  # JSON
+    owner: str  # key | team: the metric's label
+    threshold: int  # percent: the metric's label
+
+
+@dataclass(frozen=True)
 class Settlement:
     """A finished request's quota: release `reserved` (held by `gateway_id`), charge `used`."""
 
@@ -93,6 +107,18 @@ class Settlement:
     gateway_id: str
     reserved: int
     used: int
+    alerts: tuple[Alert, ...] = ()  # marks whose crossing by this charge is reported (`record`'s answer)
+
+
+def crossings(settlement: Settlement, after: int) -> list[Alert]:
+    """The settlement's marks its charge crossed: its counter went from below each to at least it."""
+    before = after - settlement.used
+    return [alert for alert in settlement.alerts if before < alert.mark <= after]
+
+
+def alert_id(settlement: Settlement, alert: Alert) -> str:
+    """The outbox's name for a crossed mark (one per counter, window and mark)."""
+    return f"budget:{settlement.key_id}:{settlement.period_start}:{alert.threshold}"
 
 
 @dataclass
@@ -276,7 +302,7 @@ class QuotaStore(Protocol):
 
 
 class UsageStore(Protocol):
-    async def record(self, batch: UsageBatch) -> None:
+    async def record(self, batch: UsageBatch) -> list[Alert]:
         """Ledger rows, speed increments and quota settlements, in one transaction."""
         ...
 

@@ -200,6 +200,14 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE api_keys ADD COLUMN is_team_admin INTEGER NOT NULL DEFAULT 0;
     """,
+    # 15: budgets in money (in billing.currency) per period, of keys and of teams. Their counters are rows
+    # of quota_usage and quota_reservations under the id with "/money" after it, in billionths.
+    """
+    ALTER TABLE api_keys ADD COLUMN budget REAL;
+    ALTER TABLE api_keys ADD COLUMN budget_period TEXT;
+    ALTER TABLE teams ADD COLUMN budget REAL;
+    ALTER TABLE teams ADD COLUMN budget_period TEXT;
+    """,
 ]
 
 POSTGRES: list[str] = [
@@ -364,5 +372,12 @@ POSTGRES: list[str] = [
     # 9: as SQLite's 14: team admin keys.
     """
     ALTER TABLE api_keys ADD COLUMN is_team_admin BOOLEAN NOT NULL DEFAULT FALSE;
+    """,
+    # 10: as SQLite's 15: budgets in money.
+    """
+    ALTER TABLE api_keys ADD COLUMN budget DOUBLE PRECISION;
+    ALTER TABLE api_keys ADD COLUMN budget_period TEXT;
+    ALTER TABLE teams ADD COLUMN budget DOUBLE PRECISION;
+    ALTER TABLE teams ADD COLUMN budget_period TEXT;
     """,
 ]

@@ -21,6 +21,7 @@ from llmserver.outage import Outage
 from llmserver.store.interfaces import (
     AUDIT_COLUMNS,
     NO_LIMITS,
+    Alert,
     AuditQuery,
     CatalogEntry,
     GatewayHolder,
@@ -35,11 +36,22 @@ from llmserver.store.interfaces import (
     Sweep,
     TeamRecord,
     UsageBatch,
+    alert_id,
+    crossings,
     failure_webhook,
     utc_now,
 )
 from llmserver.store.migrations import POSTGRES
-from llmserver.store.rows import job_record, key_record, limit_values, redact, team_record
+from llmserver.store.rows import (
+    LIMIT_COLUMNS,
+    job_record,
+    key_record,
+    limit_marks,
+    limit_sets,
+    limit_values,
+    redact,
+    team_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +173,8 @@ class PostgresStore:
         created = utc_now()
         team_admin = team_admin and team_id is not None
         await self._execute(
-            "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at,"
-            " quota_tokens, quota_period, rpm, max_concurrency, models, expires_at, team_id, is_team_admin)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+            f"INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at, {', '.join(LIMIT_COLUMNS)},"
+            f" expires_at, team_id, is_team_admin) VALUES ($1, $2, $3, $4, $5, $6, {limit_marks(7)}, $14, $15, $16)",
             key_id, name, key_hash, fingerprint, is_admin, created, *limit_values(limits), expires_at, team_id,
             team_admin,
         )  # fmt: skip
@@ -182,8 +193,7 @@ class PostgresStore:
 
     async def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
         status = await self._execute(
-            "UPDATE api_keys SET quota_tokens = $1, quota_period = $2, rpm = $3, max_concurrency = $4, models = $5"
-            " WHERE id = $6",
+            f"UPDATE api_keys SET {limit_sets(1)} WHERE id = $8",
             *limit_values(limits), key_id,
         )  # fmt: skip
         return status == "UPDATE 1"
@@ -235,8 +245,8 @@ class PostgresStore:
     async def insert_team(self, team_id: str, name: str, limits: KeyLimits) -> TeamRecord | None:
         created = utc_now()
         status = await self._execute(
-            "INSERT INTO teams (id, name, created_at, quota_tokens, quota_period, rpm, max_concurrency, models)"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (name) DO NOTHING",
+            f"INSERT INTO teams (id, name, created_at, {', '.join(LIMIT_COLUMNS)})"
+            f" VALUES ($1, $2, $3, {limit_marks(4)}) ON CONFLICT (name) DO NOTHING",
             team_id, name, created, *limit_values(limits),
         )  # fmt: skip
         return TeamRecord(team_id, name, created, limits) if status == "INSERT 0 1" else None
@@ -244,8 +254,7 @@ class PostgresStore:
     async def update_team(self, team_id: str, name: str, limits: KeyLimits) -> TeamRecord | bool:
         try:
             row = await self._fetchrow(
-                "UPDATE teams SET name = $1, quota_tokens = $2, quota_period = $3, rpm = $4, max_concurrency = $5,"
-                " models = $6 WHERE id = $7 RETURNING *",
+                f"UPDATE teams SET name = $1, {limit_sets(2)} WHERE id = $9 RETURNING *",
                 name, *limit_values(limits), team_id,
             )  # fmt: skip
         except asyncpg.UniqueViolationError:
@@ -355,16 +364,26 @@ class PostgresStore:
 
     # The usage ledger and the speed buckets
 
-    async def record(self, batch: UsageBatch) -> None:
+    async def record(self, batch: UsageBatch) -> list[Alert]:
+        crossed: list[Alert] = []
         async with self._transaction() as conn:
             for s in sorted(batch.settlements, key=lambda s: (s.key_id, s.period_start, s.gateway_id)):
                 # The counter's lock first (as a reservation takes it), then the reservation.
                 await self._lock_counter(conn, s.key_id, s.period_start)
                 if s.used:
-                    await conn.execute(
-                        "UPDATE quota_usage SET used = used + $1 WHERE key_id = $2 AND period_start = $3",
+                    after = await conn.fetchval(
+                        "UPDATE quota_usage SET used = used + $1 WHERE key_id = $2 AND period_start = $3"
+                        " RETURNING used",
                         s.used, s.key_id, s.period_start,
                     )  # fmt: skip
+                    for alert in crossings(s, int(after)):
+                        crossed.append(alert)
+                        if alert.url is not None:
+                            await conn.execute(
+                                "INSERT INTO webhook_outbox (tracking_id, url, payload, next_at)"
+                                f" VALUES ($1, $2, $3, {NOW})",
+                                alert_id(s, alert), alert.url, alert.payload,
+                            )  # fmt: skip
                 await conn.execute(
                     "UPDATE quota_reservations SET amount = GREATEST(0, amount - $1)"
                     " WHERE key_id = $2 AND period_start = $3 AND gateway_id = $4",
@@ -382,6 +401,7 @@ class PostgresStore:
                 " seconds = speed_buckets.seconds + excluded.seconds",
                 [(model, minute, int(tokens), seconds) for model, minute, tokens, seconds in sorted(batch.speeds)],
             )
+        return crossed
 
     async def usage_rows(self, key_id: str | None, since: float, until: float) -> list[dict[str, object]]:
         query = "SELECT * FROM usage_ledger WHERE time >= $1 AND time < $2"

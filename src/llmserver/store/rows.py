@@ -13,16 +13,38 @@ class Row(Protocol):
     def __getitem__(self, name: str) -> Any: ...
 
 
-def limit_values(limits: KeyLimits) -> tuple[int | None, str | None, int | None, int | None, str | None]:
-    """The columns quota_tokens, quota_period, rpm, max_concurrency, models (of api_keys and of teams)."""
+# The limit columns of api_keys and of teams, in limit_values' order.
+LIMIT_COLUMNS = ("quota_tokens", "quota_period", "rpm", "max_concurrency", "models", "budget", "budget_period")
+
+
+def limit_marks(first: int | None = None) -> str:
+    """Their placeholders: `?` each (SQLite), or `$first`, `$first+1`, … (PostgreSQL)."""
+    return ", ".join("?" if first is None else f"${first + i}" for i in range(len(LIMIT_COLUMNS)))
+
+
+def limit_sets(first: int | None = None) -> str:
+    """`column = placeholder` for each, to UPDATE them."""
+    marks = limit_marks(first).split(", ")
+    return ", ".join(f"{column} = {mark}" for column, mark in zip(LIMIT_COLUMNS, marks, strict=True))
+
+
+def limit_values(limits: KeyLimits) -> tuple[object, ...]:
+    """The columns quota_tokens, quota_period, rpm, max_concurrency, models, budget, budget_period (of
+    api_keys and of teams)."""
     models = json.dumps(list(limits.models)) if limits.models is not None else None
-    return (limits.quota_tokens, limits.quota_period, limits.rpm, limits.max_concurrency, models)
+    return (
+        limits.quota_tokens, limits.quota_period, limits.rpm, limits.max_concurrency, models, limits.budget,
+        limits.budget_period,
+    )  # fmt: skip
 
 
 def _limits(row: Row) -> KeyLimits:
     """The limit columns keys and teams share."""
     models = tuple(json.loads(row["models"])) if row["models"] is not None else None
-    return KeyLimits(row["quota_tokens"], row["quota_period"], row["rpm"], row["max_concurrency"], models)
+    return KeyLimits(
+        row["quota_tokens"], row["quota_period"], row["rpm"], row["max_concurrency"], models, row["budget"],
+        row["budget_period"],
+    )  # fmt: skip
 
 
 def key_record(row: Row) -> KeyRecord:

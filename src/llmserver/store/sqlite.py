@@ -20,6 +20,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from llmserver.store.interfaces import (
     AUDIT_COLUMNS,
     NO_LIMITS,
+    Alert,
     AuditQuery,
     CatalogEntry,
     GatewayHolder,
@@ -34,11 +35,21 @@ from llmserver.store.interfaces import (
     Sweep,
     TeamRecord,
     UsageBatch,
+    alert_id,
+    crossings,
     failure_webhook,
     utc_now,
 )
 from llmserver.store.migrations import MIGRATIONS
-from llmserver.store.rows import job_record, key_record, limit_values, team_record
+from llmserver.store.rows import (
+    LIMIT_COLUMNS,
+    job_record,
+    key_record,
+    limit_marks,
+    limit_sets,
+    limit_values,
+    team_record,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -126,9 +137,8 @@ class SQLiteStore:
         created = utc_now()
         team_admin = team_admin and team_id is not None
         self._db.execute(
-            "INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at, quota_tokens,"
-            " quota_period, rpm, max_concurrency, models, expires_at, team_id, is_team_admin)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO api_keys (id, name, key_hash, fingerprint, is_admin, created_at, {', '.join(LIMIT_COLUMNS)},"
+            f" expires_at, team_id, is_team_admin) VALUES (?, ?, ?, ?, ?, ?, {limit_marks()}, ?, ?, ?)",
             (key_id, name, key_hash, fingerprint, int(is_admin), created, *limit_values(limits), expires_at, team_id,
              int(team_admin)),
         )  # fmt: skip
@@ -148,8 +158,7 @@ class SQLiteStore:
     @_in_thread
     def update_key_limits(self, key_id: str, limits: KeyLimits) -> bool:
         cursor = self._db.execute(
-            "UPDATE api_keys SET quota_tokens = ?, quota_period = ?, rpm = ?, max_concurrency = ?, models = ?"
-            " WHERE id = ?",
+            f"UPDATE api_keys SET {limit_sets()} WHERE id = ?",
             (*limit_values(limits), key_id),
         )
         return cursor.rowcount == 1
@@ -211,8 +220,8 @@ class SQLiteStore:
     def insert_team(self, team_id: str, name: str, limits: KeyLimits) -> TeamRecord | None:
         created = utc_now()
         cursor = self._db.execute(
-            "INSERT INTO teams (id, name, created_at, quota_tokens, quota_period, rpm, max_concurrency, models)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO NOTHING",
+            f"INSERT INTO teams (id, name, created_at, {', '.join(LIMIT_COLUMNS)})"
+            f" VALUES (?, ?, ?, {limit_marks()}) ON CONFLICT (name) DO NOTHING",
             (team_id, name, created, *limit_values(limits)),
         )
         return TeamRecord(team_id, name, created, limits) if cursor.rowcount == 1 else None
@@ -223,8 +232,7 @@ class SQLiteStore:
             if db.execute("SELECT 1 FROM teams WHERE name = ? AND id != ?", (name, team_id)).fetchone():
                 return True
             db.execute(
-                "UPDATE teams SET name = ?, quota_tokens = ?, quota_period = ?, rpm = ?, max_concurrency = ?,"
-                " models = ? WHERE id = ?",
+                f"UPDATE teams SET name = ?, {limit_sets()} WHERE id = ?",
                 (name, *limit_values(limits), team_id),
             )
             row = db.execute("SELECT * FROM teams WHERE id = ?", (team_id,)).fetchone()
@@ -312,7 +320,7 @@ class SQLiteStore:
     # The usage ledger and the per-minute speed buckets
 
     @_in_thread
-    def record(self, batch: UsageBatch) -> None:
+    def record(self, batch: UsageBatch) -> list[Alert]:
         with self._transaction() as db:
             db.executemany(
                 "INSERT INTO usage_ledger (time, key_id, model, instance_id, endpoint, prompt_tokens,"
@@ -327,6 +335,7 @@ class SQLiteStore:
                 " seconds = seconds + excluded.seconds",
                 batch.speeds,
             )
+            crossed: list[Alert] = []
             if batch.settlements:
                 db.executemany(
                     "UPDATE quota_reservations SET amount = MAX(0, amount - ?)"
@@ -336,8 +345,24 @@ class SQLiteStore:
                 db.executemany(
                     "INSERT INTO quota_usage (key_id, period_start, used) VALUES (?, ?, ?)"
                     " ON CONFLICT (key_id, period_start) DO UPDATE SET used = used + excluded.used",
-                    [(s.key_id, s.period_start, s.used) for s in batch.settlements if s.used],
+                    [(s.key_id, s.period_start, s.used) for s in batch.settlements if s.used and not s.alerts],
                 )
+                for s in batch.settlements:
+                    if not (s.used and s.alerts):
+                        continue
+                    after = db.execute(
+                        "INSERT INTO quota_usage (key_id, period_start, used) VALUES (?, ?, ?)"
+                        " ON CONFLICT (key_id, period_start) DO UPDATE SET used = used + excluded.used RETURNING used",
+                        (s.key_id, s.period_start, s.used),
+                    ).fetchone()[0]
+                    for alert in crossings(s, int(after)):
+                        crossed.append(alert)
+                        if alert.url is not None:
+                            db.execute(
+                                "INSERT INTO webhook_outbox (tracking_id, url, payload, next_at) VALUES (?, ?, ?, ?)",
+                                (alert_id(s, alert), alert.url, alert.payload, time.time()),
+                            )
+        return crossed
 
     @_in_thread
     def usage_rows(self, key_id: str | None, since: float, until: float) -> list[dict[str, object]]:
