@@ -12,7 +12,8 @@ add PostgreSQL restarted, Redis restarted, a node killed (-9, then started again
 
 Traffic: streamed and non-streamed native, chat and completions requests, chat with documents
 (DOCX, a ZIP holding a DOCX), images on the test vision model (tests/support/vision_model.py), async jobs
-polled or delivered by webhook, and keys at and over their token quota and requests per minute.
+polled or delivered by webhook, keys at and over their token quota and requests per minute, and two keys
+of a team at and over the team's budget in money (the text model has prices).
 Faults, on a schedule: kill -9 a model instance, a burst of clients that leave mid-stream, a burst
 that overfills the model's queue, and SIGTERM to the gateway followed by a fresh start.
 
@@ -23,6 +24,8 @@ What is counted (each must be 0):
   held when it was killed with -9, which no server can answer);
 - streams answered 200 that ended without `data: [DONE]` (clients that left on purpose aside);
 - tokens settled over a key's quota, and reservations left after the last stop;
+- a team's budget: spent over it, reservations left after the last stop, and its counter not what its
+  keys' ledger rows cost (to the billionth; over it only by what a gateway killed -9 held);
 - async jobs still pending at the end, jobs lost (404 before their one read), webhooks never sent,
   results that do not decrypt;
 - ledger rows ≠ requests answered (every generating request is one row; a gateway killed with -9
@@ -60,6 +63,7 @@ import psutil
 from nacl.bindings import crypto_aead_xchacha20poly1305_ietf_decrypt
 
 from llmserver.auth.keys import KeyService
+from llmserver.auth.quota import MONEY, NANO
 from llmserver.settings import DEFAULT_MODEL_NAME
 from llmserver.store import open_store
 from llmserver.store.interfaces import KeyLimits
@@ -70,6 +74,9 @@ from tests.support.vision_model import write_vision_model
 
 VISION = "soak-vision"
 QUOTA_TOKENS = 400  # reached within the 2-minute soaks even when CI is slow (1,000 was not, once)
+# The text model's prices (per million tokens) and a team's budget that about 8 of its requests spend.
+PRICES = "{ input = 500.0, output = 1500.0 }"
+TEAM_BUDGET = 0.40
 RPM = 3  # below one burst of 4 (rpm_burst): each burst meets the limit, however the scenarios were drawn (20 was
 # reached only when the draw sent six bursts within a minute: a CI run drew too few, once)
 TEXT_SLOTS = 4
@@ -245,7 +252,7 @@ def write_config(data_dir: Path, cluster: bool = False) -> None:
         + f"server.drain_timeout = {DRAIN_TIMEOUT}\nlimits.queue_timeout = 20\njobs.webhook_allow_private = true\n"
         f"limits.max_concurrency_per_key = 32\nlimits.request_timeout = 120\n\n"
         f'[[models]]\nname = "{DEFAULT_MODEL_NAME}"\nparallel = {TEXT_SLOTS}\nctx_size = 4096\nthreads = 1\n'
-        f"max_queue = {MAX_QUEUE}\n\n"
+        f"max_queue = {MAX_QUEUE}\nprices = {PRICES}\n\n"
         f'[[models]]\nname = "{VISION}"\npath = "{model}"\nmmproj = "{mmproj}"\nparallel = 2\n'
         f"ctx_size = 2048\nthreads = 1\nmax_queue = {MAX_QUEUE}\n"
     )
@@ -266,6 +273,13 @@ async def create_keys(store_url: str) -> dict[str, tuple[str, str]]:
     try:
         for name, (admin, limits) in specs.items():
             record, key = await service.create(name, admin=admin, limits=limits)
+            keys[name] = (record.id, key)
+        team = await store.insert_team(
+            "team_soak", "soak-team", KeyLimits(budget=TEAM_BUDGET, budget_period="total")
+        )  # the budget is the team's: its keys have none of their own
+        assert team is not None
+        for name in ("team-a", "team-b"):
+            record, key = await service.create(name, team_id=team.id)
             keys[name] = (record.id, key)
     finally:
         await store.close()
@@ -468,6 +482,11 @@ class Traffic:
         body = {"prompt": "Tell a short story.", "max_tokens": 24}
         await asyncio.gather(*(self.call("quota", "quota", "/api/generate", body) for _ in range(2)))
 
+    async def team(self) -> None:
+        """Both keys of a team at once: their reservations race for what is left of the team's budget."""
+        body = {"prompt": "Tell a short story.", "max_tokens": 24}
+        await asyncio.gather(*(self.call("team", key, "/api/generate", body) for key in ("team-a", "team-b")))
+
     async def rpm_burst(self) -> None:
         body = {"prompt": "Hi", "max_tokens": 2}
         await asyncio.gather(*(self.call("rpm", "rpm", "/api/generate", body) for _ in range(4)))
@@ -487,6 +506,7 @@ class Traffic:
         ("async_webhook", 1),
         ("async_polled", 1),
         ("quota", 1),
+        ("team", 1),
         ("rpm_burst", 1),
         ("leave_mid_stream", 1),
     )
@@ -909,6 +929,7 @@ async def count(
     try:
         rows = await store.usage_rows(None, since - 1, time.time() + 1)
         used, reserved = await store.quota_counts(keys["quota"][0], "total")
+        spent, team_reserved = await store.quota_counts("team_soak" + MONEY, "total")
     finally:
         await store.close()
     names = {key_id: name for name, (key_id, _) in keys.items()}
@@ -919,6 +940,17 @@ async def count(
         for row in rows
         if row["key_id"] == keys["quota"][0]
     )
+
+    members = {keys["team-a"][0], keys["team-b"][0]}
+    team_cost = sum(float(row["cost"] or 0.0) for row in rows if row["key_id"] in members)  # type: ignore[arg-type]
+    team_rows = sum(1 for row in rows if row["key_id"] in members)
+    # Each settlement charges its cost rounded to the billionth; a gateway killed -9 may have held team
+    # requests whose rows died with it, and its sweep charges what they may have cost: over, never under.
+    team_killed = any(
+        c.key in ("team-a", "team-b") and (c in killed or answered_before_kill(by_name[c.gateway], c)) for c in calls
+    )
+    team_gap = spent / NANO - team_cost
+    team_mismatch = team_gap < -team_rows * 1e-9 or (team_gap > team_rows * 1e-9 and not team_killed)
 
     jobs = traffic.jobs
     delivered = collections.Counter(str(item.get("tracking_id")) for item in traffic.receiver.received)
@@ -943,6 +975,9 @@ async def count(
         "streams without [DONE]": len(no_done),
         "tokens settled over a quota": max(0, used - QUOTA_TOKENS) + max(0, quota_ledger - QUOTA_TOKENS),
         "quota reservations left after the stop": reserved,
+        "team budget spent over it": max(0, spent - round(TEAM_BUDGET * NANO)),
+        "team budget reservations left after the stop": team_reserved,
+        "team budget counter ≠ its keys' ledger cost": int(team_mismatch),
         "async jobs pending forever": sum(1 for job in jobs.values() if job["status"] in (None, "pending")),
         "async jobs lost (404 before their one read)": sum(1 for job in jobs.values() if job["status"] == "lost"),
         "webhooks never sent": sum(1 for tid, job in jobs.items() if job["webhook"] and not delivered[tid]),
@@ -988,6 +1023,14 @@ async def count(
         "refused while the shared state was unreachable": len(unavailable),
         "files left by a gateway killed -9": by_kill,
         "quota": {"limit": QUOTA_TOKENS, "used": used, "ledger": quota_ledger},
+        "team budget": {
+            "budget": TEAM_BUDGET,
+            "spent": spent / NANO,
+            "ledger cost": team_cost,
+            "ledger rows": team_rows,
+            "reserved after the stop": team_reserved / NANO,
+            "refused": sum(1 for c in calls if c.scenario == "team" and c.error_type == "insufficient_quota"),
+        },
         "jobs": collections.Counter(str(job["status"]) for job in jobs.values()),
         "webhook deliveries": sum(delivered.values()),
         "outcomes": {scenario: dict(counter) for scenario, counter in sorted(outcomes.items())},

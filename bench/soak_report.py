@@ -51,6 +51,7 @@ def markdown(result: dict[str, Any]) -> str:
             jobs=", ".join(f"{state} {n}" for state, n in sorted(result["jobs"].items())) or "none",
             hooks=result["webhook deliveries"],
         ),
+        *_team_budget(result),
         *_ledger_difference(result),
         "",
         "## What the traffic got",
@@ -152,6 +153,20 @@ def charts(result: dict[str, Any], out: Path) -> None:
     figure.tight_layout()
     figure.savefig(out / "soak_outcomes.png", dpi=90)
     plt.close(figure)
+
+
+def _team_budget(result: dict[str, Any]) -> list[str]:
+    """The team's budget in money, as its two keys raced for it (soaks before it have none)."""
+    team = result.get("team budget")
+    if not team:
+        return []
+    return [
+        "",
+        f"The team's budget: {team['budget']:.2f} in total, {team['spent']:.9f} spent by its counter and "
+        f"{team['ledger cost']:.9f} in its keys' {team['ledger rows']} ledger rows, "
+        f"{team['reserved after the stop']:.9f} still held after the stop; {team['refused']} of its requests "
+        "refused for the budget.",
+    ]
 
 
 def _ledger_difference(result: dict[str, Any]) -> list[str]:

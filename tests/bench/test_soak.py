@@ -39,6 +39,10 @@ def test_two_minute_soak_loses_nothing(tmp_path: Path) -> None:
         and outcomes["image"].get("200")
         and outcomes["documents"].get("200")
     )
+    # The team's two keys spent its budget and were refused past it, the counter exact (the counters above).
+    team = summary["team budget"]
+    assert "429 insufficient_quota" in outcomes["team"] and team["refused"] > 0
+    assert team["spent"] == pytest.approx(team["ledger cost"], abs=1e-6) and team["spent"] <= team["budget"]
     assert any(outcome.startswith("429") for outcome in outcomes["rpm"])
     assert summary["jobs"].get("ready", 0) > 0 and summary["webhook deliveries"] > 0
     for chart in ("soak_resources.png", "soak_outcomes.png"):
@@ -62,4 +66,5 @@ def test_two_minute_cluster_soak_loses_nothing(tmp_path: Path) -> None:
     }  # fmt: skip
     assert "faults not followed by an answer" in summary["counters"] and summary["generating answered"] > 0
     assert summary["refused while the shared state was unreachable"] > 0  # the outage was seen, and refused
+    assert summary["team budget"]["spent"] <= summary["team budget"]["budget"]
     assert {row["incarnation"].split(" ")[0] for row in summary["growth"]} == {"gw-1", "gw-2"}
