@@ -124,9 +124,9 @@ class Prices(BaseModel):
     output: float = Field(ge=0, le=1e6, description="Per million completion tokens.")
 
     @property
-    def most(self) -> float:
-        """The most one token may cost, per million: what a budget reserves for each token a request may use."""
-        return max(self.input, self.output, self.cached_input or 0.0)
+    def most_input(self) -> float:
+        """The most one prompt token may cost, per million (what a budget reserves for each, cached or not)."""
+        return max(self.input, self.cached_input or 0.0)
 
     def cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
         """A request's cost: its prompt read, its prompt from the cache, its completion."""

@@ -213,17 +213,17 @@ def test_a_budget_in_money_holds_what_a_request_may_cost_and_its_thresholds_are_
         theirs = QuotaService(store, "gw2", clock, currency="EUR", thresholds=(50, 80, 100))
         who = principal(budget=0.1, budget_period="day")
         assert await mine.reserve(who, 10**6) == []  # a model without prices costs nothing
-        held = await mine.reserve(who, 60, price=1000.0)
+        held = await mine.reserve(who, 60, price=(1000.0, 1000.0))
         assert [(r.key_id, r.amount) for r in held] == [("key_q/money", 60_000_000)]
         with pytest.raises(InsufficientQuota) as caught:
-            await theirs.reserve(who, 50, price=1000.0)
+            await theirs.reserve(who, 50, price=(1000.0, 1000.0))
         assert caught.value.message.startswith(
             "This API key's budget (0.1 EUR per day) cannot cover this request: it may cost up to 0.050000 EUR and "
             "0.040000 are left; 0.060000 EUR of them are held by this key's requests in flight"
         )
         crossed = []
         for service, reservation, cost in [(mine, held, 0.03), (theirs, None, 0.03), (mine, None, 0.021)]:
-            taken = reservation or await service.reserve(who, 30, price=1000.0)
+            taken = reservation or await service.reserve(who, 30, price=(1000.0, 1000.0))
             crossed += await store.record(UsageBatch(settlements=service.settlements(taken, 30, cost)))
         assert [(a.owner, a.threshold) for a in crossed] == [("key", 50), ("key", 80)]  # 0.03, 0.06, 0.081
         standing = await mine.budget_standing("key_q", who.limits)
@@ -232,10 +232,25 @@ def test_a_budget_in_money_holds_what_a_request_may_cost_and_its_thresholds_are_
             0.0,
             "EUR",
         )
-        last = await theirs.reserve(who, 19, price=1000.0)
+        last = await theirs.reserve(who, 19, price=(1000.0, 1000.0))
         crossed = await store.record(UsageBatch(settlements=theirs.settlements(last, 19, 0.019)))
         assert [a.threshold for a in crossed] == [100] and json.loads(crossed[0].payload)["window"] == "2026-03-01"
         with pytest.raises(InsufficientQuota):
-            await mine.reserve(who, 1, price=1000.0)
+            await mine.reserve(who, 1, price=(1000.0, 1000.0))
+
+    with_store(database_url, test)
+
+
+def test_a_budget_prices_the_prompt_bound_at_the_input_price_and_max_tokens_at_the_output_price(
+    database_url: str,
+) -> None:
+    async def test(store: Store) -> None:
+        quota = QuotaService(store, "gw1", Clock(datetime(2026, 3, 1, tzinfo=UTC)))
+        who = principal(budget=1.0, budget_period="month")
+        # 100 tokens, 20 of them max_tokens: 80 at 500 and 20 at 1,500 per million (not 100 at the dearest).
+        (held,) = await quota.reserve(who, 100, price=(500.0, 1500.0), completion=20)
+        assert held.amount == 80 * 500_000 + 20 * 1_500_000
+        await quota.adjust([held], 50)  # the real prompt: 30 tokens, the same 20 of completion
+        assert held.amount == 30 * 500_000 + 20 * 1_500_000
 
     with_store(database_url, test)

@@ -65,12 +65,17 @@ class Reservation:
     amount: int  # in the counter's units: tokens, or billionths
     settled: bool = False
     team: str | None = None  # the team's name, when the counter is a team's
-    per_token: int = 0  # a budget's: the most one token may cost, in billionths (0: a token quota)
+    per_token: int = 0  # a budget's: the most a prompt token may cost, in billionths (0: a token quota)
+    per_completion: int = 0  # a budget's: what a completion token costs, in billionths
+    completion: int = 0  # how many of the tokens it holds for are its max_tokens (completion)
     budget: float | None = None
 
     def units(self, tokens: int) -> int:
-        """What `tokens` hold on this counter."""
-        return tokens * self.per_token if self.per_token else tokens
+        """What `tokens` (its completion among them) hold on this counter: tokens, or their most cost."""
+        if self.budget is None:
+            return tokens
+        completion = min(self.completion, tokens)
+        return (tokens - completion) * self.per_token + completion * self.per_completion
 
 
 def _counters(principal: Principal, priced: bool = False) -> list[Counter]:
@@ -125,17 +130,22 @@ class QuotaService:
         self.gateway_id = gateway_id
         self._clock = clock
 
-    async def reserve(self, principal: Principal, amount: int, price: float | None = None) -> list[Reservation]:
+    async def reserve(
+        self, principal: Principal, amount: int, price: tuple[float, float] | None = None, completion: int = 0
+    ) -> list[Reservation]:
         """Reserve `amount` tokens on the key's quota and its team's, and on their budgets what they may
-        cost at `price` (the most a token of the model costs, per million; None: the model has no prices);
-        429 for the first that cannot cover it."""
+        cost at `price` (the most a prompt token and a completion token of the model cost, per million;
+        None: the model has no prices), `completion` of them at the second; 429 for the first counter
+        that cannot cover it."""
         held: list[Reservation] = []
         now = self._clock()
         for counter in _counters(principal, price is not None):
+            money = counter.budget is not None and price is not None
             reservation = Reservation(
                 counter.id, counter.limit, counter.period, window(counter.period, now), 0, team=counter.team,
-                per_token=max(1, per_token(price)) if counter.budget is not None and price is not None else 0,
-                budget=counter.budget,
+                per_token=per_token(price[0]) if money and price else 0,
+                per_completion=per_token(price[1]) if money and price else 0,
+                completion=completion, budget=counter.budget,
             )  # fmt: skip
             try:
                 await self._grow(reservation, reservation.units(amount))

@@ -139,7 +139,9 @@ class GenerationService:
         bound = self._bound(model, prompt, max_tokens)
         keep_alive = check_keep_alive(request.keep_alive, self.max_keep_alive)
         affinity = _affinity(model, request, session) if self.admission.routes_by_affinity(model) else None
-        return await self.admission.admit(principal, endpoint, model, bound, affinity, keep_alive)
+        return await self.admission.admit(
+            principal, endpoint, model, bound, affinity, keep_alive, completion=min(max_tokens, bound)
+        )
 
     def _max_tokens(self, request: Request) -> int:
         requested = request.max_tokens

@@ -182,9 +182,11 @@ class Admission:
         tokens: int,
         affinity: str | None = None,
         keep_alive: float | None = None,
+        completion: int = 0,
     ) -> Ticket:
         """Every check but the slot, in order; a ticket holding the place in flight and the reservation.
-        `affinity` is the request's prompt-cache key, for the slot's choice of instance."""
+        `affinity` is the request's prompt-cache key, for the slot's choice of instance; `completion`: how
+        many of `tokens` are its max_tokens (priced as output by a budget, the rest as input)."""
         lease = self._router.lease(model, principal.key_id, affinity, keep_alive)
         team = principal.team
         if not allowed(principal, model):
@@ -209,8 +211,10 @@ class Admission:
                             raise _too_many_in_flight(refused, team.name)
                         team_places = self._concurrency
                     prices = lease.pool.config.prices
-                    price = prices.most if prices is not None else None
-                    reservations = await self._settled(principal, lambda: self._quota.reserve(principal, tokens, price))
+                    price = (prices.most_input, prices.output) if prices is not None else None
+                    reservations = await self._settled(
+                        principal, lambda: self._quota.reserve(principal, tokens, price, completion)
+                    )
                 except BaseException:
                     places.release(key)
                     if team_places is not None and team is not None:
