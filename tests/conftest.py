@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -28,9 +29,11 @@ threads = {THREADS}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules that hold slow tests first: the two workers (pyproject.toml) take modules whole, in this
-    order, so the long ones start early and short ones fill the end rather than one worker finishing a
-    long module alone."""
+    """Under pytest-xdist (`-n 2 --dist loadscope`), the modules that hold slow tests first: the workers take
+    modules whole, in this order, so the long ones start early and short ones fill the end rather than one
+    worker finishing a long module alone. A serial run keeps the files' order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
 
