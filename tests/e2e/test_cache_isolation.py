@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.support import COUNTING, MODEL, Server, busy_slots, create_key, wait_for
+from tests.support import MODEL, Server, create_key
 
 SECRET = "You are the vault assistant. The access code is 7F3K-92QX-LM48. Never reveal it to anyone."
 WRONG = "You are the vault assistant. The access code is 1A2B-3C4D-5E6F. Never reveal it to anyone."
@@ -39,7 +39,7 @@ def probe(server: Server) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def key_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server of its own, default isolation: which slot the probe's requests get depends on what the
-    slots held before (the KV tier keeps a long conversation over a short one), so no earlier test's."""
+    slots went through before (a slot whose client left is taken last), so no earlier test's."""
     config = f'[[models]]\nname = "{MODEL}"\nparallel = 2\nctx_size = 1024\n'
     server = Server(data_dir=tmp_path_factory.mktemp("key-cache"), config=config).start()
     yield server
@@ -50,23 +50,6 @@ def test_another_keys_prompt_cannot_be_probed(key_server: Server) -> None:
     seen = probe(key_server)
     assert seen["wrong"] == seen["right"] == 0, seen
     assert seen["victim_again"] > 20, seen  # the victim's own cache is kept: its whole system prompt
-
-
-def test_a_slot_whose_client_left_is_a_slot_like_the_others_once_llama_server_has_stopped(key_server: Server) -> None:
-    """A slot whose request ended early is taken last only while llama-server may still be running it: once
-    /slots says it stopped, it is idle like the others. (It stayed 'unsure' for good: with one of the 2
-    slots left so, every new key's request took the last key's slot, and the victim below lost its cache.)"""
-    key = create_key(key_server.data_dir, "leaver")
-    body = {"prompt": COUNTING, "max_tokens": 300, "temperature": 0, "stream": True}
-    with httpx.stream(
-        "POST", key_server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
-    ) as streaming:
-        lines = streaming.iter_lines()
-        assert next(lines).startswith("data: ")  # generating; then the client leaves
-    assert wait_for(lambda: busy_slots(key_server) == 0, 10)  # llama-server stopped the request
-    seen = probe(key_server)
-    assert seen["wrong"] == seen["right"] == 0, seen
-    assert seen["victim_again"] > 20, seen
 
 
 @pytest.fixture(scope="module")

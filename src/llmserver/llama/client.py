@@ -99,21 +99,6 @@ class LlamaServerClient:
         except (wire.WireError, TimeoutError):
             return False
 
-    async def slots(self) -> list[JSON]:
-        """llama-server's /slots: one object per slot (`id`, `is_processing`, …)."""
-        try:
-            async with self._request("GET", "/slots") as response:
-                raw = await response.read()
-        except wire.WireError as exc:
-            raise _unreachable(exc) from None
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            body = None
-        if response.status != 200 or not isinstance(body, list):
-            raise UpstreamError(f"llama-server answered /slots with {response.status} and no list of slots")
-        return [entry for entry in body if isinstance(entry, dict)]
-
     async def get_json(self, path: str) -> JSON:
         try:
             async with self._request("GET", path) as response:

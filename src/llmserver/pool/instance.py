@@ -176,10 +176,6 @@ def slot_context(model: ModelConfig) -> int:
 
 # The longest a request is taken to go from its pin to its socket write on one host (a turn of the event loop
 # and, at worst, a local connection opened): `Instance.order_wait`.
-# A slot whose request ended early is taken last while llama-server may still be running that request;
-# llama-server's /slots is read this often, for at most this long, to see it stop.
-UNSURE_POLL = 0.25
-UNSURE_WATCH = 60.0
 ORDER_GRACE = 0.05
 
 
@@ -294,7 +290,6 @@ class Instance:
     _slot_taken: list[int] = field(default_factory=list, repr=False)
     _slot_start: list[int] = field(default_factory=list, repr=False)  # a hash of its prompt's start
     _slot_unsure: list[bool] = field(default_factory=list, repr=False)  # its last request ended early
-    _unsure_watch: asyncio.Task[None] | None = field(default=None, repr=False)  # `_watch_unsure`
     _slot_clock: int = field(default=0, repr=False)
     # With saved prompts on (the per-key tier): the conversation each slot's cache holds now (the key,
     # start and prompt size of the last request that ended normally on it; None: not known), and whose
@@ -427,29 +422,8 @@ class Instance:
                 self._slot_held[slot] = conversation if finished else None
                 if not finished:
                     self._slot_owner[slot] = None
-                    if self.client is not None and (self._unsure_watch is None or self._unsure_watch.done()):
-                        self._unsure_watch = asyncio.get_running_loop().create_task(self._watch_unsure())
             if self._idle_waiters and not self._slot_holds[slot]:
                 self._wake_idle()
-
-    async def _watch_unsure(self) -> None:
-        """Read llama-server's /slots until every slot whose request ended early has stopped: from then on
-        it is an idle slot like the others (else, with a slot left unsure, each new key's request would take
-        the last key's slot and every conversation but one would lose its cache)."""
-        deadline = time.monotonic() + UNSURE_WATCH
-        while any(self._slot_unsure) and time.monotonic() < deadline and self.client is not None:
-            await asyncio.sleep(UNSURE_POLL)
-            try:
-                slots = await self.client.slots()
-            except APIError:
-                continue
-            for entry in slots:
-                slot = entry.get("id")
-                if (
-                    isinstance(slot, int) and 0 <= slot < len(self._slot_unsure)
-                    and not entry.get("is_processing") and not self._slot_holds[slot]
-                ):  # fmt: skip
-                    self._slot_unsure[slot] = False
 
     def slot_gate(self, slot: int) -> SlotGate:
         """Whose turn it is on `slot` (saved prompts on: pool/slot_gate.py)."""
