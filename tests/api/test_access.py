@@ -160,3 +160,27 @@ def test_every_team_route_refuses_a_user_key_and_every_admin_route_a_team_admin_
         answer = _call(server, method, path, key)
         answered[method, path] = (answer.status_code, answer.json()["error"]["type"])
     assert set(answered.values()) == {(403, "permission_error")}, answered
+
+
+def test_the_consoles_audit_filter_offers_every_action_the_route_table_audits(tmp_path: Path) -> None:
+    """Every changing route of an admin or team admin writes an audit row named by `action_of`; the
+    console's action filter offers exactly those names (it once lacked keys.rotate and the teams' three)."""
+    from llmserver.auth.audit import CHANGING, action_of
+    from llmserver.cluster.nodes import ACTIONS
+
+    app = create_app(Settings(data_dir=tmp_path))
+    audited = set()
+    for route in app_routes(app.routes):
+        if not isinstance(route, APIRoute) or access_of(route) not in (Access.ADMIN, Access.TEAM):
+            continue
+        names = re.findall(r"\{([^}]+)\}", route.path_format)
+        for method in (route.methods or set()) & CHANGING:
+            values = ACTIONS if "action" in names else ["x"]
+            for value in values:
+                params = {name: value if name == "action" else "x" for name in names}
+                audited.add(action_of(method, route.path_format, params)[0])
+    script = (Path(__file__).resolve().parents[2] / "src/llmserver/console/static/console.js").read_text()
+    listed = re.search(r"const AUDIT_ACTIONS = \[(.*?)\];", script, re.S)
+    assert listed is not None
+    assert set(re.findall(r'"([a-z]+\.[a-z_]+)"', listed.group(1))) == audited
+    assert {"keys.rotate", "teams.create", "nodes.drain"} <= audited

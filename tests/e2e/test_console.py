@@ -30,7 +30,11 @@ from tests.support import MODEL, Server, create_key, store_rows, wait_for
 
 ADMIN = "console-admin-key-0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[2] / "src" / "llmserver" / "console" / "static"
-CONFIG = f'[[models]]\nname = "{MODEL}"\nctx_size = 1024\nparallel = 2\nmax_instances = 2\n'
+# Priced (per million tokens, in the default currency USD): spend and budgets have something to show.
+CONFIG = (
+    f'[[models]]\nname = "{MODEL}"\nctx_size = 1024\nparallel = 2\nmax_instances = 2\n'
+    "prices = { input = 1000.0, output = 2000.0 }\n"
+)
 
 
 @dataclass
@@ -262,7 +266,7 @@ def test_a_key_gets_an_expiry_and_is_rotated_from_the_keys_page(browser: Browser
         used = httpx.get(browser.server.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"})
         assert used.status_code == 200
     # Used just now: the row says when, once the gateway has written it (every 2 s) and the page re-read it.
-    last_used = f"#keys-table tbody tr[data-key='{key_id}'] td:nth-child(12)"
+    last_used = f"#keys-table tbody tr[data-key='{key_id}'] td.last-used"
     page.wait_for_function(
         f"() => (document.querySelector(\"{last_used}\")?.textContent ?? '\N{EN DASH}') !== '\N{EN DASH}'",
         timeout=15000,
@@ -880,7 +884,7 @@ def test_no_page_has_a_serious_accessibility_violation_light_or_dark(browser: Br
     page.wait_for_selector("#instances-table tbody tr")
     for scheme in ("light", "dark"):
         page.emulate_media(color_scheme=scheme)
-        for tab in ("overview", "models", "keys", "usage", "audit", "playground"):
+        for tab in ("overview", "models", "keys", "teams", "usage", "audit", "playground"):
             page.click(f"#tabs button[data-tab={tab}]")
             page.wait_for_selector(f"#{tab}:not([hidden])")
             found[f"{tab} ({scheme})"] = axe.violations(page)
@@ -904,7 +908,7 @@ def test_every_page_fits_a_phone_and_row_actions_stay_in_reach(browser: Browser)
     page.click("#sign-in-form button[type=submit]")
     page.wait_for_selector("#instances-table tbody tr")
     wide, small = {}, {}
-    for tab in ("overview", "models", "keys", "usage", "audit", "playground"):
+    for tab in ("overview", "models", "keys", "teams", "usage", "audit", "playground"):
         page.click(f"#tabs button[data-tab={tab}]")
         page.wait_for_selector(f"#{tab}:not([hidden])")
         if tab == "models":
@@ -1218,7 +1222,8 @@ def test_the_usage_page_shows_each_key_and_model_the_quota_and_pages_the_request
     first = page.locator("#log-table tbody tr").first
     assert first.locator("td").nth(1).text_content() == "logged" and first.locator("td").nth(4).text_content() == "ok"
     assert first.locator("td").nth(10).text_content() == logged["data"][0]["instance_id"]
-    assert first.locator("td").nth(9).text_content() == "\N{EN DASH}"  # its model has no prices: no cost
+    cost = logged["data"][0]["cost"]
+    assert cost > 0 and first.locator("td").nth(9).text_content() == shown_money(page, cost)  # at its price
     page.click("#log-older")
     page.wait_for_function("() => document.querySelectorAll('#log-table tbody tr').length === 2")
     assert page.text_content("#log-status-line").startswith("Requests 26\u201327") and page.is_disabled("#log-older")
@@ -1228,6 +1233,16 @@ def test_the_usage_page_shows_each_key_and_model_the_quota_and_pages_the_request
     assert page.is_disabled("#log-newer")
     page.select_option("#log-status", "cancelled")
     page.wait_for_function("() => document.querySelector('#log-status-line').textContent === 'No requests match.'")
+
+
+def shown_money(page: Any, amount: float) -> str:
+    """An amount of USD as the page writes it, in the browser's locale: cents, or 6 digits below a cent."""
+    digits = 6 if 0 < abs(amount) < 0.01 else 2
+    return str(page.evaluate(
+        "([a, d]) => a.toLocaleString(undefined, {style: 'currency', currency: 'USD', minimumFractionDigits: 2,"
+        " maximumFractionDigits: d})",
+        [amount, digits],
+    ))  # fmt: skip
 
 
 def test_the_request_log_and_quota_standing_answer_with_their_limits(server: Server) -> None:
@@ -1290,3 +1305,123 @@ def test_the_request_log_and_quota_standing_answer_with_their_limits(server: Ser
     refused({"since": "yesterday"}, 400, "invalid_request_error", "since")
     refused({"key": "*"}, 403, "permission_error", None)
     refused({"key": "key_of_someone_else"}, 403, "permission_error", None)
+
+
+def test_the_teams_page_makes_a_team_its_keys_spend_against_its_budget_bar_and_usage_by_team(browser: Browser) -> None:
+    """An admin makes a team (its problems at their fields first), puts two keys in it from the Keys page,
+    and sees the members' spend on the team's budget bar, on the Keys page and summed per team on the
+    Usage page, each equal to what the API says; a team with keys is not deleted; its team admin signs in
+    to its own team's keys only."""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    page = browser.open(ADMIN)
+    page.click("#tabs button[data-tab=teams]")
+    page.fill("#team-name", "console-team")
+    page.fill("#team-budget", "-1")
+    page.fill("#team-quota", "100000")
+    page.click("#team-submit")
+    assert (
+        page.text_content("#team-form .field-error[data-for=budget]") == "An amount of more than 0, or empty for none."
+    )
+    assert page.text_content("#team-form .field-error[data-for=quota_period]")  # every problem at once
+    page.fill("#team-budget", "2")
+    page.select_option("#team-period", "day")
+    page.click("#team-submit")
+    assert page.text_content("#team-form .field-error[data-for=budget_period]", timeout=2000)
+    page.select_option("#team-budget-period", "day")
+    page.click("#team-submit")
+    page.wait_for_function("() => document.querySelector('#teams-status').textContent.includes('created')")
+    row = page.locator("#teams-table tbody tr", has_text="console-team")
+    team_id = row.get_attribute("data-team")
+    assert row.locator("td.members").text_content() == "none"
+    assert (row.locator("td.budget").text_content() or "").startswith("$0.00 of $2.00 spent today (UTC)")
+
+    page.click("#tabs button[data-tab=keys]")
+    secrets: dict[str, str] = {}
+    for name, team_admin in (("console-member", False), ("console-team-admin", True)):
+        page.fill("#key-name", name)
+        page.select_option("#key-team", label="console-team")
+        if team_admin:
+            page.check("#key-team-admin")
+        page.click("#key-submit")
+        page.wait_for_function(
+            "(n) => document.querySelector('#keys-status').textContent === `Key ${n} created.`", arg=name
+        )
+        secrets[name] = page.text_content("#new-key-value") or ""
+    listed = {k["name"]: k for k in httpx.get(browser.server.url + "/api/keys", headers=admin).json()["data"]}
+    assert listed["console-member"]["team_id"] == team_id and not listed["console-member"]["team_admin"]
+    assert listed["console-team-admin"]["team_id"] == team_id and listed["console-team-admin"]["team_admin"]
+    member_row = page.locator(f"#keys-table tbody tr[data-key='{listed['console-member']['id']}']")
+    assert member_row.locator("td.team").text_content() == "console-team"
+    assert (
+        page.locator(
+            f"#keys-table tbody tr[data-key='{listed['console-team-admin']['id']}'] td:nth-child(3)"
+        ).text_content()
+        == "team admin"
+    )
+
+    for i in range(3):
+        answer = httpx.post(browser.server.url + "/api/generate", json={"prompt": f"spend {i}", "max_tokens": 4},
+                            headers={"Authorization": f"Bearer {secrets['console-member']}"}, timeout=60)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+    team = httpx.get(f"{browser.server.url}/api/teams/{team_id}", headers=admin).json()
+    assert team["spend"]["spent"] > 0 and team["spend"]["reserved"] == 0
+    assert sorted(k["name"] for k in team["keys"]) == ["console-member", "console-team-admin"]
+
+    page.click("#tabs button[data-tab=teams]")
+    page.wait_for_function(
+        "([id, spent]) => Math.abs("
+        "Number(document.querySelector(`#teams-table tr[data-team='${id}'] meter`)?.value) - spent) < 1e-9",
+        arg=[team_id, team["spend"]["spent"]],
+    )  # fmt: skip
+    assert row.locator("td.members").text_content() == "console-member, console-team-admin"
+    bar = row.locator("meter")
+    assert float(bar.get_attribute("max") or 0) == 2 and float(bar.get_attribute("high") or 0) == 1.6
+    browser.shoot("teams")
+    row.get_by_role("button", name="Delete the team console-team").click()
+    page.wait_for_function("() => document.querySelector('#teams-status').classList.contains('error')")
+    assert "2 active keys" in (page.text_content("#teams-status") or "") and "Delete the team" in browser.dialogs[-1]
+    assert httpx.get(f"{browser.server.url}/api/teams/{team_id}", headers=admin).status_code == 200
+    page.fill("#team-name", "console-team")  # the server's refusal, at the field it names
+    page.click("#team-submit")
+    page.wait_for_function("() => document.querySelector('#team-form .field-error[data-for=name]').textContent")
+    assert "already exists" in (page.text_content("#team-form .field-error[data-for=name]") or "")
+
+    page.click("#tabs button[data-tab=usage]")
+    team_row = page.locator(f"#usage-teams tr[data-team='{team_id}']")
+    team_row.wait_for()
+    usage = httpx.get(
+        browser.server.url + "/api/usage", params={"key": listed["console-member"]["id"]}, headers=admin
+    ).json()
+    assert team_row.locator("td").nth(0).text_content() == "console-team"
+    assert team_row.locator("td").nth(1).text_content() == "3"
+    assert team_row.locator("td").nth(5).text_content() == shown_money(page, usage["cost"])
+    assert (team_row.locator("td.budget").text_content() or "").endswith("resets " + page.evaluate(
+        "(t) => new Date(t).toLocaleString()", team["spend"]["resets_at"]))  # fmt: skip
+
+    # The team's admin: its own team's keys, nothing of the server's.
+    page.click("#sign-out")
+    page.fill("#api-key", secrets["console-team-admin"])
+    page.click("#sign-in-form button[type=submit]")
+    page.wait_for_selector("#keys:not([hidden])")
+    assert page.text_content("#who-name") == "console-team-admin (admin of team console-team)"
+    visible = page.eval_on_selector_all("#tabs button:not([hidden])", "b => b.map((x) => x.dataset.tab)")
+    assert visible == ["keys", "usage", "playground"]
+    page.wait_for_function("() => document.querySelectorAll('#keys-table tbody tr').length === 2")
+    assert page.is_hidden("#key-team") and page.is_hidden("#key-admin") and page.is_hidden("#key-team-admin")
+    page.fill("#key-name", "made-by-the-team-admin")
+    page.fill("#key-budget", "5")  # more than the team's: refused at the field
+    page.select_option("#key-budget-period", "day")
+    page.click("#key-submit")
+    page.wait_for_function("() => document.querySelector('#key-form .field-error[data-for=budget]').textContent")
+    assert page.text_content("#key-form .field-error[data-for=budget]") == "At most the team's 2.0"
+    page.fill("#key-budget", "0.5")
+    page.click("#key-submit")
+    page.wait_for_function(
+        "() => document.querySelector('#keys-status').textContent === 'Key made-by-the-team-admin created.'"
+    )
+    made = next(k for k in httpx.get(browser.server.url + "/api/keys", headers=admin).json()["data"]
+                if k["name"] == "made-by-the-team-admin")  # fmt: skip
+    assert made["team_id"] == team_id and made["budget"] == 0.5 and made["budget_period"] == "day"
+    page.goto(browser.server.url + "/console#/teams")  # an admin page by its address: not for this key
+    page.wait_for_selector("#tabs:not([hidden])")
+    assert page.is_hidden("#teams")

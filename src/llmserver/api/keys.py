@@ -281,6 +281,7 @@ async def me(request: Request) -> dict[str, Any]:
         "name": principal.name,
         "fingerprint": principal.fingerprint,
         "admin": principal.is_admin,
+        "team_admin": principal.team_admin,
         **limit_fields(principal.limits),
         "quota": await quota(request).standing(principal.key_id, principal.limits),
         "spend": await quota(request).budget_standing(principal.key_id, principal.limits),
@@ -293,6 +294,7 @@ async def me(request: Request) -> dict[str, Any]:
             "max_image_bytes": config.limits.images.max_bytes,
             "max_files": config.limits.files.max_files,
             "max_file_bytes": config.limits.files.max_bytes,
+            "currency": config.billing.currency,  # of prices, costs and budgets
         },
     }
 

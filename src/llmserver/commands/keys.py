@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, replace
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
 from llmserver.auth.keys import DEFAULT_GRACE, MAX_GRACE, KeyService, check_expiry, check_limits, describe
-from llmserver.commands import F, load, settings_options, with_store
+from llmserver.commands import load, settings_options, with_store
 from llmserver.errors import APIError, FieldProblem
 from llmserver.metrics.usage import parse_time, summarise
 from llmserver.store import KeyLimits, KeyRecord, Store, TeamStore
@@ -30,37 +31,49 @@ def keys() -> None:
     """Manage API keys (changes take effect at once, also on a running server)."""
 
 
-def limit_options(func: F) -> F:
-    func = click.option(
-        "--budget-period", type=click.Choice(["day", "month", "total"]), default=None, help="The budget's period."
-    )(func)
-    func = click.option("--budget", type=float, default=None, help="What requests may cost, in billing.currency.")(func)
-    func = click.option(
+# The limits a key and a team share, one option each, in KeyLimits' order (a new limit is added here only).
+PERIODS = click.Choice(["day", "month", "total"])
+LIMIT_OPTIONS = (
+    click.option("--quota-tokens", type=int, default=None, help="Token quota (prompt + completion)."),
+    click.option("--quota-period", type=PERIODS, default=None, help="The quota's period."),
+    click.option("--rpm", type=int, default=None, help="Requests per minute."),
+    click.option("--max-concurrency", type=int, default=None, help="Requests in flight at once."),
+    click.option(
         "--models", default=None, help="Comma-separated model names or patterns the key may use (default: all)."
-    )(func)
-    func = click.option("--max-concurrency", type=int, default=None, help="Requests in flight at once.")(func)
-    func = click.option("--rpm", type=int, default=None, help="Requests per minute.")(func)
-    func = click.option(
-        "--quota-period", type=click.Choice(["day", "month", "total"]), default=None, help="The quota's period."
-    )(func)
-    func = click.option("--quota-tokens", type=int, default=None, help="Token quota (prompt + completion).")(func)
-    return func
+    ),
+    click.option("--budget", type=float, default=None, help="What requests may cost, in billing.currency."),
+    click.option("--budget-period", type=PERIODS, default=None, help="The budget's period."),
+)
+LIMIT_NAMES = tuple(field.name for field in fields(KeyLimits))
 
 
-def limits_given(
-    quota_tokens: int | None,
-    quota_period: str | None,
-    rpm: int | None,
-    max_concurrency: int | None,
-    models: str | None,
-    budget: float | None = None,
-    budget_period: str | None = None,
-) -> KeyLimits:
-    limits = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models), budget, budget_period)
+def limit_options(func: Callable[..., None]) -> Callable[..., None]:
+    """The limit options, handed to the command as one `given` KeyLimits: each limit as given, None where its
+    option was not (the allow-list read by `models_given`), not yet checked together."""
+
+    @functools.wraps(func)
+    def command(*args: Any, **options: Any) -> None:
+        values = {name: options.pop(name) for name in LIMIT_NAMES}
+        func(*args, given=replace(KeyLimits(**values), models=models_given(values["models"])), **options)
+
+    for option in reversed(LIMIT_OPTIONS):
+        command = option(command)
+    return command
+
+
+def checked(limits: KeyLimits) -> KeyLimits:
+    """The limits, if they make sense together; else a usage error naming the field."""
     try:
         return check_limits(limits)
     except FieldProblem as exc:
         raise click.UsageError(f"{exc.param}: {exc}") from None
+
+
+def changed(limits: KeyLimits, given: KeyLimits, cleared: Iterable[str]) -> KeyLimits:
+    """`limits` with the limits given set and those of the `--clear` options named removed."""
+    changes: dict[str, Any] = {name: value for name, value in asdict(given).items() if value is not None}
+    changes.update({field: None for name in cleared for field in CLEARABLE[name]})
+    return replace(limits, **changes)
 
 
 def models_given(listed: str | None) -> tuple[str, ...] | None:
@@ -116,19 +129,13 @@ def create(
     data_dir: Path | None,
     name: str,
     admin: bool,
-    quota_tokens: int | None,
-    quota_period: str | None,
-    rpm: int | None,
-    max_concurrency: int | None,
-    models: str | None,
-    budget: float | None,
-    budget_period: str | None,
+    given: KeyLimits,
     expires: str | None,
     team: str | None,
     team_admin: bool,
 ) -> None:
     """Create a key and print it, alone on the last line. It is shown only this once."""
-    limits = limits_given(quota_tokens, quota_period, rpm, max_concurrency, models, budget, budget_period)
+    limits = checked(given)
     expires_at = _expiry(expires)
     if team_admin and team is None:
         raise click.UsageError("--team-admin needs --team")
@@ -193,13 +200,7 @@ def update(
     config_file: Path | None,
     data_dir: Path | None,
     key_id: str,
-    quota_tokens: int | None,
-    quota_period: str | None,
-    rpm: int | None,
-    max_concurrency: int | None,
-    models: str | None,
-    budget: float | None,
-    budget_period: str | None,
+    given: KeyLimits,
     expires: str | None,
     team: str | None,
     cleared: tuple[str, ...],
@@ -213,11 +214,8 @@ def update(
         record = await service.get(key_id)
         if record is None:
             return False
-        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models), budget, budget_period)
-        changes: dict[str, Any] = {name: value for name, value in asdict(given).items() if value is not None}
-        changes.update({field: None for name in cleared for field in CLEARABLE[name]})
         try:
-            updated = await service.update(key_id, replace(record.limits, **changes))
+            updated = await service.update(key_id, changed(record.limits, given, cleared))
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
         if expires_at is not None or "expires" in cleared:

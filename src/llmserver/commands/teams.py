@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import click
 from llmserver.auth.keys import KeyService, limit_fields
 from llmserver.auth.teams import TeamService
 from llmserver.commands import load, settings_options, with_store
-from llmserver.commands.keys import CLEARABLE, limit_options, limits_given, models_given, team_id_of
+from llmserver.commands.keys import CLEARABLE, changed, checked, limit_options, team_id_of
 from llmserver.errors import APIError, FieldProblem
 from llmserver.store import KeyLimits, Store
 
@@ -45,16 +44,10 @@ def create(
     config_file: Path | None,
     data_dir: Path | None,
     name: str,
-    quota_tokens: int | None,
-    quota_period: str | None,
-    rpm: int | None,
-    max_concurrency: int | None,
-    models: str | None,
-    budget: float | None,
-    budget_period: str | None,
+    given: KeyLimits,
 ) -> None:
     """Create a team with these limits (for all its keys together) and print its id."""
-    limits = limits_given(quota_tokens, quota_period, rpm, max_concurrency, models, budget, budget_period)
+    limits = checked(given)
     team = _run(config_file, data_dir, lambda store: _service(store).create(name, limits))
     click.echo(f"created team {team.id} ({team.name})", err=True)
     click.echo(team.id)
@@ -101,13 +94,7 @@ def update(
     data_dir: Path | None,
     team: str,
     name: str | None,
-    quota_tokens: int | None,
-    quota_period: str | None,
-    rpm: int | None,
-    max_concurrency: int | None,
-    models: str | None,
-    budget: float | None,
-    budget_period: str | None,
+    given: KeyLimits,
     cleared: tuple[str, ...],
 ) -> None:
     """Change the team's (id or name) name and the limits given; the others stay; --clear removes one."""
@@ -116,10 +103,7 @@ def update(
         service = _service(store)
         record = await service.get(await team_id_of(store, team))
         assert record is not None
-        given = KeyLimits(quota_tokens, quota_period, rpm, max_concurrency, models_given(models), budget, budget_period)
-        changes: dict[str, Any] = {field: value for field, value in asdict(given).items() if value is not None}
-        changes.update({field: None for option in cleared for field in TEAM_CLEARABLE[option]})
-        updated = await service.update(record.id, name or record.name, replace(record.limits, **changes))
+        updated = await service.update(record.id, name or record.name, changed(record.limits, given, cleared))
         assert updated is not None
         return updated.id
 

@@ -5,8 +5,9 @@ const KEY_SLOT = "llmserver.key";
 const OPEN_SLOT = "llmserver.conversation"; // the id of the conversation open in this tab, for a reload
 const $ = (selector, root = document) => root.querySelector(selector);
 const state = { me: null, tab: null, timer: null, rows: [], abort: null, sodium: null, chat: null, chats: null, vault: null, editing: null };
-const PAGES = ["overview", "models", "keys", "usage", "audit", "playground"];
-const ADMIN_PAGES = ["overview", "models", "keys", "audit"];
+const PAGES = ["overview", "models", "keys", "teams", "usage", "audit", "playground"];
+const ADMIN_PAGES = ["overview", "models", "teams", "audit"];
+const MANAGER_PAGES = ["keys"]; // admin keys, and team admin keys for their own team's keys
 
 // ---- HTTP -------------------------------------------------------------------------------------
 
@@ -92,9 +93,14 @@ async function signIn(key) {
   $("#sign-in").hidden = true;
   $("#tabs").hidden = false;
   $("#who").hidden = false;
-  $("#who-name").textContent = `${me.name}${me.admin ? " (admin)" : ""}`;
-  for (const button of document.querySelectorAll("#tabs button")) button.hidden = "admin" in button.dataset && !me.admin;
-  show(allowed(pageInUrl()) ? pageInUrl() : me.admin ? "overview" : "playground", { focus: true });
+  $("#who-name").textContent = `${me.name}${me.admin ? " (admin)" : me.team_admin ? ` (admin of team ${me.team.name})` : ""}`;
+  for (const button of document.querySelectorAll("#tabs button")) {
+    button.hidden = ("admin" in button.dataset && !me.admin) || ("manager" in button.dataset && !manages());
+  }
+  // A team admin's keys are its team's: it picks no team and makes no admin keys (the server refuses both).
+  for (const node of document.querySelectorAll("[data-admin-only]")) node.hidden = !me.admin;
+  for (const node of document.querySelectorAll(".currency")) node.textContent = me.server.currency;
+  show(allowed(pageInUrl()) ? pageInUrl() : me.admin ? "overview" : me.team_admin ? "keys" : "playground", { focus: true });
 }
 
 function signOut(reason = "") {
@@ -126,6 +132,8 @@ function forget() {
   $("#usage-key").replaceChildren();
   $("#usage-key-field").hidden = true;
   $("#usage-keys-part").hidden = true;
+  $("#usage-teams-part").hidden = true;
+  $("#key-team").replaceChildren(el("option", { value: "" }, "none"));
   $("#usage-quota").hidden = true;
   $("#usage-quota").textContent = "";
   $("#log-model").replaceChildren(el("option", { value: "" }, "All models"));
@@ -139,14 +147,16 @@ function forget() {
   for (const stat of document.querySelectorAll("#play-stats dd")) stat.textContent = "–";
   $("#audit-action").replaceChildren(el("option", { value: "" }, "All actions"));
   $("#audit-newer").disabled = $("#audit-older").disabled = true;
-  for (const page of ["overview", "models", "keys", "usage", "audit"]) fresh(page);
+  for (const page of ["overview", "models", "keys", "teams", "usage", "audit"]) fresh(page);
   // The key derived for the kept conversations goes too: what IndexedDB holds cannot be read without the API key.
-  Object.assign(state, { tab: null, rows: [], keys: [], models: {}, chat: newChat(), chats: null, vault: null, editing: null, log: null, audit: null });
+  Object.assign(state, { tab: null, rows: [], keys: [], teams: [], models: {}, chat: newChat(), chats: null, vault: null, editing: null, log: null, audit: null });
   renderConversation();
 }
 
 const pageInUrl = () => window.location.hash.replace(/^#\/?/, "");
-const allowed = (tab) => Boolean(state.me) && PAGES.includes(tab) && !(ADMIN_PAGES.includes(tab) && !state.me.admin);
+const manages = () => Boolean(state.me?.admin || state.me?.team_admin);
+const allowed = (tab) =>
+  Boolean(state.me) && PAGES.includes(tab) && !(ADMIN_PAGES.includes(tab) && !state.me.admin) && !(MANAGER_PAGES.includes(tab) && !manages());
 
 function show(tab, { focus = false } = {}) {
   if (!allowed(tab)) return; // signed out, or a page this key may not see
@@ -159,7 +169,7 @@ function show(tab, { focus = false } = {}) {
     button.tabIndex = button.dataset.tab === tab ? 0 : -1; // one Tab stop for the tab list; arrows move within it
   }
   if (focus) document.getElementById(`${tab}-title`).focus();
-  ({ overview: startOverview, models: startModels, keys: startKeys, usage: loadUsage, audit: startAudit, playground: loadPlayground })[tab]();
+  ({ overview: startOverview, models: startModels, keys: startKeys, teams: startTeams, usage: loadUsage, audit: startAudit, playground: loadPlayground })[tab]();
 }
 
 // The tab list as ARIA's pattern has it: Left/Right (wrapping), Home and End move to a tab and open it.
@@ -509,7 +519,7 @@ function startKeys() {
 async function loadKeys() {
   let listed;
   try {
-    listed = await api("/api/keys");
+    [listed] = await Promise.all([api("/api/keys"), state.me.admin ? loadTeamNames() : null]);
   } catch (error) {
     stale("keys", "keys-status", error, 5);
     return;
@@ -520,12 +530,14 @@ async function loadKeys() {
   $("#keys-table tbody").replaceChildren(
     ...listed.data.map((k) =>
       el("tr", { "data-key": k.id },
-        el("td", { class: "name" }, k.name), el("td", {}, el("code", {}, k.id)), el("td", {}, k.admin ? "yes" : ""),
+        el("td", { class: "name" }, k.name), el("td", {}, el("code", {}, k.id)), el("td", {}, k.admin ? "admin" : k.team_admin ? "team admin" : ""),
+        el("td", { class: "team" }, teamName(k.team_id)),
         el("td", { class: "num" }, number(k.quota_tokens)), el("td", {}, k.quota_period || "–"), el("td", { class: "quota" }, quotaText(k.quota)),
+        el("td", { class: "budget" }, budgetNow(k.spend)),
         el("td", { class: "num" }, number(k.rpm)), el("td", { class: "num" }, number(k.max_concurrency)),
         el("td", { class: "models" }, k.models ? k.models.join(", ") || "none" : "all"),
         el("td", {}, localTime(k.created_at)), el("td", { class: k.expires_at && k.expires_at * 1000 <= Date.now() ? "error" : null }, localTime(k.expires_at)),
-        el("td", {}, localTime(k.last_used_at)), el("td", {}, localTime(k.revoked_at)),
+        el("td", { class: "last-used" }, localTime(k.last_used_at)), el("td", {}, localTime(k.revoked_at)),
         el("td", { class: "actions" }, k.revoked_at ? "" : el("span", {},
           el("button", { type: "button", onclick: () => editKey(k), "aria-label": `Edit the limits of ${k.name}` }, "Edit"), " ",
           el("button", { type: "button", onclick: () => rotateKey(k), "aria-label": `Rotate ${k.name}` }, "Rotate"), " ",
@@ -563,16 +575,11 @@ function editKey(k) {
   form.elements.name.disabled = true;
   form.elements.admin.checked = k.admin;
   form.elements.admin.disabled = true;
-  form.elements.quota_tokens.value = k.quota_tokens ?? "";
-  form.elements.quota_period.value = k.quota_period ?? "";
-  form.elements.rpm.value = k.rpm ?? "";
-  form.elements.max_concurrency.value = k.max_concurrency ?? "";
-  form.elements.models.value = k.models ? k.models.join(", ") : "";
+  form.elements.team_id.value = k.team_id ?? "";
+  form.elements.team_admin.checked = k.team_admin;
+  fillLimits(form, k);
   form.elements.expires_at.value = k.expires_at ? localInput(k.expires_at) : "";
   form.elements.expires_at.dataset.was = form.elements.expires_at.value; // sent only when changed
-  // An allow-list of no model ([]) has no text of its own: kept as it is unless the field is changed.
-  form.elements.models.dataset.was = form.elements.models.value;
-  form.elements.models.dataset.list = JSON.stringify(k.models);
   $("#key-form-title").textContent = `Edit the limits of ${k.name}`;
   $("#key-submit").textContent = "Save";
   $("#key-cancel").hidden = false;
@@ -582,6 +589,15 @@ function editKey(k) {
 // Every field's problem that the page can see, at once (the server checks them again, and what only it
 // knows, such as which models it has, comes back at its field).
 function keyProblems(form, creating) {
+  const problems = limitProblems(form, creating);
+  const expires = form.elements.expires_at;
+  if (expires.value && expires.value !== expires.dataset.was && !(new Date(expires.value).getTime() > Date.now())) problems.expires_at = "A time in the future, or empty for never (to stop a key now, revoke it).";
+  if (form.elements.team_admin.checked && !form.elements.team_id.value && state.me.admin) problems.team_id = "A team admin key needs a team.";
+  return problems;
+}
+
+// The problems of the limits a key and a team share (and of a new one's name), each at its field.
+function limitProblems(form, creating) {
   const problems = {};
   if (creating && !form.elements.name.value.trim()) problems.name = "A name is required.";
   for (const name of ["quota_tokens", "rpm", "max_concurrency"]) {
@@ -590,10 +606,35 @@ function keyProblems(form, creating) {
   }
   if (form.elements.quota_tokens.value.trim() && !form.elements.quota_period.value) problems.quota_period = "A token quota needs a period: a day, a month or in total.";
   if (!form.elements.quota_tokens.value.trim() && form.elements.quota_period.value) problems.quota_tokens = "A period needs a token quota.";
-  const expires = form.elements.expires_at;
-  if (expires.value && expires.value !== expires.dataset.was && !(new Date(expires.value).getTime() > Date.now())) problems.expires_at = "A time in the future, or empty for never (to stop a key now, revoke it).";
+  const budget = form.elements.budget.value.trim();
+  if (budget !== "" && !(Number(budget) > 0)) problems.budget = "An amount of more than 0, or empty for none.";
+  else if (budget && !form.elements.budget_period.value) problems.budget_period = "A budget needs a period: a day, a month or in total.";
+  if (!budget && form.elements.budget_period.value) problems.budget = "A period needs a budget.";
   if (allowList(form.elements.models.value) === undefined) problems.models = "An entry between two commas is empty: remove it (an empty field means every model).";
   return problems;
+}
+
+// A form's limit fields as a key's or team's limits show them.
+function fillLimits(form, limits) {
+  for (const name of ["quota_tokens", "quota_period", "rpm", "max_concurrency", "budget", "budget_period"]) form.elements[name].value = limits[name] ?? "";
+  form.elements.models.value = limits.models ? limits.models.join(", ") : "";
+  // An allow-list of no model ([]) has no text of its own: kept as it is unless the field is changed.
+  form.elements.models.dataset.was = form.elements.models.value;
+  form.elements.models.dataset.list = JSON.stringify(limits.models);
+}
+
+// The limits a key's or team's form asks for (every one named: null clears it), `editing` an existing one.
+function limitsOf(form, editing) {
+  const value = (name) => {
+    const raw = form.elements[name].value.trim();
+    return raw === "" ? null : form.elements[name].type === "number" ? Number(raw) : raw;
+  };
+  const models = form.elements.models;
+  return {
+    quota_tokens: value("quota_tokens"), quota_period: value("quota_period"), rpm: value("rpm"), max_concurrency: value("max_concurrency"),
+    budget: value("budget"), budget_period: value("budget_period"),
+    models: editing && models.value === models.dataset.was ? JSON.parse(models.dataset.list) : allowList(models.value),
+  };
 }
 
 // The models a key may use as typed: null (an empty field: every model), the names and patterns, or
@@ -627,10 +668,6 @@ function fieldError(form, name, message) {
 async function submitKey(event) {
   event.preventDefault();
   const form = keyForm();
-  const value = (name) => {
-    const raw = form.elements[name].value.trim();
-    return raw === "" ? null : form.elements[name].type === "number" ? Number(raw) : raw;
-  };
   const id = form.elements.id.value;
   const problems = Object.entries(keyProblems(form, !id));
   if (problems.length) {
@@ -638,10 +675,8 @@ async function submitKey(event) {
     form.elements[problems[0][0]].focus();
     return;
   }
-  const limits = {
-    quota_tokens: value("quota_tokens"), quota_period: value("quota_period"), rpm: value("rpm"), max_concurrency: value("max_concurrency"),
-    models: id && form.elements.models.value === form.elements.models.dataset.was ? JSON.parse(form.elements.models.dataset.list) : allowList(form.elements.models.value),
-  };
+  const limits = limitsOf(form, Boolean(id));
+  if (state.me.admin) Object.assign(limits, { team_id: form.elements.team_id.value || null, team_admin: form.elements.team_admin.checked });
   const expires = form.elements.expires_at;
   if (!id || expires.value !== expires.dataset.was) limits.expires_at = expires.value ? new Date(expires.value).getTime() / 1000 : null;
   try {
@@ -649,7 +684,9 @@ async function submitKey(event) {
       await api(`/api/keys/${encodeURIComponent(id)}`, { method: "PATCH", body: limits });
       say("keys-status", `Limits of ${form.elements.name.value} saved.`);
     } else {
-      const created = await api("/api/keys", { method: "POST", body: { name: value("name") ?? "", admin: form.elements.admin.checked, ...limits } });
+      const body = { name: form.elements.name.value.trim(), ...limits };
+      if (state.me.admin) body.admin = form.elements.admin.checked;
+      const created = await api("/api/keys", { method: "POST", body });
       showNewKey(created.key, "The new key, shown once: copy it now.");
       say("keys-status", `Key ${created.name} created.`);
     }
@@ -691,6 +728,91 @@ async function revokeKey(k) {
     loadKeys();
   } catch (error) {
     say("keys-status", error.message, true);
+  }
+}
+
+// ---- Teams ------------------------------------------------------------------------------------
+
+// The teams, refreshed every 5 s while the page is shown (their quotas and budgets move with every request).
+function startTeams() {
+  loadTeams();
+  state.timer = setInterval(loadTeams, 5000);
+}
+
+async function loadTeams() {
+  let listed;
+  try {
+    listed = await api("/api/teams");
+  } catch (error) {
+    stale("teams", "teams-status", error, 5);
+    return;
+  }
+  if (state.tab !== "teams") return;
+  if (fresh("teams")) say("teams-status", `Up to date again (${new Date().toLocaleTimeString()}).`);
+  state.teams = listed.data;
+  $("#teams-table tbody").replaceChildren(
+    ...listed.data.map((t) =>
+      el("tr", { "data-team": t.id },
+        el("td", { class: "name" }, t.name), el("td", {}, el("code", {}, t.id)),
+        el("td", { class: "members" }, t.keys.length ? t.keys.map((k) => k.name).sort((a, b) => a.localeCompare(b)).join(", ") : "none"),
+        el("td", { class: "budget" }, budgetNow(t.spend)), el("td", { class: "quota" }, quotaText(t.quota)),
+        el("td", { class: "num" }, number(t.rpm)), el("td", { class: "num" }, number(t.max_concurrency)),
+        el("td", { class: "models" }, t.models ? t.models.join(", ") || "none" : "all"), el("td", {}, localTime(t.created_at)),
+        el("td", { class: "actions" }, el("span", {},
+          el("button", { type: "button", onclick: () => editTeam(t), "aria-label": `Edit the team ${t.name}` }, "Edit"), " ",
+          el("button", { type: "button", onclick: () => deleteTeam(t), "aria-label": `Delete the team ${t.name}` }, "Delete"))),
+      ),
+    ),
+  );
+}
+
+const teamForm = (reset = false) => clearForm($("#team-form"), "team-error", reset && { title: "Create a team", submit: "Create" });
+
+function editTeam(t) {
+  const form = teamForm(true);
+  form.elements.id.value = t.id;
+  form.elements.name.value = t.name;
+  fillLimits(form, t);
+  $("#team-form-title").textContent = `Edit the team ${t.name}`;
+  $("#team-submit").textContent = "Save";
+  $("#team-cancel").hidden = false;
+  form.elements.name.focus();
+}
+
+async function submitTeam(event) {
+  event.preventDefault();
+  const form = teamForm();
+  const id = form.elements.id.value;
+  const problems = Object.entries(limitProblems(form, true));
+  if (problems.length) {
+    for (const [name, message] of problems) fieldError(form, name, message);
+    form.elements[problems[0][0]].focus();
+    return;
+  }
+  const body = { name: form.elements.name.value.trim(), ...limitsOf(form, Boolean(id)) };
+  try {
+    if (id) {
+      await api(`/api/teams/${encodeURIComponent(id)}`, { method: "PATCH", body });
+      say("teams-status", `Team ${body.name} saved.`);
+    } else {
+      await api("/api/teams", { method: "POST", body });
+      say("teams-status", `Team ${body.name} created: give it keys on the Keys page.`);
+    }
+    teamForm(true);
+    loadTeams();
+  } catch (error) {
+    showRefusal(form, error, "team-error");
+  }
+}
+
+async function deleteTeam(t) {
+  if (!confirm(`Delete the team ${t.name}? Only a team without active keys can be: move them out or revoke them first.`)) return;
+  try {
+    await api(`/api/teams/${encodeURIComponent(t.id)}`, { method: "DELETE" });
+    say("teams-status", `Team ${t.name} deleted.`);
+    loadTeams();
+  } catch (error) {
+    say("teams-status", error.message, true); // with active members: which to move out or revoke first
   }
 }
 
@@ -745,17 +867,45 @@ const usageKey = () => (state.me.admin ? $("#usage-key").value || "*" : state.me
 const keyName = (id) => (id === state.me?.id ? state.me.name : state.keys?.find((k) => k.id === id)?.name ?? id);
 
 async function loadKeyNames() {
-  const listed = await api("/api/keys").catch(() => ({ data: [] }));
+  const [listed] = await Promise.all([api("/api/keys").catch(() => ({ data: [] })), loadTeamNames()]);
   state.keys = listed.data;
 }
+
+const PERIOD_WORDS = { day: "today (UTC)", month: "this month (UTC)", total: "in all" };
+const resetText = (standing) => (standing.resets_at ? `resets ${localTime(standing.resets_at)}` : "never resets");
 
 // A quota as used / limit, what is left and when it resets (in the reader's own time).
 function quotaText(quota) {
   if (!quota) return "–";
-  const resets = quota.resets_at ? `resets ${localTime(quota.resets_at)}` : "never resets";
   const held = quota.reserved ? `, ${number(quota.reserved)} held by requests in flight` : "";
-  const when = { day: "today (UTC)", month: "this month (UTC)", total: "in all" }[quota.period] ?? quota.period;
-  return `${number(quota.used)} of ${number(quota.limit)} used ${when}${held}; ${number(quota.left)} left, ${resets}`;
+  const when = PERIOD_WORDS[quota.period] ?? quota.period;
+  return `${number(quota.used)} of ${number(quota.limit)} used ${when}${held}; ${number(quota.left)} left, ${resetText(quota)}`;
+}
+
+// A budget as a bar (amber from 50 %, red from 80 %: the default alert marks) and in words: spent of the
+// budget, what requests in flight hold, what is left and when it resets.
+function budgetNow(spend) {
+  if (!spend) return "–";
+  const amount = (value) => money(value, spend.currency);
+  const held = spend.reserved ? `, ${amount(spend.reserved)} held by requests in flight` : "";
+  const used = Math.min(spend.spent + spend.reserved, spend.budget);
+  const share = Math.round((100 * used) / spend.budget);
+  const text = `${amount(spend.spent)} of ${amount(spend.budget)} spent ${PERIOD_WORDS[spend.period] ?? spend.period}${held}; ${amount(spend.left)} left, ${resetText(spend)}`;
+  return el("span", { class: "budget-now" },
+    el("meter", { min: 0, max: spend.budget, low: spend.budget * 0.5, high: spend.budget * 0.8, optimum: 0, value: used, "aria-label": `${share} % of the budget` }),
+    el("span", {}, text));
+}
+
+const teamName = (id) => (id ? (state.teams?.find((t) => t.id === id) ?? (state.me?.team?.id === id ? state.me.team : null))?.name ?? id : "–");
+
+// The teams, for their names in the key and usage tables and the key form's team picker (admin keys only).
+async function loadTeamNames() {
+  const listed = await api("/api/teams").catch(() => null);
+  if (!listed) return;
+  state.teams = listed.data;
+  const picker = $("#key-team"), chosen = picker.value;
+  picker.replaceChildren(el("option", { value: "" }, "none"), ...listed.data.map((t) => el("option", { value: t.id }, t.name)));
+  picker.value = chosen;
 }
 
 // An amount of the server's currency (models without prices: none, "–"); small amounts keep their digits.
@@ -775,8 +925,15 @@ function drawTotals(summary) {
   const byKey = summary.by_key;
   $("#usage-keys-part").hidden = !byKey;
   if (byKey) {
+    const keyOf = (id) => state.keys.find((k) => k.id === id);
     $("#usage-keys tbody").replaceChildren(...mostFirst(byKey).map(([id, c]) =>
-      el("tr", { "data-key": id }, el("td", { class: "name" }, keyName(id)), ...row(c), el("td", { class: "quota" }, quotaText(state.keys.find((k) => k.id === id)?.quota)))));
+      el("tr", { "data-key": id }, el("td", { class: "name" }, keyName(id)), ...row(c),
+        el("td", { class: "quota" }, quotaText(keyOf(id)?.quota)), el("td", { class: "budget" }, budgetNow(keyOf(id)?.spend)))));
+    const byTeam = teamTotals(byKey);
+    $("#usage-teams-part").hidden = !Object.keys(byTeam).length;
+    $("#usage-teams tbody").replaceChildren(...mostFirst(byTeam).map(([id, c]) =>
+      el("tr", { "data-team": id }, el("td", { class: "name" }, teamName(id)), ...row(c),
+        el("td", { class: "budget" }, budgetNow(state.teams.find((t) => t.id === id)?.spend)))));
   }
   const own = state.me.admin ? state.keys.find((k) => k.id === usageKey()) : state.me;
   $("#usage-quota").hidden = !own?.quota;
@@ -785,6 +942,21 @@ function drawTotals(summary) {
   const names = [...new Set([...Object.keys(summary.by_model), ...(chosen ? [chosen] : [])])].sort();
   select.replaceChildren(el("option", { value: "" }, "All models"), ...names.map((n) => el("option", { value: n }, n)));
   select.value = chosen;
+}
+
+// The keys' counts summed by their team (keys in none are left out): a team's usage is its keys'.
+function teamTotals(byKey) {
+  const totals = {};
+  for (const [id, c] of Object.entries(byKey)) {
+    const team = state.keys.find((k) => k.id === id)?.team_id;
+    if (!team) continue;
+    const sum = (totals[team] ??= { requests: 0, prompt_tokens: 0, completion_tokens: 0, cost: null });
+    sum.requests += c.requests;
+    sum.prompt_tokens += c.prompt_tokens;
+    sum.completion_tokens += c.completion_tokens;
+    if (c.cost !== null && c.cost !== undefined) sum.cost = (sum.cost ?? 0) + c.cost;
+  }
+  return totals;
 }
 
 // The request log: pages of the ledger, newest first; `cursors` holds the `before` of every page up to this one.
@@ -951,7 +1123,7 @@ function downloadCsv() {
 
 // The actions an admin can take through the API, for the filter (GET /api/audit takes any).
 const AUDIT_ACTIONS = [
-  "keys.create", "keys.update", "keys.delete", "models.create", "models.update", "models.stop", "models.start",
+  "keys.create", "keys.update", "keys.rotate", "keys.delete", "teams.create", "teams.update", "teams.delete", "models.create", "models.update", "models.stop", "models.start",
   "models.delete", "instances.create", "instances.delete", "nodes.cordon", "nodes.drain", "nodes.uncordon",
 ];
 
@@ -1574,6 +1746,8 @@ document.addEventListener("DOMContentLoaded", () => {
   for (const button of document.querySelectorAll("#tabs button")) button.addEventListener("click", () => show(button.dataset.tab));
   $("#key-form").addEventListener("submit", submitKey);
   $("#key-cancel").addEventListener("click", () => keyForm(true));
+  $("#team-form").addEventListener("submit", submitTeam);
+  $("#team-cancel").addEventListener("click", () => teamForm(true));
   $("#copy-key").addEventListener("click", (event) => copy($("#new-key-value").textContent, event.target));
   $("#usage-form").addEventListener("submit", loadUsage);
   $("#usage-csv").addEventListener("click", downloadCsv);
