@@ -14,10 +14,12 @@ import hashlib
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -46,6 +48,12 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
     _share = max(1, len(_cpus) // _workers)
     _first = int(_WORKER[2:]) * _share % len(_cpus)
     os.sched_setaffinity(0, set(_cpus[_first : _first + _share]))
+# Each worker also has a TMPDIR of its own, which every server it starts inherits: what a server makes there
+# (the document converters' private folder, say) is never taken for another worker's.
+if _WORKER.startswith("gw"):
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"llmserver-tests-{_WORKER}-", dir=tempfile.gettempdir())
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    atexit.register(shutil.rmtree, os.environ["TMPDIR"], True)
 # The threads a test instance that wants all of this test process's CPUs (up to 2) is given.
 THREADS = min(2, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 2
 
