@@ -53,6 +53,7 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
 if _WORKER.startswith("gw"):
     os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"llmserver-tests-{_WORKER}-", dir=tempfile.gettempdir())
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    os.chmod(os.environ["TMPDIR"], 0o1777)  # as /tmp: the private PostgreSQL runs as another user
     atexit.register(shutil.rmtree, os.environ["TMPDIR"], True)
 # The threads a test instance that wants all of this test process's CPUs (up to 2) is given.
 THREADS = min(2, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 2
