@@ -12,6 +12,7 @@ import asyncio
 import collections
 import itertools
 import json
+import os
 import statistics
 import sys
 import threading
@@ -271,13 +272,23 @@ async def capacity(target: Target, concurrency: int, seconds: float) -> tuple[fl
 
 
 def settle(quiet_percent: float = 10.0, most_seconds: float = 60.0) -> float:
-    """Wait until the machine's CPU use over a second is below `quiet_percent` (at most `most_seconds`):
-    what the targets do on their own after starting is not what we measure. The last second's use."""
+    """Wait until the CPU use over a second of the CPUs this process may run on (and the targets it
+    starts, which inherit its affinity) is below `quiet_percent` (at most `most_seconds`): what the
+    targets do on their own after starting is not what we measure. The last second's use. A run kept
+    to some CPUs (a test worker's, `taskset`) does not wait for what runs on the others."""
     deadline = time.monotonic() + most_seconds
-    busy = psutil.cpu_percent(interval=1.0)
+    busy = _own_cpus_busy()
     while busy >= quiet_percent and time.monotonic() < deadline:
-        busy = psutil.cpu_percent(interval=1.0)
+        busy = _own_cpus_busy()
     return busy
+
+
+def _own_cpus_busy() -> float:
+    """The mean use over the next second of the CPUs this process may run on."""
+    own = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per_cpu = psutil.cpu_percent(interval=1.0, percpu=True)
+    mine = [per_cpu[cpu] for cpu in own if cpu < len(per_cpu)] or per_cpu
+    return sum(mine) / len(mine)
 
 
 def cpu_seconds(target: Target) -> float:

@@ -27,9 +27,12 @@ class Plan:
     parallel: int = 4
     ctx_size: int = 2048
     threads: int = 2
+    warm_tokens: int = 32  # a warm-up request's tokens: enough to run every slot the level uses
 
 
-QUICK = Plan("quick", [1, 4, 16], 1, 1, 1, 32, 60, [1, 4], 3.0, 2, 2, 2, 300)
+# The quick run is a smoke test of the harness (its figures are not read): a warm-up of a few tokens, short
+# capacity runs, one conversation after each of the three events.
+QUICK = Plan("quick", [1, 4, 16], 1, 1, 1, 32, 60, [1, 4], 1.5, 2, 2, 1, 300, warm_tokens=4)
 FULL = Plan("full", [1, 4, 8, 16], 3, 24, 2, 128, 400, [1, 2, 4, 8, 16], 8.0, 4, 6, 8, 1500)
 
 

@@ -37,7 +37,6 @@ from bench.targets import (
 from llmserver.settings import ModelConfig
 
 ADMIN_KEY = "bench-admin-key-0123456789"
-WARM_TOKENS = 32  # a warm-up request's tokens: enough to run every slot the level uses
 
 
 def blocks(plan: Plan, concurrency: int) -> int:
@@ -159,7 +158,7 @@ def _warm(plan: Plan, targets: list[Target], concurrency: int) -> None:
     in five runs and 150.6-154.9 in its second, the pass-through (third) 150-152 in both."""
     for target in targets:
         progress(f"concurrency {concurrency}: warming {target.name} up, {concurrency} requests, uncounted")
-        asyncio.run(load.run_level(target, concurrency, 1, WARM_TOKENS))
+        asyncio.run(load.run_level(target, concurrency, 1, plan.warm_tokens))
 
 
 def _affinity(plan: Plan, model: ModelConfig, logs: Path, results: Results) -> None:

@@ -31,7 +31,9 @@ threads = {THREADS}
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n 2 --dist loadscope`), the modules that hold slow tests first: the workers take
     modules whole, in this order, so the long ones start early and short ones fill the end rather than one
-    worker finishing a long module alone. A serial run keeps the files' order."""
+    worker finishing a long module alone. A serial run keeps the files' order. (`--no-loadscope-reorder`
+    keeps this order: by default xdist hands out the modules with the most tests first, which put the
+    slow ones, a test or two each, last.)"""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}

@@ -27,7 +27,7 @@ def test_seeds_and_past_crashes_replay_cleanly(name: str) -> None:
 @pytest.mark.slow
 def test_bounded_fuzzing_finds_no_crash(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "fuzz.run", "--seconds", "15", "--artifacts", str(tmp_path)],
+        [sys.executable, "-m", "fuzz.run", "--seconds", "10", "--artifacts", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr[-5000:]

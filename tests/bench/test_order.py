@@ -51,10 +51,10 @@ def test_every_target_serves_an_uncounted_request_per_client_before_each_level(m
     results = plan_module.Results(plan, [t.name for t in targets])
     run._throughput(plan, targets, results)
 
-    measured = [call for call in calls if call[3] in (run.WARM_TOKENS, plan.max_tokens)]
+    measured = [call for call in calls if call[3] in (plan.warm_tokens, plan.max_tokens)]
     for concurrency in plan.levels:
         level = [call for call in measured if call[1] == concurrency]
-        assert level[:3] == [(name, concurrency, 1, run.WARM_TOKENS) for name in ("a", "b", "c")]
+        assert level[:3] == [(name, concurrency, 1, plan.warm_tokens) for name in ("a", "b", "c")]
         assert all(call[2:] == (plan.per_client, plan.max_tokens) for call in level[3:])
         for name in ("a", "b", "c"):  # the counted blocks alone are in the results
             samples = results.levels[name][concurrency].samples
