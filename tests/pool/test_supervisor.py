@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import logging
+import socket
 import subprocess
 import threading
 import time
@@ -225,3 +226,30 @@ def test_a_catalog_change_replaces_the_lineup_and_leaves_the_settings_as_loaded(
         await supervisor.stop()
 
     asyncio.run(scenario())
+
+
+def test_an_instance_that_cannot_be_reached_is_not_a_stall_but_one_that_does_not_answer_is() -> None:
+    """The watchdog's /slots probe (Supervisor._progress): refused (a process killed under its requests:
+    nothing listens on its port) says nothing of progress, so its requests are not ended with the stall's
+    504 — they are sent again once its exit or its missed health probes take it out. A CI run found the
+    probe of a just-killed instance refused at once, reported as "no progress for 60 s", and two of its
+    requests lost. A port that takes the request and never answers within the bound is a stall."""
+
+    async def scenario(listening: bool) -> tuple[bool, int, Status]:
+        async with supervised(alive=True, stall_timeout=0.5) as (supervisor, instance):
+            silent = None
+            if listening:  # accepts connections (the kernel's backlog) and never answers
+                silent = socket.socket()
+                silent.bind(("127.0.0.1", instance.port))
+                silent.listen(8)
+            try:
+                instance.in_flight = 1
+                await supervisor._progress(instance)
+                return instance.stalled, supervisor.pools["m"].stalls, instance.status
+            finally:
+                if silent is not None:
+                    silent.close()
+
+    assert asyncio.run(scenario(listening=False)) == (False, 0, Status.READY)
+    stalled, stalls, status = asyncio.run(scenario(listening=True))
+    assert stalled and stalls == 1 and status == Status.FAILED

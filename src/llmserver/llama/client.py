@@ -89,15 +89,19 @@ class LlamaServerClient:
         finally:
             connection.close()
 
-    async def answers_slots(self, timeout: float) -> bool:
+    async def answers_slots(self, timeout: float) -> bool | None:
         """Whether llama-server's main loop answers /slots within `timeout` seconds: /health is answered
-        by its HTTP threads alone, /slots waits for the loop that runs every slot."""
+        by its HTTP threads alone, /slots waits for the loop that runs every slot. None when the instance
+        cannot be reached at all (refused, or the connection dropped: its process died or is dying): that
+        says nothing of its progress, and its exit or its missed health probes take it out of service."""
         try:
             async with asyncio.timeout(timeout), _Sent(self._probes, "GET", "/slots", None, False, None) as response:
                 await response.read()
                 return True
-        except (wire.WireError, TimeoutError):
+        except TimeoutError:
             return False
+        except wire.WireError:
+            return None
 
     async def get_json(self, path: str) -> JSON:
         try:

@@ -629,12 +629,13 @@ class Instance:
         not sent again); None when it did not."""
         return (self.failure or "made no progress") if self.stalled else None
 
-    async def answers_slots(self, timeout: float) -> bool:
+    async def answers_slots(self, timeout: float) -> bool | None:
         """Whether llama-server's main loop answers /slots within `timeout` seconds. /health is answered
         by its HTTP threads alone; /slots waits for the loop that runs every slot, so an instance whose
-        loop is stuck (one generation step that never ends) answers the first and not the second."""
+        loop is stuck (one generation step that never ends) answers the first and not the second. None:
+        it cannot be reached at all (gone, or its process died), which is not a stall."""
         if self.client is None or self.exited:
-            return False
+            return None
         return await self.client.answers_slots(timeout)
 
     async def stop(self, grace: float = 10.0) -> None:

@@ -649,7 +649,9 @@ class Supervisor:
         held one for over eleven minutes): its requests fail, and it is restarted."""
         try:
             bound = self.stall_bound(instance.model.name)
-            if await instance.answers_slots(bound) or not instance.accepting:
+            # Not reached at all (killed, say) is not a stall: its exit or its missed health probes take it
+            # out, and its requests are sent again; a stall's would end with 504.
+            if await instance.answers_slots(bound) is not False or not instance.accepting:
                 return
             # Whose request it was: those in flight, else the last one's (its client may have left).
             blamed = sorted(instance.users) or ([instance.last_key] if instance.last_key else [])
