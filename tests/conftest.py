@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import subprocess
 import sys
@@ -28,16 +30,43 @@ threads = {THREADS}
 """
 
 
+# Each module's seconds in a run on two workers (its tests' setup, call and teardown), written by
+# `pytest --save-durations`: the order the workers are handed the modules in (below). A module not in it
+# counts a second a test, or ten minutes if it holds slow tests.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--save-durations", action="store_true", help=f"write each module's seconds to {DURATIONS.name}")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadscope`), the modules that hold slow tests first: the workers take
-    modules whole, in this order, so the long ones start early and short ones fill the end rather than one
-    worker finishing a long module alone. A serial run keeps the files' order. (`--no-loadscope-reorder`
-    keeps this order: by default xdist hands out the modules with the most tests first, which put the
-    slow ones, a test or two each, last.)"""
+    """Under pytest-xdist (`-n 2 --dist loadscope`), the longest modules first (tests/durations.json): the
+    workers take modules whole, in this order, so the long ones start early and short ones fill the end
+    rather than one worker finishing a long module alone. A serial run keeps the files' order.
+    (`--no-loadscope-reorder` keeps this order: xdist's own hands out the modules with the most tests
+    first, which put the slow ones, a test or two each, last.)"""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+    known: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    module = {item: item.nodeid.split("::")[0] for item in items}
+    slow = {module[item] for item in items if item.get_closest_marker("slow")}
+    tests = collections.Counter(module.values())
+    expected = {name: known.get(name, 600.0 if name in slow else float(count)) for name, count in tests.items()}
+    items.sort(key=lambda item: -expected[module[item]])
+
+
+_spent: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _spent[report.nodeid.split("::")[0]] += report.duration  # under xdist the controller sees every report
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if session.config.getoption("save_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        spent = {name: round(seconds, 1) for name, seconds in sorted(_spent.items())}
+        DURATIONS.write_text(json.dumps(spent, indent=0) + "\n")
 
 
 @pytest.fixture(scope="module")
