@@ -85,6 +85,9 @@ DRAIN_TIMEOUT = 20.0
 # Growth allowed after warm-up (the first 40% of a gateway process's life) to its end.
 RSS_GROWTH_LIMIT_MB = 40.0
 FD_GROWTH_LIMIT = 16
+# A process that lived less than this is all warm-up: a gateway started 21 s before the run's end was still
+# opening its connections to PostgreSQL, Redis and the nodes as traffic reached it (23 -> 41 fds, a CI run).
+GROWTH_MIN_SECONDS = 30.0
 RECOVERY_WINDOW = 5.0  # seconds between a fault's end and the next within which an answer must come
 SERVING = ("ready", "busy")
 # 503s refused because the shared state could not be read (PostgreSQL, or Redis for a key's limits):
@@ -709,11 +712,12 @@ class Sampler:
             await asyncio.sleep(1.0)
 
     def growth(self) -> list[dict[str, Any]]:
-        """Per gateway process: RSS and fds after warm-up (40% of its life) and at its end."""
+        """Per gateway process that lived GROWTH_MIN_SECONDS or more: RSS and fds after warm-up (40% of its
+        life) and at its end."""
         rows = []
         for incarnation in sorted({s.incarnation for s in self.samples}):
             series = [s for s in self.samples if s.incarnation == incarnation]
-            if len(series) < 20:
+            if len(series) < 20 or series[-1].at - series[0].at < GROWTH_MIN_SECONDS:
                 continue
             warm = series[int(len(series) * 0.4) :]
             head, tail = warm[: max(1, len(warm) // 4)], warm[-max(1, len(warm) // 4) :]
