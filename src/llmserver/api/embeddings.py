@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import Request
 
 from llmserver.api.access import Access, router
-from llmserver.api.deps import body_schema, cancel_on_disconnect, embeddings, parse
+from llmserver.api.deps import body_schema, cancel_on_disconnect, embeddings, note, parse
 from llmserver.engine.generation import closed_on_failure
 from llmserver.schemas.openai import EmbeddingRequest
 
@@ -22,6 +22,6 @@ async def create_embeddings(request: Request) -> dict[str, Any]:
     service = embeddings(request)
     principal, body = await parse(request, EmbeddingRequest, gate=service.admission.precheck)
     ticket = await service.admit(principal, body)
-    request.state.tally = ticket.tally  # for the access log
+    note(request, "tally", ticket.tally)  # for the access log
     with closed_on_failure(ticket):
         return await cancel_on_disconnect(request, service.embed(ticket, body))

@@ -15,6 +15,7 @@ from llmserver.api.deps import (
     generation,
     header,
     jobs,
+    note,
     parse,
 )
 from llmserver.engine.generation import closed_on_failure
@@ -38,7 +39,7 @@ async def generate(request: Request) -> FastJSONResponse:
     principal, body = await parse(request, GenerateRequest, gate=service.admission.precheck)
     key = JobService.client_key(body.key) if body.mode == "async" else None
     ticket = await service.admit(principal, body, "/api/generate", header(request, b"x-session-id"))
-    request.state.tally = ticket.tally  # for the access log
+    note(request, "tally", ticket.tally)  # for the access log
 
     async def work() -> dict[str, Any]:
         return (await service.generate(ticket, body)).model_dump()

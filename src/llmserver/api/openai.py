@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -15,6 +16,7 @@ from llmserver.api.deps import (
     generation,
     header,
     jobs,
+    note,
     parse,
 )
 from llmserver.api.events import EventStream
@@ -55,12 +57,10 @@ async def _generate(
             raise InvalidRequest("Async mode cannot be combined with stream: true.", param="stream")
         key = JobService.client_key(body.key)
     ticket = await service.admit(principal, body, endpoint, header(request, b"x-session-id"))
-    request.state.tally = ticket.tally  # for the access log
+    note(request, "tally", ticket.tally)  # for the access log
 
-    async def work() -> dict[str, Any]:
-        if isinstance(body, ChatRequest):
-            return await service.chat(ticket, body)
-        return await service.completion(ticket, body)
+    def work() -> Awaitable[dict[str, Any]]:  # the answer's coroutine (a job's, or awaited here)
+        return service.chat(ticket, body) if isinstance(body, ChatRequest) else service.completion(ticket, body)
 
     if key is not None:
         if isinstance(body, ChatRequest):

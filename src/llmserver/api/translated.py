@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from llmserver.api.deps import FastJSONResponse, cancel_on_disconnect, generation, header, parse
+from llmserver.api.deps import FastJSONResponse, cancel_on_disconnect, generation, header, note, parse
 from llmserver.api.events import EventStream
 from llmserver.auth.keys import Principal
 from llmserver.engine.generation import GenerationService, closed_on_failure
@@ -71,7 +71,7 @@ async def _admitted(
     service = generation(request)
     body = ChatRequest.of(chat, **fields)
     ticket = await service.admit(principal, body, endpoint, header(request, b"x-session-id"))
-    request.state.tally = ticket.tally  # for the access log
+    note(request, "tally", ticket.tally)  # for the access log
     return service, body, ticket
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 from llmserver.asgi_ext import Writer  # bytes straight to a stream's client; False: no more for now
 from llmserver.auth.keys import Principal
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 Request = GenerateRequest | ChatRequest | CompletionRequest
-T = TypeVar("T")
 # Room around an untemplated prompt (a BOS token and the like).
 RAW_PROMPT_TOKENS = 8
 # More bytes than any token of any tokenizer spells: a prompt's byte count over this is a lower
@@ -125,7 +124,8 @@ class GenerationService:
                     param="messages",
                 )
             check_request(request, self.max_pattern_cost)
-            prompt = self.inputs.bound(request.messages) + text_bound(added_prompt(request))
+            counted = self.inputs.bound(request.messages)
+            prompt = counted + text_bound(added_prompt(request))
         elif isinstance(request, CompletionRequest):
             prompt = RAW_PROMPT_TOKENS + text_bound(_completion_prompt(request))
         else:
@@ -139,9 +139,12 @@ class GenerationService:
         bound = self._bound(model, prompt, max_tokens)
         keep_alive = check_keep_alive(request.keep_alive, self.max_keep_alive)
         affinity = _affinity(model, request, session) if self.admission.routes_by_affinity(model) else None
-        return await self.admission.admit(
+        ticket = await self.admission.admit(
             principal, endpoint, model, bound, affinity, keep_alive, completion=min(max_tokens, bound)
         )
+        if isinstance(request, ChatRequest):
+            ticket.counted = (request.messages, counted)
+        return ticket
 
     def _max_tokens(self, request: Request) -> int:
         requested = request.max_tokens
@@ -163,6 +166,13 @@ class GenerationService:
                 f"{prompt_bound // MAX_TOKEN_BYTES} tokens.",
                 param=param,
             )
+
+    def _messages_bound(self, ticket: Ticket, messages: list[ChatMessage]) -> int:
+        """`inputs.bound(messages)`, as admission counted it when these are the messages it counted."""
+        counted = ticket.counted
+        if counted is not None and counted[0] is messages:
+            return counted[1]
+        return self.inputs.bound(messages)
 
     def _bound(self, model: str, prompt_tokens: int, max_tokens: int) -> int:
         return min(prompt_tokens + max_tokens, self._context.get(model, prompt_tokens + max_tokens))
@@ -232,7 +242,7 @@ class GenerationService:
         queue (140 s on a busy instance, issue 55). A prompt whose bound (bytes) is within the context
         surely fits and costs nothing here; images and files are counted once read, on the slot."""
         context = self._context.get(ticket.model)
-        if context is None or self.inputs.bound(request.messages) < context:
+        if context is None or self._messages_bound(ticket, request.messages) < context:
             return
         if any(isinstance(m.content, list) and any(p.type != "text" for p in m.content) for m in request.messages):
             return
@@ -278,13 +288,15 @@ class GenerationService:
             # llama.cpp names the stop sequence that ended an answer only in its `__verbose` (which also
             # holds the prompt): asked for only when the client wants the sequence named.
             payload["verbose"] = True
-        await self._resize(ticket, self.inputs.bound(messages), payload)
+        await self._resize(ticket, self._messages_bound(ticket, messages), payload)
         return payload, plan
 
     async def chat(self, ticket: Ticket, request: ChatRequest) -> JSON:
-        payload, plan = await self._call_first(ticket, lambda: self._chat_payload(ticket, request))
-        with schema_errors(plan.schema_param):
-            body = await self._answer(ticket, "/v1/chat/completions", payload)
+        with closed_on_failure(ticket):
+            payload, plan = await self._chat_payload(ticket, request)
+            with schema_errors(plan.schema_param):
+                body = await self.calls.call(ticket, "/v1/chat/completions", payload)
+        await self._called(ticket, body)
         return shapes.chat(body, ticket.model, plan, request.top_logprobs or 0)
 
     async def chat_stream(
@@ -304,8 +316,8 @@ class GenerationService:
     async def count_tokens(self, ticket: Ticket, request: ChatRequest) -> int:
         """The prompt tokens of a chat request, as its instance's template and tokenizer make them (its
         images count as their place in the template only); nothing is generated or charged."""
-        payload, _ = await self._call_first(ticket, lambda: self._chat_payload(ticket, request, counting=True))
         with closed_on_failure(ticket):
+            payload, _ = await self._chat_payload(ticket, request, counting=True)
             client = ticket.lease.client
             if client is None:
                 raise ServerError("The instance went away.")
@@ -327,20 +339,11 @@ class GenerationService:
         return translate.LegacyLogprobs(request.logprobs, _completion_prompt(request))
 
     async def completion(self, ticket: Ticket, request: CompletionRequest) -> JSON:
-        payload = await self._call_first(ticket, lambda: self._completion_payload(ticket, request))
-        body = await self._answer(ticket, "/v1/completions", payload)
-        return shapes.completion(body, ticket.model, self._legacy_logprobs(request))
-
-    async def _call_first(self, ticket: Ticket, prepare: Callable[[], Awaitable[T]]) -> T:
         with closed_on_failure(ticket):
-            return await prepare()
-
-    async def _answer(self, ticket: Ticket, path: str, payload: JSON) -> JSON:
-        """A non-streamed OpenAI call (slot and inputs already taken): its body, the ticket closed."""
-        with closed_on_failure(ticket):
-            body = await self.calls.call(ticket, path, payload)
+            payload = await self._completion_payload(ticket, request)
+            body = await self.calls.call(ticket, "/v1/completions", payload)
         await self._called(ticket, body)
-        return body
+        return shapes.completion(body, ticket.model, self._legacy_logprobs(request))
 
     async def completion_stream(
         self, ticket: Ticket, request: CompletionRequest

@@ -61,6 +61,8 @@ def response_schema(request: ChatRequest) -> JSON | None:
 def check_request(request: ChatRequest, most: int = PATTERN_COST) -> None:
     """The schema checks of `response_format` and the tools' parameters, before admission (`most`: the
     largest pattern cost accepted)."""
+    if request.response_format is None and not request.tools:
+        return  # nothing to check (most requests)
     budget = Budget(most)  # every schema's grammar is built into the one request's: one budget
     check_schema(response_schema(request), "response_format", budget=budget)
     budget.unenforced_ok = True  # a tool's pattern llama.cpp cannot enforce is left unenforced (docs/api/openai.md)

@@ -131,9 +131,12 @@ class LlamaServerClient:
         """POST and read the JSON answer within `timeout` seconds (GatewayTimeout past it); `fresh`:
         on a new connection (a retry)."""
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        try:
-            async with self._request("POST", path, payload, fresh, deadline) as response:
+        try:  # `_request`'s steps, written out: every non-streamed call comes here
+            response = await self._pool.send("POST", path, orjson.dumps(payload), fresh=fresh, deadline=deadline)
+            try:
                 return await _json_or_raise(response)
+            finally:
+                self._pool.release(response)
         except wire.TimedOut:
             raise _past(timeout) from None
         except wire.WireError as exc:

@@ -202,7 +202,8 @@ class UsageRecorder:
             tally.span.end()
         latency = time.perf_counter() - tally.started
         charged = tally.prompt_tokens + tally.completion_tokens if tally.completion_tokens or outcome == "ok" else 0
-        settlements = self._quota.settlements(tally.reservations, charged, cost_of(tally, charged))
+        cost = cost_of(tally, charged)
+        settlements = self._quota.settlements(tally.reservations, charged, cost)
         if settlements:
             self._batch.settlements.extend(settlements)
             tally.settlements = settlements
@@ -212,7 +213,7 @@ class UsageRecorder:
             outcome = StateUnavailable.type
         speed = tally.completion_tokens / latency if latency > 0 and tally.completion_tokens else None
         if row:
-            self._batch.rows.append(self._row(tally, outcome, charged, latency, speed))
+            self._batch.rows.append(self._row(tally, outcome, charged, latency, speed, cost))
         if charged:
             self._metrics.requests.add(
                 tally.endpoint, tally.model, outcome, tally.prompt_tokens, tally.cached_tokens, tally.completion_tokens
@@ -226,7 +227,9 @@ class UsageRecorder:
         self._schedule_write()
 
     @staticmethod
-    def _row(tally: Tally, outcome: str, charged: int, latency: float, speed: float | None) -> dict[str, object]:
+    def _row(
+        tally: Tally, outcome: str, charged: int, latency: float, speed: float | None, cost: float | None
+    ) -> dict[str, object]:
         return {
             "time": time.time(),
             "key_id": tally.principal.key_id,
@@ -239,7 +242,7 @@ class UsageRecorder:
             "ttft_ms": round(tally.ttft * 1000, 1) if tally.ttft is not None else None,
             "tokens_per_second": round(speed, 2) if speed else None,
             "outcome": outcome,
-            "cost": cost_of(tally, charged),
+            "cost": cost,
         }
 
     def refused(self, principal: Principal, endpoint: str, model: str, outcome: str) -> None:

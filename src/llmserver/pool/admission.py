@@ -21,9 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from llmserver import tracing
 from llmserver.auth.keys import Principal, allowed, may_use
@@ -37,7 +35,6 @@ from llmserver.pool.router import Lease, Router
 log = logging.getLogger(__name__)
 
 SLOT_FREED_WAIT = 0.1  # the longest a request's end waits for its shared slot record to say it is free
-T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -49,10 +46,13 @@ class Ticket:
     admission: Admission = field(repr=False)
     places: ConcurrencyLimiter = field(repr=False)  # the limiter that counts its place in flight
     team_places: ConcurrencyLimiter | None = field(default=None, repr=False)  # its team's, when it has a limit
+    # The bound of its prompt's tokens as admission counted it, with the messages it counted (the engine's:
+    # read again, unchanged, while the slot is taken and the reservation resized).
+    counted: tuple[object, int] | None = field(default=None, repr=False)
+    model: str = field(init=False)  # its tally's (read often: an attribute, not a property)
 
-    @property
-    def model(self) -> str:
-        return self.tally.model
+    def __post_init__(self) -> None:
+        self.model = self.tally.model
 
     def close(self, outcome: str) -> None:
         """Give back the slot and the place in flight, settle the quota, record the request (once)."""
@@ -146,7 +146,12 @@ class Admission:
                     held = await self._concurrency.held(team.id)
                     if held >= team.limits.max_concurrency:
                         raise _too_many_in_flight(held, team.name)
-            await self._settled(principal, lambda: self._quota.exhausted(principal))
+            try:
+                await self._quota.exhausted(principal)
+            except InsufficientQuota:
+                if not await self._settled(principal):
+                    raise
+                await self._quota.exhausted(principal)
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
@@ -161,18 +166,15 @@ class Admission:
     def _limiter(self, principal: Principal) -> ConcurrencyLimiter:
         return self._concurrency if principal.limits.max_concurrency is not None else self._local
 
-    async def _settled(self, principal: Principal, check: Callable[[], Awaitable[T]]) -> T:
-        """A quota check; refused while one of the key's settlements is still queued (so its request's
-        reservation still counts in full), it is asked again once that is written. Refusals are exact,
-        and a request that fits does not wait for the previous one's write."""
-        try:
-            return await check()
-        except InsufficientQuota:
-            team = principal.team.id if principal.team is not None else ""
-            if not self._recorder.settling(principal.key_id, team):
-                raise
+    async def _settled(self, principal: Principal) -> bool:
+        """After a quota check's refusal: whether one of the key's settlements was still queued (so its
+        request's reservation still counted in full), now written, and the check worth asking again.
+        Refusals are exact, and a request that fits does not wait for the previous one's write."""
+        team = principal.team.id if principal.team is not None else ""
+        if not self._recorder.settling(principal.key_id, team):
+            return False
         await self._recorder.flush()
-        return await check()
+        return True
 
     async def admit(
         self,
@@ -193,36 +195,44 @@ class Admission:
             whose = "This API key's team" if may_use(principal.limits, model) else "This API key"
             raise PermissionDenied(f"{whose} may not use the model {model!r}.", param="model")
         key = principal.key_id
+        # A span of its own (not the current one: nothing below makes spans), none when tracing is off.
+        span = tracing.start("admission", {"model": model}) if tracing.on() else None
         try:
-            with tracing.span("admission", {"model": model}):
-                if principal.limits.rpm is not None:
-                    _check_rate(principal, await self._rate.hit(key, principal.limits.rpm))
-                if team is not None and team.limits.rpm is not None:
-                    _check_rate(principal, await self._rate.hit(team.id, team.limits.rpm), team=True)
-                places = self._limiter(principal)
-                refused = await places.acquire(key, self._places(principal))
-                if refused is not None:
-                    raise _too_many_in_flight(refused)
-                team_places = None
+            if principal.limits.rpm is not None:
+                _check_rate(principal, await self._rate.hit(key, principal.limits.rpm))
+            if team is not None and team.limits.rpm is not None:
+                _check_rate(principal, await self._rate.hit(team.id, team.limits.rpm), team=True)
+            places = self._limiter(principal)
+            refused = await places.acquire(key, self._places(principal))
+            if refused is not None:
+                raise _too_many_in_flight(refused)
+            team_places = None
+            try:
+                if team is not None and team.limits.max_concurrency is not None:
+                    refused = await self._concurrency.acquire(team.id, team.limits.max_concurrency)
+                    if refused is not None:
+                        raise _too_many_in_flight(refused, team.name)
+                    team_places = self._concurrency
+                prices = lease.pool.config.prices
+                price = (prices.most_input, prices.output) if prices is not None else None
                 try:
-                    if team is not None and team.limits.max_concurrency is not None:
-                        refused = await self._concurrency.acquire(team.id, team.limits.max_concurrency)
-                        if refused is not None:
-                            raise _too_many_in_flight(refused, team.name)
-                        team_places = self._concurrency
-                    prices = lease.pool.config.prices
-                    price = (prices.most_input, prices.output) if prices is not None else None
-                    reservations = await self._settled(
-                        principal, lambda: self._quota.reserve(principal, tokens, price, completion)
-                    )
-                except BaseException:
-                    places.release(key)
-                    if team_places is not None and team is not None:
-                        team_places.release(team.id)
-                    raise
-        except APIError as exc:
-            self._metrics.quota_rejections.labels(exc.type).inc()
+                    reservations = await self._quota.reserve(principal, tokens, price, completion)
+                except InsufficientQuota:
+                    if not await self._settled(principal):
+                        raise
+                    reservations = await self._quota.reserve(principal, tokens, price, completion)
+            except BaseException:
+                places.release(key)
+                if team_places is not None and team is not None:
+                    team_places.release(team.id)
+                raise
+        except BaseException as exc:
+            tracing.end(span, exc)
+            if isinstance(exc, APIError):
+                self._metrics.quota_rejections.labels(exc.type).inc()
             raise
+        if span is not None:
+            tracing.end(span)
         tally = Tally(principal, endpoint, model, reservations, prices=lease.pool.config.prices)
         self._recorder.opened(tally)
         return Ticket(tally, lease, self, places, team_places)
@@ -231,7 +241,10 @@ class Admission:
         """The model's queue lease: wait for a slot (503 when the queue is full, 504 past its timeout)."""
         started = time.perf_counter()
         try:
-            with tracing.span("queue", {"model": ticket.lease.pool.name}):
+            if tracing.on():
+                with tracing.span("queue", {"model": ticket.lease.pool.name}):
+                    instance = await ticket.lease.acquire()
+            else:  # without the no-op span's three calls
                 instance = await ticket.lease.acquire()
         except BaseException as exc:
             ticket.close(outcome_of(exc))
@@ -250,7 +263,12 @@ class Admission:
         """Hold `tokens` instead, now that the inputs are known (429 insufficient_quota if it grew
         past what is left): before anything reaches an instance."""
         try:
-            await self._settled(ticket.tally.principal, lambda: self._quota.adjust(ticket.tally.reservations, tokens))
+            try:
+                await self._quota.adjust(ticket.tally.reservations, tokens)
+            except InsufficientQuota:
+                if not await self._settled(ticket.tally.principal):
+                    raise
+                await self._quota.adjust(ticket.tally.reservations, tokens)
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise

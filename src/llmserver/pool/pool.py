@@ -174,7 +174,7 @@ class ModelPool:
         slot it gave up before the request it gave it to has reached llama-server)."""
         if self.share is not None and sum(i.in_flight for i in self.instances) >= self.share:
             return None  # other gateways' requests are waiting: leave them the slots this one frees
-        if self._owes_gateways():
+        if self.gateways_elsewhere and self._owes_gateways():
             return None  # ... and in time: a gateway below its share of the slots waits for those given back
         accepting = [i for i in self.instances if i.accepting]
         if avoid is not None and len(accepting) > 1:  # a retry goes elsewhere when it can: another node's first
@@ -272,7 +272,10 @@ class ModelPool:
         self.on_load()
 
     def _holds_or_waits(self, key_id: str) -> bool:
-        return any(key_id in i.users for i in self.instances) or any(w.key_id == key_id for w in self._waiters)
+        for instance in self.instances:  # loops, not any() over generators: on every request's release
+            if key_id in instance.users:
+                return True
+        return bool(self._waiters) and any(waiter.key_id == key_id for waiter in self._waiters)
 
     def offer(self, turn: Turn) -> None:
         """A streamed request that can give its slot back (again: it began to run)."""
@@ -304,6 +307,8 @@ class ModelPool:
         or by another gateway above its own (`_gateway_share`)."""
         if resumed or self._yielded_to(key_id):
             return True
+        if not self.gateways_elsewhere:
+            return False  # (the usual case: `_gateway_share` is 0)
         share = self._gateway_share(waiting_here=True)
         return bool(share) and any(held > share for held, _ in self.gateways_elsewhere)
 

@@ -78,7 +78,8 @@ class Lease:
     def release(self, finished: bool = True) -> None:
         """Give the slot back; `finished`: the request ended normally (else its slot may still be
         working for a moment: llama-server notices a closed connection only at its next check)."""
-        self.keeps()
+        if self.turn is not None:
+            self.keeps()
         if self.instance is not None:
             instance, self.instance = self.instance, None
             self._unpin(instance, finished)

@@ -33,8 +33,11 @@ class SlotGate:
 
     async def enter(self, alone: bool) -> None:
         """Wait for this request's turn on the slot (`alone`: to itself); `leave` once it has ended."""
-        if not self._waiting and self._free(alone):
-            self._take(alone)
+        if not self._waiting and not self.alone and (not alone or self.sharing == 0):  # free: `_free`, `_take`
+            if alone:
+                self.alone = True
+            else:
+                self.sharing += 1
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append((alone, turn))
@@ -54,7 +57,8 @@ class SlotGate:
             self.alone = False
         else:
             self.sharing -= 1
-        self._wake()
+        if self._waiting:
+            self._wake()
 
     def _wake(self) -> None:
         while self._waiting and self._free(self._waiting[0][0]):
