@@ -233,6 +233,28 @@ def test_no_more_than_limit_connections_at_once() -> None:
     run(test)
 
 
+def test_places_go_in_turn_and_one_handed_to_a_waiter_that_gave_up_goes_to_the_next() -> None:
+    async def test() -> None:
+        places = wire.Places(1)
+        assert places.take() and not places.take()
+        first, second, third = (asyncio.create_task(places.wait()) for _ in range(3))
+        await asyncio.sleep(0)  # one turn of the loop: each task runs to its wait
+        assert places.waiting == 3
+        third.cancel()  # gave up while queued: leaves the line
+        with pytest.raises(asyncio.CancelledError):
+            await third
+        places.give()  # to the first in line ...
+        first.cancel()  # ... which gives up before it runs: the place goes on to the second
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.wait_for(second, 5)
+        assert places.waiting == 0 and not places.take()  # the second holds the only place
+        places.give()
+        assert places.take()
+
+    run(test)
+
+
 def test_a_slow_reader_pauses_the_socket_and_gets_every_byte() -> None:
     body = bytes(range(256)) * (3 * wire.PAUSE_BYTES // 256)  # three times what is buffered before a pause
 

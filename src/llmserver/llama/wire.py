@@ -322,6 +322,10 @@ class Places:
         self.free = limit
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
     def take(self) -> bool:
         """A place now, if one is free and nobody waits for one."""
         if self.free > 0 and not self._waiters:
