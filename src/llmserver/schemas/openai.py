@@ -248,6 +248,8 @@ class ChatRequest(_OpenAIRequest):
     @model_validator(mode="after")
     def _check_together(self) -> ChatRequest:
         # Raised as our own error (pydantic lets it through) so that it names its parameter.
+        if self.top_logprobs is None and self.tools is None and self.tool_choice is None:
+            return self  # nothing to check together (most requests)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
         names = {tool.function.name for tool in self.tools or []}
