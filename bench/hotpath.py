@@ -74,6 +74,7 @@ def main() -> None:
     per_token: dict[tuple[str, int], list[float]] = {}
     rates: dict[tuple[str, int], list[float]] = {}
     per_tiny: dict[str, list[float]] = {}
+    added: dict[str, list[float]] = {}  # ms a tiny request's p50 is above direct llama-server's
     try:
         for target in [direct, *targets]:
             asyncio.run(load.run_level(target, 1, 1, 16))  # warm
@@ -94,19 +95,29 @@ def main() -> None:
                             cpu, _ = measure(target, clients, requests, 128, api)
                             per_token.setdefault((f"llmserver {api}", clients), []).append(cpu)
                             progress(f"repeat {repeat + 1}: {api}, {clients} clients: {cpu:.3f} ms CPU/token")
-            _, cpu = asyncio.run(load.overhead(order, args.tiny))
+            # Direct llama-server takes its turns too: each gateway's added latency is against it, in the same run.
+            latencies, cpu = asyncio.run(load.overhead(load.turn([direct, *targets], repeat), args.tiny))
+            direct_p50 = statistics.median(latencies[direct.name])
             for name, seconds in cpu.items():
                 per_tiny.setdefault(name, []).append(seconds * 1000)
-                progress(f"repeat {repeat + 1}: {name}: {seconds * 1000:.3f} ms CPU per tiny request")
+                added.setdefault(name, []).append((statistics.median(latencies[name]) - direct_p50) * 1000)
+                progress(f"repeat {repeat + 1}: {name}: {seconds * 1000:.3f} ms CPU per tiny request, "
+                         f"p50 +{added[name][-1]:.2f} ms")  # fmt: skip
     finally:
         for target in [*targets, direct]:
             target.stop()
     if not levels:
         for target in targets:
-            print(f"| {target.name} | {statistics.median(per_tiny[target.name]):.3f} ms CPU per tiny request |")
+            print(
+                f"| {target.name} | {statistics.median(per_tiny[target.name]):.3f} ms CPU per tiny request | "
+                f"p50 +{statistics.median(added[target.name]):.2f} ms |"
+            )
         return
-    print("| target | CPU ms/token, 1 client | 8 clients | CPU ms/tiny request | tok/s ratio to direct, 1 / 8 |")
-    print("|---|---|---|---|---|")
+    print(
+        "| target | CPU ms/token, 1 client | 8 clients | CPU ms/tiny request | tiny p50 added | "
+        "tok/s ratio to direct, 1 / 8 |"
+    )
+    print("|---|---|---|---|---|---|")
     for target in targets:
         cells = [statistics.median(per_token[target.name, c]) for c, _ in levels]
         ratios = [
@@ -114,6 +125,7 @@ def main() -> None:
         ]
         print(
             f"| {target.name} | {cells[0]:.3f} | {cells[1]:.3f} | {statistics.median(per_tiny[target.name]):.3f} | "
+            f"+{statistics.median(added[target.name]):.2f} ms | "
             f"{ratios[0]:.3f} / {ratios[1]:.3f} |"
         )
     if args.apis:
