@@ -178,11 +178,15 @@ def header(request: Request, name: bytes) -> str | None:
 
 
 def bearer_token(request: Request) -> str | None:
-    header_value = header(request, b"authorization")
-    if header_value:
-        scheme, _, token = header_value.partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip()
+    return _bearer(scope_header(request.scope, b"authorization"))
+
+
+def _bearer(authorization: bytes | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header's value."""
+    if authorization:
+        scheme, _, token = authorization.decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and (token := token.strip()):
+            return token
     return None
 
 
@@ -197,11 +201,7 @@ def header_key(request: Request) -> str | None:
             authorization = value
         elif name == b"x-api-key" and api_key is None:
             api_key = value
-    if authorization:
-        scheme, _, token = authorization.decode("latin-1").partition(" ")
-        if scheme.lower() == "bearer" and (token := token.strip()):
-            return token
-    return api_key.decode("latin-1") if api_key else None
+    return _bearer(authorization) or (api_key.decode("latin-1") if api_key else None)
 
 
 async def authenticate(request: Request, body: dict[str, Any] | None = None) -> Principal:
@@ -477,9 +477,6 @@ class FastJSONResponse(Response):
         ]  # fmt: skip
         if headers:
             self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
 
 
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:

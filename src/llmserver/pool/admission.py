@@ -21,7 +21,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from llmserver import tracing
 from llmserver.auth.keys import Principal, allowed, may_use
@@ -35,6 +37,7 @@ from llmserver.pool.router import Lease, Router
 log = logging.getLogger(__name__)
 
 SLOT_FREED_WAIT = 0.1  # the longest a request's end waits for its shared slot record to say it is free
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -146,12 +149,7 @@ class Admission:
                     held = await self._concurrency.held(team.id)
                     if held >= team.limits.max_concurrency:
                         raise _too_many_in_flight(held, team.name)
-            try:
-                await self._quota.exhausted(principal)
-            except InsufficientQuota:
-                if not await self._settled(principal):
-                    raise
-                await self._quota.exhausted(principal)
+            await self._settled(principal, lambda: self._quota.exhausted(principal))
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise
@@ -166,15 +164,18 @@ class Admission:
     def _limiter(self, principal: Principal) -> ConcurrencyLimiter:
         return self._concurrency if principal.limits.max_concurrency is not None else self._local
 
-    async def _settled(self, principal: Principal) -> bool:
-        """After a quota check's refusal: whether one of the key's settlements was still queued (so its
-        request's reservation still counted in full), now written, and the check worth asking again.
-        Refusals are exact, and a request that fits does not wait for the previous one's write."""
-        team = principal.team.id if principal.team is not None else ""
-        if not self._recorder.settling(principal.key_id, team):
-            return False
+    async def _settled(self, principal: Principal, check: Callable[[], Awaitable[T]]) -> T:
+        """A quota check; refused while one of the key's settlements is still queued (so its request's
+        reservation still counts in full), it is asked again once that is written. Refusals are exact,
+        and a request that fits does not wait for the previous one's write."""
+        try:
+            return await check()
+        except InsufficientQuota:
+            team = principal.team.id if principal.team is not None else ""
+            if not self._recorder.settling(principal.key_id, team):
+                raise
         await self._recorder.flush()
-        return True
+        return await check()
 
     async def admit(
         self,
@@ -215,12 +216,9 @@ class Admission:
                     team_places = self._concurrency
                 prices = lease.pool.config.prices
                 price = (prices.most_input, prices.output) if prices is not None else None
-                try:
-                    reservations = await self._quota.reserve(principal, tokens, price, completion)
-                except InsufficientQuota:
-                    if not await self._settled(principal):
-                        raise
-                    reservations = await self._quota.reserve(principal, tokens, price, completion)
+                reservations = await self._settled(
+                    principal, lambda: self._quota.reserve(principal, tokens, price, completion)
+                )
             except BaseException:
                 places.release(key)
                 if team_places is not None and team is not None:
@@ -263,12 +261,7 @@ class Admission:
         """Hold `tokens` instead, now that the inputs are known (429 insufficient_quota if it grew
         past what is left): before anything reaches an instance."""
         try:
-            try:
-                await self._quota.adjust(ticket.tally.reservations, tokens)
-            except InsufficientQuota:
-                if not await self._settled(ticket.tally.principal):
-                    raise
-                await self._quota.adjust(ticket.tally.reservations, tokens)
+            await self._settled(ticket.tally.principal, lambda: self._quota.adjust(ticket.tally.reservations, tokens))
         except APIError as exc:
             self._metrics.quota_rejections.labels(exc.type).inc()
             raise

@@ -315,22 +315,15 @@ class Instance:
             self._slot_start, self._slot_unsure, self._slot_held = [0] * size, [False] * size, [None] * size
             self._slot_gates = [SlotGate() for _ in range(size)]
             self._slot_reused = [None] * size
-        # The idle slots; but a slot whose last request ended early (a timeout, a client gone) may still be
-        # finishing it: taken only when no other is idle. One pass: every request pins a slot.
+        # A slot whose last request ended early (a timeout, a client gone) may still be finishing it:
+        # taken only when no other is idle. (One pass over the slots: every request pins one.)
         idle: list[int] = []
         unsure: list[int] = []
-        same = None  # an idle slot holding this key's prompt of the same start
         for slot, holds in enumerate(self._slot_holds):
             if holds == 0:
-                if self._slot_unsure[slot]:
-                    unsure.append(slot)
-                else:
-                    idle.append(slot)
-                    if same is None and self._slot_owner[slot] == key_id and self._slot_start[slot] == start:
-                        same = slot
-        if not idle and unsure:
-            idle = unsure
-            same = next((s for s in idle if self._slot_owner[s] == key_id and self._slot_start[s] == start), None)
+                (unsure if self._slot_unsure[slot] else idle).append(slot)
+        idle = idle or unsure
+        same = next((s for s in idle if self._slot_owner[s] == key_id and self._slot_start[s] == start), None)
         if same is not None:
             slot = same
         elif idle:

@@ -135,7 +135,7 @@ class ModelPool:
         # The last instance that failed to start here: when, which, why, and the last lines of its log.
         self.last_start_failure: dict[str, object] | None = None
         self.closed: APIError | None = None  # the model was removed: every request fails with this
-        self.on_load: Callable[[], None] | None = None  # told of each change of its load (cluster/sharing.py)
+        self.on_load: Callable[[], None] = lambda: None
         self.load_shared: Callable[[], Awaitable[None]] | None = None
 
     @property
@@ -234,8 +234,7 @@ class ModelPool:
             self._waiters.appendleft(waiter)
         else:
             self._waiters.append(waiter)
-        if self.on_load is not None:
-            self.on_load()
+        self.on_load()
         self._on_pressure(self)
         if self._turns:
             self.rebalance()
@@ -245,8 +244,7 @@ class ModelPool:
         except BaseException as exc:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
-                if self.on_load is not None:
-                    self.on_load()
+                self.on_load()
             elif waiter.future.done() and not waiter.future.cancelled():
                 # A slot was handed over just as this request gave up: give it back.
                 self.release(waiter.future.result(), key_id)
@@ -271,8 +269,7 @@ class ModelPool:
         if key_id not in instance.users and not self._holds_or_waits(key_id):
             self._served.pop(key_id, None)  # bounded: only keys holding or waiting are remembered
         self.dispatch()
-        if self.on_load is not None:
-            self.on_load()
+        self.on_load()
 
     def _holds_or_waits(self, key_id: str) -> bool:
         for instance in self.instances:  # loops, not any() over generators: on every request's release
@@ -432,8 +429,7 @@ class ModelPool:
             waiter = self._waiters.popleft()
             if not waiter.future.done():
                 waiter.future.set_exception(type(error)(error.message, param=error.param))
-        if self.on_load is not None:
-            self.on_load()
+        self.on_load()
 
     def report_failure(self, instance: Instance) -> None:
         """A request could not reach this instance: the pool's owner decides whether it died."""
@@ -479,8 +475,7 @@ class ModelPool:
     def _begin(self, instance: Instance, key_id: str) -> None:
         self._served[key_id] = next(self._grants)
         instance.begin(key_id)
-        if self.on_load is not None:
-            self.on_load()
+        self.on_load()
         if instance.load > instance.model.parallel:
             self._on_pressure(self)  # requests queue at the instance: every slot is taken
 
