@@ -141,6 +141,36 @@ def test_an_instance_that_answers_requests_is_not_probed() -> None:
     asyncio.run(scenario())
 
 
+def test_an_instance_answering_with_requests_in_flight_is_not_polled_by_the_watchdog() -> None:
+    """An answer (or a stream's first token) comes from llama-server's main loop, so an instance that
+    answered within `health_interval` is making progress: the watchdog does not poll its /slots, even
+    with requests in flight (under steady load it polled every interval; and llama-server checks its
+    clients' disconnects less while it answers /slots). Once the answers stop, the watchdog polls: here
+    the port takes the request and never answers, so that is a stall."""
+
+    async def scenario() -> None:
+        options = {"health_interval": 0.2, "health_probe_misses": 100, "stall_timeout": 0.3}
+        async with supervised(alive=True, **options) as (supervisor, instance):
+            silent = socket.socket()  # accepts connections (the kernel's backlog) and never answers
+            silent.bind(("127.0.0.1", instance.port))
+            silent.listen(8)
+            try:
+                instance.in_flight = 2
+                deadline = time.monotonic() + 1.5
+                while time.monotonic() < deadline:  # answering a request every 50 ms
+                    instance.answered_at = time.monotonic()
+                    await supervisor.tick()
+                    await asyncio.sleep(0.05)
+                assert not instance.stalled and instance.status == Status.READY
+                async with ticking(supervisor, every=0.05):
+                    assert await until(lambda: instance.stalled, timeout=5)  # no answers: polled, a stall
+                assert supervisor.pools["m"].stalls == 1
+            finally:
+                silent.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_probe_is_timed_outside_the_event_loop_so_a_stalled_loop_does_not_fail_it() -> None:
     """The instance answers its /health in 0.3 s, within the probe's 0.5 s, while the gateway's event
     loop is stalled for 1.5 s (as 48 MB headers once stalled it): the probe still counts as answered.

@@ -223,7 +223,7 @@ class UsageRecorder:
         if outcome == "ok":
             increment = self._speed.add(tally.model, tally.completion_tokens, latency)
             if increment is not None:
-                self._batch.speeds.append(increment)
+                self._batch.add_speed(increment)
         self._schedule_write()
 
     @staticmethod

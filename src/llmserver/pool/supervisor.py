@@ -601,24 +601,18 @@ class Supervisor:
                 if instance.accepting and instance.exited:
                     assert instance.process is not None
                     self.crashed(instance, f"pid {instance.pid} died with code {instance.process.returncode}")
-                elif (
-                    instance.accepting
-                    and probe
-                    and now - instance.answered_at >= self.settings.instances.health_interval
-                ):
-                    self._spawn(self._probe(instance))  # not one that answered a request since the last probe
-                # Idle ones too: a request whose client left can leave the main loop busy (a grammar that
-                # explodes) with nothing in flight, and the next key's request would wait its queue out;
-                # one that answered a request since the last probe is making progress.
-                idle_and_quiet = (
-                    not instance.in_flight and now - instance.answered_at >= self.settings.instances.health_interval
-                )
-                if (
-                    instance.accepting and probe and (instance.in_flight or idle_and_quiet)
-                    and instance.id not in self._progress_probes
-                ):  # fmt: skip
-                    self._progress_probes.add(instance.id)
-                    self._spawn(self._progress(instance))
+                    continue
+                # One that answered a request within the last probe interval is alive and making progress
+                # (an answer, or a stream's first token, comes from llama-server's main loop): neither probe.
+                # The others get both, idle ones too: a request whose client left can leave the main loop
+                # busy (a grammar that explodes) with nothing in flight, and the next key's request would
+                # wait its queue out.
+                quiet = probe and now - instance.answered_at >= self.settings.instances.health_interval
+                if instance.accepting and quiet:
+                    self._spawn(self._probe(instance))
+                    if instance.id not in self._progress_probes:
+                        self._progress_probes.add(instance.id)
+                        self._spawn(self._progress(instance))
                 if instance.accepting and sample:
                     instance.sample()
             if self.local and pool.name not in self._files and pool.unstartable and now >= pool.next_files_at:

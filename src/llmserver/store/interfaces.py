@@ -133,6 +133,16 @@ class UsageBatch:
     def __bool__(self) -> bool:
         return bool(self.rows or self.speeds or self.settlements)
 
+    def add_speed(self, increment: tuple[str, int, float, float]) -> None:
+        """Queue a speed-bucket increment, added to the last one when it is for the same bucket (one
+        model's requests in one minute: a busy gateway writes one row a batch, not one a request)."""
+        model, minute, tokens, seconds = increment
+        if self.speeds and self.speeds[-1][:2] == (model, minute):
+            _, _, before_tokens, before_seconds = self.speeds[-1]
+            self.speeds[-1] = (model, minute, before_tokens + tokens, before_seconds + seconds)
+        else:
+            self.speeds.append(increment)
+
 
 # The ledger's outcomes a request log filters on: a request its client gave up on is no error of the server's.
 STATUSES = ("ok", "error", "cancelled")
