@@ -67,25 +67,29 @@ def main() -> None:
     model = model_config(4, 2048, 2)
     logs = Path(tempfile.mkdtemp(prefix="llmserver-hotpath-"))
     direct = start_llama_server(model, logs)
-    targets: list[Target] = [start_passthrough(direct, logs)]
-    if args.wire_floor:
-        targets.append(start_passthrough(direct, logs, client="wire"))
-    for index, src in enumerate([str(ROOT / "src"), *args.src]):
-        name = "llmserver" if index == 0 else f"llmserver-{index}"
-        progress(f"{name}: {src}")
-        targets.append(start_llmserver(model, logs, name=name, env={"PYTHONPATH": src}))
-    if args.twin:
-        targets.append(start_llmserver(model, logs, name="llmserver-twin", env={"PYTHONPATH": str(ROOT / "src")}))
-    if args.traced:
-        sink = span_sink()
-        env = {"PYTHONPATH": str(ROOT / "src"), "LLMSERVER_OBSERVABILITY__OTLP_ENDPOINT": f"http://127.0.0.1:{sink}"}
-        targets.append(start_llmserver(model, logs, name="llmserver-traced", env=env))
+    targets: list[Target] = []
     levels = () if args.tiny_only else ((1, 6), (8, 2))  # (clients, requests per client) of 128 tokens
     per_token: dict[tuple[str, int], list[float]] = {}
     rates: dict[tuple[str, int], list[float]] = {}
     per_tiny: dict[str, list[float]] = {}
     added: dict[str, list[float]] = {}  # ms a tiny request's p50 is above direct llama-server's
     try:
+        targets.append(start_passthrough(direct, logs))
+        if args.wire_floor:
+            targets.append(start_passthrough(direct, logs, client="wire"))
+        for index, src in enumerate([str(ROOT / "src"), *args.src]):
+            name = "llmserver" if index == 0 else f"llmserver-{index}"
+            progress(f"{name}: {src}")
+            targets.append(start_llmserver(model, logs, name=name, env={"PYTHONPATH": src}))
+        if args.twin:
+            targets.append(start_llmserver(model, logs, name="llmserver-twin", env={"PYTHONPATH": str(ROOT / "src")}))
+        if args.traced:
+            sink = span_sink()
+            env = {
+                "PYTHONPATH": str(ROOT / "src"),
+                "LLMSERVER_OBSERVABILITY__OTLP_ENDPOINT": f"http://127.0.0.1:{sink}",
+            }
+            targets.append(start_llmserver(model, logs, name="llmserver-traced", env=env))
         for target in [direct, *targets]:
             asyncio.run(load.run_level(target, 1, 1, 16))  # warm
         for repeat in range(args.repeats):

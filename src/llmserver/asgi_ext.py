@@ -12,6 +12,9 @@ ASGI server neither extension is there and the app does without (it checks).
   per token), and returns False once the client is gone (nothing written) or the connection's buffer
   is full (what it was given is written all the same): from then on the app sends through `send`,
   which waits. The answer still ends through `send`.
+- `HEADER_INDEX`, a scope key: `(scope["headers"], {name: first value})`, the request's headers by
+  name, made once. The server sets it with the scope; where it is absent, or made for another
+  headers list, the app makes it (`api/deps.scope_header`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 CANCEL_ON_DISCONNECT = "llmserver.cancel_on_disconnect"
 CANCELLED = "cancelled"
 DIRECT_WRITE = "llmserver.direct_write"
+HEADER_INDEX = "llmserver.header_index"
 
 Writer = Callable[[bytes], bool]
 OpenWriter = Callable[[Any], Writer | None]  # the server's `send` → its writer, if it has one

@@ -126,7 +126,7 @@ def test_a_cut_call_answer_says_length_with_the_complete_calls() -> None:
     plan = ToolPlan.of(request(tools=[WEATHER]), native=False)
     cut = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"na'
     body = {"choices": [{"message": {"content": cut}, "finish_reason": "length"}], "usage": {}}
-    choice = shapes.chat(body, "m", plan)["choices"][0]
+    choice = shapes.chat(body, "m", plan, translate.usage(body))["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     assert len(choice["message"]["tool_calls"]) == 1
     stream = shapes.ChatStream(ToolPlan.of(request(tools=[WEATHER], stream=True), native=False))
@@ -139,7 +139,8 @@ def test_a_cut_call_answer_says_length_with_the_complete_calls() -> None:
 def test_reasoning_is_passed_through_as_reasoning_content() -> None:
     plan = ToolPlan.of(request(), native=False)
     body = {"choices": [{"message": {"content": "4", "reasoning_content": "2 and 2"}, "finish_reason": "stop"}]}
-    assert shapes.chat(body, "m", plan)["choices"][0]["message"]["reasoning_content"] == "2 and 2"
+    answer = shapes.chat(body, "m", plan, translate.usage(body))
+    assert answer["choices"][0]["message"]["reasoning_content"] == "2 and 2"
     stream = shapes.ChatStream(plan)
     (piece,) = stream.pieces({"delta": {"reasoning_content": "2 and"}})
     assert piece["delta"] == {"reasoning_content": "2 and"}
@@ -152,7 +153,7 @@ def test_a_non_streamed_prompted_call_has_the_openai_shape() -> None:
                      "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 9, "completion_tokens": 5},
     }  # fmt: skip
-    choice = shapes.chat(body, "m", plan)["choices"][0]
+    choice = shapes.chat(body, "m", plan, translate.usage(body))["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
 

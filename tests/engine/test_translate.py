@@ -8,7 +8,7 @@ import warnings
 
 from llmserver.engine import translate
 from llmserver.engine.translate import chat_messages, native_messages
-from llmserver.schemas.openai import ChatMessage, FilePart
+from llmserver.schemas.openai import ChatMessage, ChatRequest, FilePart
 
 IMAGE = "data:image/jpeg;base64," + "A" * 100_000
 
@@ -70,3 +70,14 @@ def test_response_ids_are_openai_shaped_random_and_differ_in_a_forked_child() ->
     os.close(read)
     os.close(write)
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", child) and child != parent and child not in ids
+
+
+def test_the_sampling_fields_sent_on_are_those_given_and_not_null_by_name() -> None:
+    def sampling(**fields: object) -> list[tuple[str, object]]:
+        request = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+        return list(translate.sampling_payload(request, 8, None).items())
+
+    assert sampling() == [("max_tokens", 8)]
+    assert sampling(top_p=None, mode="sync") == [("max_tokens", 8)]
+    given = sampling(seed=7, temperature=0.5, top_k=None, min_p=0.1)
+    assert given == [("max_tokens", 8), ("min_p", 0.1), ("seed", 7), ("temperature", 0.5)]

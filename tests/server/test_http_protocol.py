@@ -20,7 +20,8 @@ import pytest
 import uvicorn
 from starlette.requests import Request
 
-from llmserver.api.deps import cancel_on_disconnect
+from llmserver.api.deps import cancel_on_disconnect, scope_header
+from llmserver.asgi_ext import HEADER_INDEX
 from llmserver.errors import ClientClosedRequest
 from llmserver.server.front import Front
 from llmserver.server.http_protocol import GatewayProtocol, Limits, QuietServer, protocol_with
@@ -607,3 +608,25 @@ def test_a_body_of_unknown_length_or_an_overflowing_chunk_is_answered_400_and_cl
             assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
 
     asyncio.run(test())
+
+
+def test_the_app_reads_each_headers_first_value_by_name_as_the_server_indexed_them() -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    async def reads(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        indexed = scope[HEADER_INDEX]
+        seen.append((indexed[0] is scope["headers"], scope_header(scope, b"x-twice"), scope_header(scope, b"x-none")))
+        seen.append((scope_header(scope, b"x-padded"), scope_header(scope, b"content-length")))
+        await echo(scope, receive, send)
+
+    async def test() -> None:
+        async with serving(reads) as port, connect(port) as (reader, writer):
+            writer.write(
+                b"POST /h HTTP/1.1\r\nHost: t\r\nX-Twice: first\r\nx-twice: second\r\nX-Padded: v \t\r\n"
+                b"Content-Length: 2\r\n\r\nhi"
+            )
+            status, _, body = await read_answer(reader)
+            assert status == b"HTTP/1.1 200 OK" and body == b"POST /h? hi"
+
+    asyncio.run(test())
+    assert seen == [(True, b"first", None), (b"v", b"2")]

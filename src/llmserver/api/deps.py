@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, TypeVar
 
 import fastapi.routing
@@ -20,7 +20,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
-from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED
+from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED, HEADER_INDEX
 from llmserver.auth.audit import Audit
 from llmserver.auth.keys import KeyService, Principal
 from llmserver.auth.quota import QuotaService
@@ -156,14 +156,19 @@ def check_page(limit: int, before: int | None) -> None:
         raise InvalidRequest("before must be a row's id from a previous page (1 or more).", param="before")
 
 
-def scope_header(scope: Mapping[str, Any], name: bytes) -> bytes | None:
+def scope_header(scope: MutableMapping[str, Any], name: bytes) -> bytes | None:
     """The first value of a request header (`name` in lower case, as ASGI gives them), straight from
-    the scope: Starlette's `Headers` builds a case-insensitive mapping and takes three Python calls a read."""
-    headers: list[tuple[bytes, bytes]] = scope["headers"]
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
+    the scope: Starlette's `Headers` builds a case-insensitive mapping and takes three Python calls a read.
+    The headers by name are made once a request (`asgi_ext.HEADER_INDEX`), by the server or here."""
+    return _header_index(scope).get(name)
+
+
+def _header_index(scope: MutableMapping[str, Any]) -> dict[bytes, bytes]:
+    headers = scope["headers"]
+    index = scope.get(HEADER_INDEX)
+    if index is None or index[0] is not headers:  # another server, or headers a layer replaced
+        index = scope[HEADER_INDEX] = (headers, dict(reversed(headers)))  # reversed: the first value wins
+    return index[1]
 
 
 def note(request: Request, name: str, value: object) -> None:
@@ -191,17 +196,10 @@ def _bearer(authorization: bytes | None) -> str | None:
 
 
 def header_key(request: Request) -> str | None:
-    """The key sent in a header: `Authorization: Bearer`, else `x-api-key` (Anthropic's SDK and clients).
-    (`bearer_token`, else the header, read in one pass over the headers: every request comes here.)"""
-    authorization: bytes | None = None
-    api_key: bytes | None = None
-    headers: list[tuple[bytes, bytes]] = request.scope["headers"]
-    for name, value in headers:
-        if name == b"authorization" and authorization is None:
-            authorization = value
-        elif name == b"x-api-key" and api_key is None:
-            api_key = value
-    return _bearer(authorization) or (api_key.decode("latin-1") if api_key else None)
+    """The key sent in a header: `Authorization: Bearer`, else `x-api-key` (Anthropic's SDK and clients)."""
+    index = _header_index(request.scope)
+    api_key = index.get(b"x-api-key")
+    return _bearer(index.get(b"authorization")) or (api_key.decode("latin-1") if api_key else None)
 
 
 async def authenticate(request: Request, body: dict[str, Any] | None = None) -> Principal:

@@ -296,8 +296,8 @@ class GenerationService:
             payload, plan = await self._chat_payload(ticket, request)
             with schema_errors(plan.schema_param):
                 body = await self.calls.call(ticket, "/v1/chat/completions", payload)
-        await self._called(ticket, body)
-        return shapes.chat(body, ticket.model, plan, request.top_logprobs or 0)
+        usage = await self._called(ticket, body)
+        return shapes.chat(body, ticket.model, plan, usage, request.top_logprobs or 0)
 
     async def chat_stream(
         self, ticket: Ticket, request: ChatRequest, voice: shapes.Voice | None = None
@@ -342,8 +342,8 @@ class GenerationService:
         with closed_on_failure(ticket):
             payload = await self._completion_payload(ticket, request)
             body = await self.calls.call(ticket, "/v1/completions", payload)
-        await self._called(ticket, body)
-        return shapes.completion(body, ticket.model, self._legacy_logprobs(request))
+        usage = await self._called(ticket, body)
+        return shapes.completion(body, ticket.model, self._legacy_logprobs(request), usage)
 
     async def completion_stream(
         self, ticket: Ticket, request: CompletionRequest
@@ -357,9 +357,9 @@ class GenerationService:
             ticket, "/v1/completions", prepared, shapes.OpenAIVoice(head, _include_usage(request))
         )
 
-    async def _called(self, ticket: Ticket, body: JSON) -> None:
-        """A non-streamed call answered: its counts and time to first token, and the ticket closed
-        (its freed slot known to the other gateways before the answer goes out)."""
+    async def _called(self, ticket: Ticket, body: JSON) -> JSON:
+        """A non-streamed call answered: its counts (returned: the answer's usage) and time to first token,
+        and the ticket closed (its freed slot known to the other gateways before the answer goes out)."""
         counts = translate.usage(body)
         ticket.tally.prompt_tokens, ticket.tally.completion_tokens = (
             counts["prompt_tokens"],
@@ -371,6 +371,7 @@ class GenerationService:
             self.recorder.first_token(ticket.tally, prompt_ms / 1000)
         ticket.close("ok")
         await ticket.shared()
+        return counts
 
     # Streams
 

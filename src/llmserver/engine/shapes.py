@@ -117,7 +117,8 @@ def tool_call(call: JSON, index: int | None = None) -> JSON:
     return shaped
 
 
-def chat(body: JSON, model: str, plan: ToolPlan, top_logprobs: int = 0) -> JSON:
+def chat(body: JSON, model: str, plan: ToolPlan, usage: JSON, top_logprobs: int = 0) -> JSON:
+    """The chat answer from llama-server's `body`; `usage`: its counts as `translate.usage` reads them."""
     first = choice(body)
     message = first.get("message") or {}
     reason = translate.finish_reason(first.get("finish_reason"))
@@ -142,7 +143,7 @@ def chat(body: JSON, model: str, plan: ToolPlan, top_logprobs: int = 0) -> JSON:
     }
     if "__verbose" in body:  # asked for by a client that wants the stop sequence named (Anthropic's)
         shaped["stop_sequence"] = stopping_word(body)
-    return {**translate.head("chatcmpl", "chat.completion", model), "choices": [shaped], "usage": translate.usage(body)}
+    return {**translate.head("chatcmpl", "chat.completion", model), "choices": [shaped], "usage": usage}
 
 
 def stopping_word(event: JSON) -> str | None:
@@ -153,7 +154,7 @@ def stopping_word(event: JSON) -> str | None:
     return word if isinstance(word, str) and word and stop_type == "word" else None
 
 
-def completion(body: JSON, model: str, logprobs: translate.LegacyLogprobs | None) -> JSON:
+def completion(body: JSON, model: str, logprobs: translate.LegacyLogprobs | None, usage: JSON) -> JSON:
     first = choice(body)
     return {
         **translate.head("cmpl", "text_completion", model),
@@ -165,7 +166,7 @@ def completion(body: JSON, model: str, logprobs: translate.LegacyLogprobs | None
                 "finish_reason": translate.finish_reason(first.get("finish_reason")),
             }
         ],
-        "usage": translate.usage(body),
+        "usage": usage,
     }
 
 

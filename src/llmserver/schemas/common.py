@@ -64,7 +64,9 @@ class Sampling(Strict):
     webhook_url: str | None = Field(default=None, description="Async mode: where to POST the result when ready.")
 
     def sampling_fields(self) -> dict[str, Any]:
-        return {name: value for name in SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+        # Those the request set (every default is None), by name: a tiny request sets one or two of them.
+        given = sorted(self.model_fields_set.intersection(SAMPLING_FIELDS))
+        return {name: value for name in given if (value := getattr(self, name)) is not None}
 
 
 @dataclass

@@ -48,7 +48,7 @@ import uvicorn
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED, DIRECT_WRITE
+from llmserver.asgi_ext import CANCEL_ON_DISCONNECT, CANCELLED, DIRECT_WRITE, HEADER_INDEX
 
 log = logging.getLogger("llmserver.http_protocol")  # its name before the move: log_levels name it
 app_log = logging.getLogger("uvicorn.error")  # where uvicorn's own protocol logs a failing app
@@ -88,6 +88,9 @@ def error_answer(
     """The headers and body of an answer the server gives by itself, in the app's error envelope."""
     body = json.dumps({"error": {"message": message, "type": type_, "code": status}}).encode()
     return [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), *extra], body
+
+
+FRAMING = frozenset((b"content-length", b"transfer-encoding", b"connection"))  # the answer's headers _head reads
 
 
 def status_line(status: int) -> bytes:
@@ -231,7 +234,9 @@ class Cycle:
         says_close = False
         for name, value in (*self.protocol.server_state.default_headers, *headers):
             name = name.lower()
-            if name == b"content-length":
+            if name not in FRAMING:
+                pass
+            elif name == b"content-length":
                 if self.chunked is None:
                     self.length = int(value)
                     self.chunked = False
@@ -239,7 +244,7 @@ class Cycle:
                 if value.lower() == b"chunked":
                     self.length = 0
                     self.chunked = True
-            elif name == b"connection" and b"close" in [token.strip() for token in value.lower().split(b",")]:
+            elif b"close" in [token.strip() for token in value.lower().split(b",")]:  # connection
                 self.keep_alive = False
                 says_close = True
             names.append(name)
@@ -473,21 +478,23 @@ class GatewayProtocol(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        name = name.lower()
+        headers = self.headers
         # httptools keeps a value's trailing spaces and tabs, which are not part of it (RFC 9110, 5.5).
-        value = value.rstrip(b" \t")
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect = True
-        self.headers.append((name, value))
-        if len(self.headers) > self.limits.max_header_count:
+        headers.append((name.lower(), value.rstrip(b" \t")))
+        if len(headers) > self.limits.max_header_count:
             raise _Refused(431, f"The request has more than {self.limits.max_header_count} header fields.")
 
     def on_headers_complete(self) -> None:
-        for name, value in self.headers:
-            # A body whose length cannot be told (RFC 9112 6.3: chunked is not the final coding): refused,
-            # as uvicorn does, rather than read as a body that ends with the connection.
-            if name == b"transfer-encoding" and value.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
-                raise _Refused(400, "Unsupported Transfer-Encoding: only chunked is read.", "invalid_request_error")
+        headers = self.headers
+        index = dict(reversed(headers))  # each name's first value (asgi_ext.HEADER_INDEX)
+        if b"transfer-encoding" in index or b"expect" in index:
+            for name, value in headers:
+                # A body whose length cannot be told (RFC 9112 6.3: chunked is not the final coding):
+                # refused, as uvicorn does, rather than read as a body that ends with the connection.
+                if name == b"transfer-encoding" and value.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
+                    raise _Refused(400, "Unsupported Transfer-Encoding: only chunked is read.", "invalid_request_error")
+                if name == b"expect" and value.lower() == b"100-continue":
+                    self.expect = True
         self.heading = False
         self.began = self.loop.time()  # from here the body's rate counts
         self.body_bytes = 0
@@ -506,7 +513,8 @@ class GatewayProtocol(asyncio.Protocol):
             "client": self.client,
             "scheme": "http",
             "root_path": self.root_path,
-            "headers": self.headers,
+            "headers": headers,
+            HEADER_INDEX: (headers, index),
             "state": self.app_state.copy() if self.app_state else {},
             "method": parser.get_method().decode("ascii"),
             "path": self.root_path + path,
