@@ -129,21 +129,24 @@ class Lease:
         if (idle := instance.idle_slot(size >= saved.min_tokens)) is not None:
             await idle  # whichever slot frees first, as llama-server's queue would hand it
         self.slot, reuse, _ = instance.take_slot(self.key_id, start)
-        gate, mine = instance.slot_gate(self.slot), (self.key_id, start)
+        gate, mine, least = instance.slot_gate(self.slot), (self.key_id, start), saved.min_tokens
 
         def worth_saving(held: tuple[str, int, int] | None) -> bool:
             # A prompt of fewer bytes than min_tokens holds fewer tokens (a token is a byte or more, the
             # template's few aside): read again about as fast as it would be restored, so not saved.
-            return held is not None and held[2] >= saved.min_tokens and held[:2] != mine
+            return held is not None and held[2] >= least and held[:2] != mine
 
         # A short prompt shares the slot (reusing its cache as without the tier), unless the slot holds a
         # conversation to save first (pool/slot_gate.py).
-        self.alone = size >= saved.min_tokens or worth_saving(instance.slot_holds(self.slot))
+        self.alone = size >= least or worth_saving(instance.slot_holds(self.slot))
         self.waits = True
-        await gate.enter(self.alone)
+        waited = not gate.try_enter(self.alone)
+        if waited:
+            await gate.enter(self.alone)
         self.entered = True
         if not self.alone:
-            if not worth_saving(instance.slot_holds(self.slot)):
+            # What the slot holds changes only while this request waited for its turn.
+            if not waited or not worth_saving(instance.slot_holds(self.slot)):
                 if delay := instance.order_wait(self.slot, self.key_id):
                     await asyncio.sleep(delay)  # sharing the slot: in order as above; alone, by its turn
                 return self.slot, reuse  # take_slot's rule: the slot's requests since idle all this key's

@@ -31,13 +31,20 @@ class SlotGate:
         else:
             self.sharing += 1
 
-    async def enter(self, alone: bool) -> None:
-        """Wait for this request's turn on the slot (`alone`: to itself); `leave` once it has ended."""
-        if not self._waiting and not self.alone and (not alone or self.sharing == 0):  # free: `_free`, `_take`
+    def try_enter(self, alone: bool) -> bool:
+        """Take this request's turn on the slot (`alone`: to itself) if it is its turn now: nobody waits
+        and the slot is free for it (`_free`, `_take`); False: `enter` waits for it. `leave` once it ended."""
+        if not self._waiting and not self.alone and (not alone or self.sharing == 0):
             if alone:
                 self.alone = True
             else:
                 self.sharing += 1
+            return True
+        return False
+
+    async def enter(self, alone: bool) -> None:
+        """Wait for this request's turn on the slot (`alone`: to itself); `leave` once it has ended."""
+        if self.try_enter(alone):
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append((alone, turn))
