@@ -1,6 +1,6 @@
 """The names llmserver's HTTP server (`http_protocol`) offers its app beyond plain ASGI: the whole
 interface between the two. The app imports these names, never the server's classes; under another
-ASGI server neither extension is there and the app does without (it checks).
+ASGI server none of the three is there and the app does without (it checks).
 
 - `CANCEL_ON_DISCONNECT`, a scope key the server sets False. While the app sets it True, losing the
   connection cancels the request's task and sets the key to `CANCELLED` (work that is useless without
