@@ -28,6 +28,7 @@ from llmserver.auth.audit import Audit
 from llmserver.auth.keys import KeyService
 from llmserver.auth.limiters import MemoryConcurrencyLimiter, open_limiters
 from llmserver.auth.quota import QuotaService
+from llmserver.auth.revocation import KeyWatch
 from llmserver.auth.teams import TeamService
 from llmserver.cluster.collector import GatewayCollector
 from llmserver.cluster.gateways import GatewayLease
@@ -132,6 +133,7 @@ def create_app(settings: Settings) -> FastAPI:
             await speed.refresh()
 
         key_service = KeyService(store, admin_key, settings.state.key_cache_seconds)
+        key_watch = app.state.key_watch = KeyWatch(store, settings.state.key_cache_seconds)
         app.state.teams = TeamService(store, key_service)
 
         async def use_models(catalog_entries: list[CatalogEntry]) -> None:
@@ -180,6 +182,7 @@ def create_app(settings: Settings) -> FastAPI:
             isolate_keys=settings.prompt_cache.isolation == "key",
         )
         job_service = JobService(settings, store, store, store, store)
+        job_service.key_watch = key_watch
         recorder.on_alert = job_service.outbox.wake  # a budget alert's webhook, queued by a settlement
 
         app.state.settings = settings
@@ -191,7 +194,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.quota = quota
         app.state.speed = speed
         app.state.recorder = recorder
-        app.state.generation = GenerationService(settings, admission, inputs, calls, recorder, lineup.models)
+        app.state.generation = GenerationService(settings, admission, inputs, calls, recorder, lineup.models, key_watch)
         app.state.embeddings = EmbeddingService(settings, admission, calls, lineup.models)
         app.state.lineup = lineup
         app.state.jobs = job_service
@@ -221,6 +224,7 @@ def create_app(settings: Settings) -> FastAPI:
             if registry is not None:
                 await registry.start()
             catalog.start(entries)
+            key_watch.start()
             if scheduler is not None:
                 scheduler.start()
             # What startup built (routes, schemas, models) lives as long as the process: out of the
@@ -239,6 +243,7 @@ def create_app(settings: Settings) -> FastAPI:
             if scheduler is not None:
                 await scheduler.stop()
             await catalog.stop()
+            await key_watch.stop()
             await job_service.stop(grace=settings.server.drain_timeout)
             if registry is not None:
                 await registry.stop()

@@ -106,6 +106,17 @@ class FileRoots:
                 return name
         return None
 
+    def inside(self, path: Path) -> Path | None:
+        """Where `path` leads on this host, links followed, if that is inside the directories; None when it
+        is not (or does not exist). What opens a model's file asks this each time it opens it: a file
+        checked when its row was written may have been replaced by a link since."""
+        try:
+            real = path.expanduser().resolve(strict=True)
+        except (OSError, RuntimeError):  # missing, or a loop of links
+            return None
+        dirs = self.dirs if self.resolve else tuple(root.expanduser().resolve() for root in self.dirs)
+        return real if any(real.is_relative_to(root) for root in dirs) else None
+
     def _forms(self, path: Path) -> list[Path]:
         if self.resolve:
             return [path.expanduser().resolve()]

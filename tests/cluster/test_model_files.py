@@ -14,7 +14,7 @@ import pytest
 
 from llmserver.models.files import CHECKSUM_HEADER, ModelFileError, embedded_model_path, fetch_from_gateway
 from llmserver.settings import ModelConfig
-from tests.support import Server, make_key
+from tests.support import Server, make_key, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -75,3 +75,56 @@ def test_a_node_fetches_resumes_and_checks_the_file(served: tuple[Server, Path, 
     assert fetch_from_gateway(model, server.url, NODE_KEY, cache).read_bytes() == content
     with pytest.raises(ModelFileError, match="HTTP 401"):
         fetch_from_gateway(model, server.url, "not-the-node-key-0123456789", cache)
+
+
+def test_the_file_route_never_follows_a_link_out_of_the_model_folders(served: tuple[Server, Path, str]) -> None:
+    """Issue 82's third row: the model's file replaced by a link to /etc/passwd was answered to the node key."""
+    server, original, _ = served
+    url = server.url + "/api/models/shared/file"
+    node = {"Authorization": f"Bearer {NODE_KEY}"}
+    assert httpx.head(url, headers=node).status_code == 200
+    original.unlink()
+    original.symlink_to("/etc/passwd")
+    for method in ("HEAD", "GET"):
+        answer = httpx.request(method, url, headers=node)
+        assert answer.status_code == 404 and b"root:" not in answer.content, answer.text
+    original.unlink()
+    original.symlink_to(embedded_model_path().resolve())  # a real GGUF, outside the folders
+    assert httpx.head(url, headers=node).status_code == 404
+    inside = original.with_name("inside.gguf")  # a link that stays inside is followed
+    shutil.copyfile(embedded_model_path(), inside)
+    original.unlink()
+    original.symlink_to(inside)
+    assert httpx.head(url, headers=node).status_code == 200
+
+
+def test_an_instance_is_not_started_on_a_file_that_became_a_link_out_of_the_folders(
+    served: tuple[Server, Path, str],
+) -> None:
+    """The row was checked when written, and an instance started on the file; the file is checked again as the
+    next instance opens it."""
+    server, original, admin = served
+    headers = {"Authorization": f"Bearer {admin}"}
+    answers: list[httpx.Response] = []
+
+    def started_once() -> bool:  # its files are being found just after the model was added
+        answers.append(
+            httpx.post(server.url + "/api/instances", json={"model": "shared"}, headers=headers, timeout=120)
+        )
+        return answers[-1].status_code != 502 or "being found" not in answers[-1].text
+
+    assert wait_for(started_once, 30, interval=0.5)
+    first = answers[-1]
+    assert first.status_code == 201, first.text
+    drained = httpx.delete(f"{server.url}/api/instances/{first.json()['instance_id']}", headers=headers, timeout=60)
+    assert drained.status_code == 200, drained.text
+    original.unlink()
+    original.symlink_to(embedded_model_path().resolve())  # a GGUF llama-server would run, outside the folders
+    started = httpx.post(server.url + "/api/instances", json={"model": "shared"}, headers=headers, timeout=120)
+    assert started.status_code == 502, started.text
+    status = httpx.get(server.url + "/api/models/shared", headers=headers).json()
+    failure = status["last_start_failure"] or {}
+    blocked = f"{status.get('blocked')} {failure.get('message')}"
+    assert "leads outside the directories" in blocked, status
+    instances = httpx.get(server.url + "/api/instances", headers=headers).json()["data"]
+    assert not [i for i in instances if i["model"] == "shared" and i["status"] == "ready"]

@@ -2,9 +2,11 @@
 own key (/api/me), usage summaries (/api/usage, /api/usage/series) and the request log
 (/api/usage/requests).
 
-A team admin key manages its team's keys and nothing else: it sees only them (any other key is a 404, as
-one that does not exist), makes keys only in its team, with limits within the team's, and can neither
-make admin or team admin keys nor move a key out of its team."""
+Which key an actor may see or manage is decided on the key, by one rule (`auth/authority.py`): a team
+admin key sees its team's keys up to its own role (any other key is a 404, as one that does not exist)
+and manages only those strictly below it (its members), makes keys only in its team with limits within the
+team's, and can neither make admin or team admin keys nor move a key out of its team; an admin key
+manages every key, and belongs to no team."""
 
 from __future__ import annotations
 
@@ -19,7 +21,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmserver.api.access import Access, body_of, caller, router
 from llmserver.api.deps import check_page, keys, lineup, quota, recorder, settings, store, teams, validate
-from llmserver.auth.keys import DEFAULT_GRACE, Principal, check_limits, describe, limit_fields, may_use, unmatched
+from llmserver.auth.authority import Standing, authorize, sees, standing_of_key
+from llmserver.auth.keys import (
+    DEFAULT_GRACE,
+    Principal,
+    check_admin_team,
+    check_limits,
+    describe,
+    limit_fields,
+    may_use,
+    unmatched,
+)
 from llmserver.errors import FieldProblem, InvalidRequest, NotFound, PermissionDenied
 from llmserver.metrics.usage import parse_time, series, status_of, summarise
 from llmserver.store import STATUSES, KeyLimits, KeyRecord, LedgerQuery, TeamRecord
@@ -85,24 +97,17 @@ def _managed_team(request: Request) -> TeamRecord | None:
 
 
 async def _managed(request: Request, key_id: str) -> KeyRecord:
-    """The key, if the caller may manage it: any for an admin key, its team's for a team admin key (another
-    is a 404, as a key that does not exist: a team admin learns nothing of other teams' keys)."""
+    """The key, if the caller may manage it as it is (`authority.authorize`): a 404 for a key it does not
+    see, as one that does not exist; a 403 for one it sees but is not above."""
     record = await keys(request).get(key_id)
-    team = _managed_team(request)
-    if record is None or (team is not None and record.team_id != team.id):
+    if record is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
+    authorize(caller(request), record, standing_of_key(record))
     return record
 
 
-def _for_team_admin(body: Expiry, team: TeamRecord, limits: KeyLimits) -> None:
-    """What a team admin may not do: make admin or team admin keys, put a key in another team (or none), or
-    give a key more than its team has."""
-    if (isinstance(body, CreateKey) and body.admin) or "team_admin" in body.model_fields_set:
-        raise PermissionDenied("A team admin key cannot make admin or team admin keys.", param="admin")
-    if "team_id" in body.model_fields_set and body.team_id != team.id:
-        raise PermissionDenied(
-            f"A team admin key manages the keys of its own team ({team.id!r}) only.", param="team_id"
-        )
+def _within_team(team: TeamRecord, limits: KeyLimits) -> None:
+    """What a team admin may not give a key: more than its team has."""
     for name in ("quota_tokens", "rpm", "max_concurrency", "budget"):
         mine, theirs = getattr(limits, name), getattr(team.limits, name)
         if mine is not None and theirs is not None and mine > theirs:
@@ -116,9 +121,8 @@ def _for_team_admin(body: Expiry, team: TeamRecord, limits: KeyLimits) -> None:
 @managing.get("/api/keys")
 async def list_keys(request: Request) -> dict[str, Any]:
     """Every key (a team admin: its team's), and where each with a quota stands in its current window."""
-    records = await keys(request).list()
-    if (team := _managed_team(request)) is not None:
-        records = [k for k in records if k.team_id == team.id]
+    principal = caller(request)
+    records = [k for k in await keys(request).list() if sees(principal, k)]
     quotas = quota(request)
     active = [k for k in records if k.revoked_at is None]
     standing = iter(await asyncio.gather(*(quotas.standing(k.id, k.limits) for k in active)))
@@ -137,10 +141,12 @@ async def list_keys(request: Request) -> dict[str, Any]:
 async def create_key(request: Request) -> JSONResponse:
     body = validate(CreateKey, body_of(request))
     limits = checked_limits(request, body.limits(), body.models is not None)
-    team_id = body.team_id
-    if (team := _managed_team(request)) is not None:
-        _for_team_admin(body, team, limits)
-        team_id = team.id
+    team = _managed_team(request)
+    team_id = body.team_id if "team_id" in body.model_fields_set or team is None else team.id
+    authorize(caller(request), None, Standing.of(admin=body.admin, team_admin=body.team_admin, team_id=team_id))
+    _admin_outside_teams(body.admin, team_id)
+    if team is not None:
+        _within_team(team, limits)
     elif team_id is not None:
         await _team(request, team_id)
     elif body.team_admin:
@@ -163,8 +169,14 @@ async def update_key(request: Request, key_id: str) -> dict[str, Any]:
     body = validate(Expiry, body_of(request))
     current = await _managed(request, key_id)
     limits = body.patched(request, current.limits)
+    team_id = body.team_id if "team_id" in body.model_fields_set else current.team_id
+    team_admin = body.team_admin if "team_admin" in body.model_fields_set else current.team_admin
+    after = Standing.of(admin=current.is_admin, team_admin=team_admin, team_id=team_id, key_id=key_id)
+    authorize(caller(request), current, after)
+    if "team_id" in body.model_fields_set:
+        _admin_outside_teams(current.is_admin, team_id)
     if (team := _managed_team(request)) is not None:
-        _for_team_admin(body, team, limits)
+        _within_team(team, limits)
     elif "team_id" in body.model_fields_set and body.team_id is not None:
         await _team(request, body.team_id)
     found = await keys(request).update(key_id, limits)
@@ -173,8 +185,6 @@ async def update_key(request: Request, key_id: str) -> dict[str, Any]:
             await keys(request).set_expiry(key_id, body.expiry())
         except FieldProblem as exc:
             raise exc.refusal() from None
-    team_id = body.team_id if "team_id" in body.model_fields_set else current.team_id
-    team_admin = body.team_admin if "team_admin" in body.model_fields_set else current.team_admin
     if team_admin and team_id is None:
         raise InvalidRequest("team_admin: a team admin key needs a team_id", param="team_admin")
     moved = found and (team_id, team_admin and team_id is not None) != (current.team_id, current.team_admin)
@@ -186,6 +196,13 @@ async def update_key(request: Request, key_id: str) -> dict[str, Any]:
     if record is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
     return describe(record)
+
+
+def _admin_outside_teams(admin: bool, team_id: str | None) -> None:
+    try:
+        check_admin_team(admin, team_id)
+    except FieldProblem as exc:
+        raise exc.refusal() from None
 
 
 async def _team(request: Request, team_id: str) -> None:
@@ -259,14 +276,14 @@ async def usage(
 
 async def _usage_of(request: Request, key: str | None) -> str | None:
     """The key whose usage is asked for (None: all keys), if the caller may read it: its own, any for an
-    admin key, one of its team's for a team admin key."""
+    admin key, one it sees (`authority.sees`) for a team admin key."""
     principal = caller(request)
     wanted = key or principal.key_id
     if wanted == principal.key_id or principal.is_admin:
         return None if wanted == "*" else wanted
-    if principal.team_admin and principal.team is not None and wanted != "*":
+    if principal.team_admin and wanted != "*":
         record = await keys(request).get(wanted)
-        if record is not None and record.team_id == principal.team.id:
+        if record is not None and sees(principal, record):
             return wanted
     raise PermissionDenied("Only admin keys may read another key's usage (team admin keys: their team's).")
 

@@ -16,6 +16,7 @@ from llmserver.auth.keys import allowed
 from llmserver.errors import InvalidRequest, NotFound
 from llmserver.models import catalog as model_catalog
 from llmserver.models.files import CHECKSUM_HEADER, file_checksum
+from llmserver.settings import FileRoots
 
 keyed = router(Access.KEY)
 admin = router(Access.ADMIN)
@@ -96,9 +97,14 @@ async def model_file(request: Request, name: str) -> FileResponse:
     if entry is None:
         raise NotFound(f"The model catalog has no model {name!r}.", param="name")
     given = entry.settings().get("path")
-    found = await asyncio.to_thread(_file_here, str(given)) if given else None
+    roots = settings(request).model_file_roots()
+    found = await asyncio.to_thread(_file_here, str(given), roots) if given else None
     if found is None:
-        raise NotFound(f"This gateway has no file for the model {name!r} (its path: {given or 'none'}).", param="name")
+        raise NotFound(
+            f"This gateway has no file for the model {name!r} inside the directories model files may be in "
+            f"(its path: {given or 'none'}).",
+            param="name",
+        )
     path, checksum = found
     return FileResponse(path, media_type="application/octet-stream", headers={CHECKSUM_HEADER: checksum})
 
@@ -109,9 +115,11 @@ async def model_file_head(request: Request, name: str) -> FileResponse:
     return await model_file(request, name)
 
 
-def _file_here(given: str) -> tuple[Path, str] | None:
-    path = Path(given).expanduser()
-    return (path, file_checksum(path)) if path.is_file() else None
+def _file_here(given: str, roots: FileRoots) -> tuple[Path, str] | None:
+    """The file as it is now, links followed, if it is a file inside `roots`: checked as it is opened, never
+    trusted from when the model's row was written (a link put there since would lead anywhere)."""
+    path = roots.inside(Path(given))
+    return (path, file_checksum(path)) if path is not None and path.is_file() else None
 
 
 @admin.get("/api/models")

@@ -119,6 +119,14 @@ def allowed(principal: Principal, model: str) -> bool:
     return may_use(principal.limits, model) and (team is None or may_use(team.limits, model))
 
 
+def check_admin_team(admin: bool, team_id: str | None) -> None:
+    """FieldProblem for an admin key in a team: admin keys belong to no team (auth/authority.py says why)."""
+    if admin and team_id is not None:
+        raise FieldProblem(
+            "an admin key belongs to no team (it manages every key; a team is a team admin's scope)", "team_id"
+        )
+
+
 MAX_GRACE = 30 * 86400.0  # seconds a rotated-out secret may stay valid
 DEFAULT_GRACE = 3600.0
 
@@ -179,6 +187,7 @@ class KeyService:
         """A new key: its record, and the key itself, which is never stored."""
         if not name.strip():
             raise FieldProblem("a key needs a non-empty name", "name")
+        check_admin_team(admin, team_id)
         key = generate_key()
         key_hash = hash_key(key)
         record = await self._store.insert_key(
@@ -226,7 +235,10 @@ class KeyService:
             raise
 
     async def set_team(self, key_id: str, team_id: str | None, team_admin: bool = False) -> bool:
-        """Move an active key into a team that exists (as one of its admins or not), or out of its team (None)."""
+        """Move an active key into a team that exists (as one of its admins or not), or out of its team (None).
+        FieldProblem for an admin key sent into a team (admin keys belong to no team: auth/authority.py)."""
+        if team_id is not None and (record := await self._store.key_by_id(key_id)) is not None:
+            check_admin_team(record.is_admin, team_id)
         moved = await self._store.set_key_team(key_id, team_id, team_admin)
         self._cache.clear()
         return moved

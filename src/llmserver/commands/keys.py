@@ -142,9 +142,12 @@ def create(
 
     async def make(store: Store) -> tuple[KeyRecord, str]:
         team_id = await team_id_of(store, team) if team is not None else None
-        return await KeyService(store).create(
-            name, admin=admin, limits=limits, expires_at=expires_at, team_id=team_id, team_admin=team_admin
-        )
+        try:
+            return await KeyService(store).create(
+                name, admin=admin, limits=limits, expires_at=expires_at, team_id=team_id, team_admin=team_admin
+            )
+        except FieldProblem as exc:
+            raise click.UsageError(f"{exc.param}: {exc}") from None
 
     record, key = with_store(load(config_file, data_dir=data_dir), make)
     click.echo(
@@ -222,7 +225,10 @@ def update(
             await service.set_expiry(key_id, expires_at)
         if team is not None or "team" in cleared:
             team_id = await team_id_of(store, team) if team is not None else None
-            updated = await service.set_team(key_id, team_id) and updated
+            try:
+                updated = await service.set_team(key_id, team_id) and updated
+            except FieldProblem as exc:
+                raise click.UsageError(f"{exc.param}: {exc}") from None
         return updated
 
     if not with_store(load(config_file, data_dir=data_dir), change):

@@ -26,6 +26,7 @@ from typing import Any
 
 from llmserver.asgi_ext import Writer  # bytes straight to a stream's client; False: no more for now
 from llmserver.auth.keys import Principal
+from llmserver.auth.revocation import KeyWatch
 from llmserver.engine import reasoning, resume, shapes, translate
 from llmserver.engine.calls import InstanceCalls, stalled_error
 from llmserver.engine.schemas import check_schema
@@ -86,8 +87,10 @@ class GenerationService:
         calls: InstanceCalls,
         recorder: UsageRecorder,
         models: list[ModelConfig] | None = None,
+        key_watch: KeyWatch | None = None,
     ) -> None:
         self.admission = admission
+        self.key_watch = key_watch  # ends a stream whose key stops standing while it runs
         self.inputs = inputs
         self.calls = calls
         self.recorder = recorder
@@ -432,6 +435,8 @@ class GenerationService:
         def shaped(batch: list[bytes]) -> bytes:
             """Our chunks for a batch of llama-server's events: what arrived together goes out together."""
             nonlocal sent_any, usage, named_stop, quiet_since, said, cut
+            if ticket.ended is not None:
+                raise ticket.ended
             out: list[bytes] = []
             for data in batch:
                 if tokens is not None and not cut and (text := tokens.text(data)) is not None:
@@ -493,6 +498,8 @@ class GenerationService:
             out = shaped(batch)
             return (writer(out) if out else True) and not shape.stopped
 
+        watch = self.key_watch
+        watched = watch.track(tally.principal, ticket.end) if watch is not None else 0
         try:
             if opening := voice.opening():
                 writer = (yield opening) or writer
@@ -534,6 +541,8 @@ class GenerationService:
             log.exception("a stream failed")
             yield voice.error(ServerError("The stream failed.").body())
         finally:
+            if watch is not None:
+                watch.untrack(tally.principal, watched)
             await events.aclose()
             ticket.close(outcome)
         await ticket.shared()  # before the client hears the end

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from llmserver.auth.keys import Principal
+from llmserver.auth.revocation import KeyWatch
 from llmserver.errors import APIError, InvalidRequest, NotFound, ServerError
 from llmserver.inputs.safe_fetch import check_url
 from llmserver.jobs import crypto
@@ -58,6 +59,9 @@ class JobService:
             max_url_length=settings.limits.max_url_length,
         )
         self._tasks: set[asyncio.Task[None]] = set()
+        # Ends a job whose key stops standing while it waits or runs (auth/revocation.py); set by the app.
+        self.key_watch: KeyWatch | None = None
+        self._ended: dict[str, APIError] = {}  # tracking id → why its work was cancelled
         self.finished: collections.Counter[str] = collections.Counter()  # this gateway's jobs, by outcome
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -162,9 +166,14 @@ class JobService:
         )
         if not isinstance(task, asyncio.Future):
             task = asyncio.ensure_future(task())
+        work = task
+        watch = self.key_watch
+        watched = watch.track(principal, lambda error: self._end(tracking_id, work, error)) if watch else 0
         runner = asyncio.create_task(
             self._finish(tracking_id, task, key, nonce, webhook_url), name=f"job-{tracking_id}"
         )
+        if watch is not None:
+            runner.add_done_callback(lambda _: watch.untrack(principal, watched))
         self._tasks.add(runner)
         runner.add_done_callback(self._tasks.discard)
         return {"mode": "async", "tracking_id": tracking_id, "method": crypto.METHOD, "nonce": crypto.b64(nonce)}
@@ -181,8 +190,12 @@ class JobService:
         except APIError as exc:
             error = exc.body()
         except asyncio.CancelledError:
-            task.cancel()
-            raise
+            ended = self._ended.pop(tracking_id, None)
+            current = asyncio.current_task()
+            if ended is None or (current is not None and current.cancelling()):
+                task.cancel()
+                raise
+            error = ended.body()  # its key stopped standing: its work was cancelled, not this job's runner
         except Exception as exc:
             log.error("async job %s failed: %s", tracking_id, type(exc).__name__)
             error = ServerError("The generation failed.").body()
@@ -199,6 +212,12 @@ class JobService:
         log.info("async job %s %s", tracking_id, "ready" if result is not None else "failed")
         if webhook is not None:
             self.outbox.wake()
+
+    def _end(self, tracking_id: str, work: asyncio.Future[JSON], error: APIError) -> None:
+        """Cancel a job's work (waiting for a slot or generating): its key no longer stands."""
+        if not work.done():
+            self._ended[tracking_id] = error
+            work.cancel()
 
     async def _store_outcome(
         self, tracking_id: str, result: str | None, error: str | None, webhook: tuple[str, str] | None

@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig
+from llmserver.settings import DEFAULT_MODEL_NAME, FileRoots, ModelConfig
 
 log = logging.getLogger("llmserver.catalog")  # its name before the move: log_levels name it
 
@@ -363,6 +363,32 @@ def _gguf_string(file: BinaryIO) -> str:
     if length > os.fstat(file.fileno()).st_size - here:  # never read what a damaged length says is there
         raise ModelFileError(f"{getattr(file, 'name', 'the file')}: its GGUF header is damaged (a string past its end)")
     return file.read(length).decode("utf-8", "replace")
+
+
+def opened_within(
+    model: ModelConfig, model_file: Path, mmproj: Path | None, roots: FileRoots
+) -> tuple[Path, Path | None]:
+    """The model's files as an instance is about to open them, each resolved (links followed) and inside
+    `roots` (the directories model files may be in): checked at every start, not only when the model's row
+    was written, since a file may have been replaced by a link since. The embedded model, which lives in
+    the installed package, is the one file not checked. Returns the GGUF and projector as resolved;
+    ModelFileError names the first file that leads elsewhere."""
+    files = {"path": model_file, "mmproj": mmproj, "draft_model": model.draft_model,
+             "chat_template_file": model.chat_template_file}  # fmt: skip
+    if model.path is None and model.hf_repo is None:
+        del files["path"]  # the embedded model
+    real: dict[str, Path] = {}
+    for field, path in files.items():
+        if path is None:
+            continue
+        found = roots.inside(path)
+        if found is None:
+            raise ModelFileError(
+                f"model {model.name!r}: its {field} {path} is gone or leads outside the directories model files "
+                f"may be in ({', '.join(str(root) for root in roots.dirs)})"
+            )
+        real[field] = found
+    return real.get("path", model_file), real.get("mmproj")
 
 
 def mmproj_path(

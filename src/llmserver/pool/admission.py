@@ -52,10 +52,16 @@ class Ticket:
     # The bound of its prompt's tokens as admission counted it, with the messages it counted (the engine's:
     # read again, unchanged, while the slot is taken and the reservation resized).
     counted: tuple[object, int] | None = field(default=None, repr=False)
+    # Why it must stop before its end (its key stopped standing: auth/revocation.py); a stream reads it at
+    # each batch of events.
+    ended: APIError | None = field(default=None, repr=False)
     model: str = field(init=False)  # its tally's (read often: an attribute, not a property)
 
     def __post_init__(self) -> None:
         self.model = self.tally.model
+
+    def end(self, error: APIError) -> None:
+        self.ended = error
 
     def close(self, outcome: str) -> None:
         """Give back the slot and the place in flight, settle the quota, record the request (once)."""

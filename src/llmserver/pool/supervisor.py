@@ -42,6 +42,7 @@ from llmserver.models.files import (
     llama_server_binary,
     mmproj_path,
     model_path,
+    opened_within,
 )
 from llmserver.models.lineup import Lineup
 from llmserver.pool.instance import Instance, InstanceStartError, Status, port_is_free
@@ -261,13 +262,15 @@ class Supervisor:
 
     async def _launch(self, instance: Instance) -> None:
         assert self._binary is not None
+        name, roots = instance.model.name, self.settings.model_file_roots()
         try:
-            await instance.start(
-                self._binary,
-                self._files[instance.model.name],
-                self.settings.instances.start_timeout,
-                self._mmproj[instance.model.name],
-            )
+            try:  # checked as opened: the file found before may have been replaced by a link since
+                model_file, mmproj = await asyncio.to_thread(
+                    opened_within, instance.model, self._files[name], self._mmproj[name], roots
+                )
+            except ModelFileError as exc:
+                raise InstanceStartError(str(exc)) from None
+            await instance.start(self._binary, model_file, self.settings.instances.start_timeout, mmproj)
         except InstanceStartError as exc:
             log.error("instance %s (%s) failed to start: %s", instance.id, instance.model.name, exc)
             pool = self.pools.get(instance.model.name)
