@@ -485,6 +485,14 @@ class InstanceSettings(Section):
         "main loop stuck) before those requests fail with 504 and it is restarted; at least a hundred tokens' time at "
         "the model's measured speed.",
     )
+    grammar_stall_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="The same bound while a request on the instance carries a grammar (a JSON schema, tools): a "
+        "pattern the cost guard misjudged holds llama-server's main loop, so the instance is restarted after this, "
+        "the request (its key) ends with 504 and other keys' requests waiting on it are sent again; at least a "
+        "hundred tokens' time at the model's measured speed.",
+    )
     restart_max_failures: int = Field(
         default=5,
         ge=1,

@@ -184,3 +184,7 @@ def test_the_consoles_audit_filter_offers_every_action_the_route_table_audits(tm
     assert listed is not None
     assert set(re.findall(r'"([a-z]+\.[a-z_]+)"', listed.group(1))) == audited
     assert {"keys.rotate", "teams.create", "nodes.drain"} <= audited
+    # and the audit log's page lists every one of them (it once lacked keys.rotate: issue 82)
+    page = (Path(__file__).resolve().parents[2] / "docs/operating/audit.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `action` |"))
+    assert set(re.findall(r"`([a-z]+\.[a-z_]+)`", row)) == audited

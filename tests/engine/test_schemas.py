@@ -14,24 +14,32 @@ from llmserver.errors import InvalidRequest
         ("^(a{0,100}){0,10}$", 10_000),
         ("^((a{0,7}){0,7}){0,7}$", 16_807),
         ("^(a{0,30}){0,30}$", 27_000),
-        ("^(a{0,30}b{0,30}){0,30}$", 54_000),
+        # ambiguity over a part that may begin with more than one character weighs ten times (issue 82)
+        ("^(a{0,30}b{0,30}){0,30}$", 540_000),
         ("^((a{0,10}){0,10}){0,10}$", 100_000),
-        ("^([a-z]{0,50}){0,20}$", 200_000),
+        ("^([a-z]{0,50}){0,20}$", 2_000_000),
+        ("^(((a|b)?){40})$", 32_000),  # 4.6 s for 8 tokens; ^((a?){40})$ 0.17 s
+        ("^((a?){40})$", 1_600),
         ("^(a?){0,1000}$", 1_000_000),
         ("^(a{0,2}){0,500}$", 500_000),
         ("^(?:a{0,2}){0,500}$", 500_000),
         ("^(a{0,2}?){0,500}$", 500_000),
-        # A body that cannot be empty, or a single repetition, costs nothing however large.
-        ("^(a{1,30}){1,30}$", 0),
+        # A body of one fixed length, or a single repetition, costs nothing however large or deep.
+        ("^((a{40}){40}){40}$", 0),
         ("^a{0,100000}$", 0),
-        ("^(a+)+b$", 0),
-        ("^((25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)\\.){3}(25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)$", 0),
+        # A body whose length varies splits the same text in as many ways as one that may be empty: the
+        # product of the nested counts (issue 82: ^((.{1,40}){1,40}){1,40}$ was priced 0 and held a model).
+        ("^(a{1,30}){1,30}$", 27_000),
+        ("^((.{1,40}){1,40}){1,40}$", 10_240_000_000),
+        ("^((a|aa)+){0,50}$", 30_000),
+        ("^(a+)+b$", 10),
+        ("^((25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)\\.){3}(25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)$", 7_650),
         ("^[a-z0-9._%+-]+@[a-z0-9.-]+\\.[a-z]{2,}$", 0),
         ("^[0-9]{3}-[0-9]{4}$", 0),
         # llama.cpp's reading of a count: C's stoi, an empty side is 0 or unbounded (issue 54)
         ("^((a{,7}){,7}){,7}$", 16_807),
         ("^((a{ 0,7}){0,7 }){ 0 , 7}$", 16_807),
-        ("^((a{0,7}x?){0,7}){0,7}$", 392 * 49),
+        ("^((a{0,7}x?){0,7}){0,7}$", 392 * 49 * 10),
         # a class ends at its first `]`: `[]` is an empty class and what follows is read (issue 54)
         ("^(?:[]|b)((a{0,10}){0,10}){0,10}(?:[]|c)$", 102_200),
     ],
@@ -62,6 +70,10 @@ def test_the_bound_sits_between_the_measured_fast_and_slow_patterns() -> None:
         ("^a{5,2}$", "counts down"),
         ("^a{-1,2}$", "a negative count"),
         ("^a{200000}$", "repeats a part at least 200,000 times"),
+        ("^a{2001}$", "llama.cpp's grammar takes at most 2,000"),
+        ("^x{5,0}$", "the repetition {5,0} counts down"),  # served as "" before, while {2,1} was refused
+        ("^((a|aa)*)*$", "repeats without bound a part that may match nothing"),
+        ("^(a?)+$", "repeats without bound a part that may match nothing"),
     ],
 )
 def test_unreadable_patterns_are_refused(pattern: str, words: str) -> None:
@@ -121,9 +133,14 @@ def test_depth_and_counts_are_bounded() -> None:
         schema = {"type": "object", "properties": {"a": schema}}  # 80 levels of JSON
     with pytest.raises(InvalidRequest, match="deeper than 64"):
         check_schema(schema, "format")
-    with pytest.raises(InvalidRequest, match="minItems 100001"):
-        check_schema({"type": "array", "minItems": 100_001}, "format")
-    check_schema({"type": "array", "minItems": 100_000}, "format")
+    # llama.cpp's grammar refuses a repetition above 2,000 ("failed to parse grammar", naming nothing): ours
+    # names the field (issue 82). minItems is written as one item and a repetition of m - 1.
+    check_schema({"type": "string", "minLength": 2000}, "format")
+    with pytest.raises(InvalidRequest, match="minLength 2001"):
+        check_schema({"type": "string", "minLength": 2001}, "format")
+    check_schema({"type": "array", "minItems": 2001}, "format")
+    with pytest.raises(InvalidRequest, match="minItems 2002"):
+        check_schema({"type": "array", "minItems": 2002}, "format")
     # an upper count costs the grammar nothing at any size (maxLength 2**31 - 1: 0.18 s for 8 tokens)
     check_schema({"type": "string", "maxLength": 524_288}, "format")
     check_schema({"type": "array", "maxItems": 2**31 - 1}, "format")

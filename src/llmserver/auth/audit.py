@@ -1,4 +1,4 @@
-"""The audit log: one append-only row per admin action through the API.
+"""The audit log: one append-only row per admin action, through the API or the command line.
 
 Which requests are audited is read from the route table, not listed here: every route of an
 `Access.ADMIN` router called with a method that changes something (POST, PUT, PATCH, DELETE), whatever
@@ -12,6 +12,13 @@ client's address and the request id. The change holds the request's fields that 
 and limits (an allowlist: a model's settings, a key's name and limits, an instance's model and node);
 any other field is named with its value withheld — a key or a secret never reaches a row.
 
+A call to an admin route by a key that may not make it (a team admin key on `PATCH /api/teams/…`, a user
+key on `POST /api/models`) is recorded too, with its 403: the attempts a security team looks for first.
+
+The command line changes keys, teams and models by writing the database itself (`llmserver keys`, `teams`,
+`models`): each of those commands writes its row the same way (`operator_row`), the operator's user and host
+as the actor (`key.id` "cli"), its status 200 or 201, or that of the refusal it ended with.
+
 The write goes on in a task of its own, so that a client that goes away does not take its row with it;
 a read of the log (`page`) waits for the writes under way first. A row that cannot be written (the
 database is away) is logged, action and target, as an error.
@@ -23,6 +30,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,6 +86,28 @@ def action_of(method: str, path_format: str, path_params: Mapping[str, str]) -> 
         verb = VERBS.get(method, method.lower())
     target = "/".join(value for name, value in path_params.items() if name != "action") or None
     return f"{resource}.{verb}", target
+
+
+OPERATOR_KEY_ID = "cli"  # the actor of a change made at the command line
+
+
+def operator_row(
+    action: str, target: str | None, change: Mapping[str, Any] | None, status: int, recorded: frozenset[str] = RECORDED
+) -> dict[str, object]:
+    """The row of a change made with the CLI: the operator (user@host) as its actor."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container's)
+        user = f"uid {os.getuid()}"
+    host = socket.gethostname()
+    noted = Action(
+        time.time(), OPERATOR_KEY_ID, f"{user}@{host} (cli)", action, target, change_of(change, {}, recorded), host,
+        None,
+    )  # fmt: skip
+    return noted.row(status)
 
 
 def change_of(

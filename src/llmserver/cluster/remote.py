@@ -92,7 +92,8 @@ class RemoteInstance(Instance):
     async def answers_slots(self, timeout: float) -> bool:
         return True  # its node's watchdog probes it (the node sees no requests: it probes them all)
 
-    async def stall_reason(self, pid: int | None) -> str | None:
+    async def stall_reason(self, pid: int | None, key_id: str | None = None) -> str | None:
+        # The node's watchdog does not know whose request carried the grammar: every request it dropped ends.
         return None if self.registry is None else await self.registry.stall_reason(self, pid)
 
     async def stop(self, grace: float = 10.0) -> None:

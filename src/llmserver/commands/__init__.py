@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import tomllib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -13,6 +14,7 @@ import click
 from pydantic import ValidationError
 
 from llmserver import logs
+from llmserver.auth.audit import RECORDED
 from llmserver.models.files import BUILTIN, known_model
 from llmserver.settings import DEFAULT_MODEL_NAME, ModelConfig, Settings, load_settings, meant
 
@@ -145,15 +147,52 @@ async def open_cli_store(settings: Settings, *, migrate: bool = False) -> Store:
         raise click.ClickException(exc.message) from None
 
 
-def with_store(settings: Settings, use: Callable[[Store], Awaitable[T]]) -> T:
-    """Run `use` on the configured store, closed afterwards (the CLI's one event loop per command)."""
+@dataclass
+class Audited:
+    """A change the command makes, for the audit log (auth/audit.py `operator_row`): its action and target,
+    what it asks to change, and whether what `use` returned means it was found (else the row says 404)."""
+
+    action: str
+    target: str | None = None
+    change: Mapping[str, Any] | None = None
+    target_of: Callable[[Any], str | None] = lambda result: None  # a create's target: what it made
+    found: Callable[[Any], bool] = bool
+
+
+def with_store(settings: Settings, use: Callable[[Store], Awaitable[T]], audited: Audited | None = None) -> T:
+    """Run `use` on the configured store, closed afterwards (the CLI's one event loop per command); with
+    `audited`, the change is written to the audit log with the outcome it had, as the API's are."""
 
     import asyncio
+
+    from llmserver.auth.audit import operator_row
+    from llmserver.errors import APIError, FieldProblem
+    from llmserver.settings import ModelConfig
 
     async def run() -> T:
         store = await open_cli_store(settings)
         try:
-            return await use(store)
+            if audited is None:
+                return await use(store)
+            status, target = 500, audited.target
+            try:
+                result = await use(store)
+                target = target or audited.target_of(result)
+                status = (201 if audited.action.endswith(".create") else 200) if audited.found(result) else 404
+                return result
+            except (FieldProblem, click.UsageError):
+                status = 400
+                raise
+            except APIError as exc:
+                status = exc.status
+                raise
+            finally:
+                recorded = RECORDED | frozenset(ModelConfig.model_fields)
+                try:
+                    await store.audit_append(operator_row(audited.action, target, audited.change, status, recorded))
+                except APIError as exc:
+                    logging.getLogger(__name__).error("the audit row of %s was not written: %s", audited.action,
+                                                      exc.message)  # fmt: skip
         finally:
             await store.close()
 

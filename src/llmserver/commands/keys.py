@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import click
 
 from llmserver.auth.keys import DEFAULT_GRACE, MAX_GRACE, KeyService, check_expiry, check_limits, describe
-from llmserver.commands import load, settings_options, with_store
+from llmserver.commands import Audited, load, settings_options, with_store
 from llmserver.errors import APIError, FieldProblem
 from llmserver.metrics.usage import parse_time, summarise
 from llmserver.store import KeyLimits, KeyRecord, Store, TeamStore
@@ -22,8 +22,17 @@ from llmserver.store import KeyLimits, KeyRecord, Store, TeamStore
 T = TypeVar("T")
 
 
-def _keys(config_file: Path | None, data_dir: Path | None, use: Callable[[KeyService], Awaitable[T]]) -> T:
-    return with_store(load(config_file, data_dir=data_dir), lambda store: use(KeyService(store)))
+def _keys(
+    config_file: Path | None,
+    data_dir: Path | None,
+    use: Callable[[KeyService], Awaitable[T]],
+    audited: Audited | None = None,
+) -> T:
+    return with_store(load(config_file, data_dir=data_dir), lambda store: use(KeyService(store)), audited)
+
+
+def _limits_change(limits: KeyLimits) -> dict[str, Any]:
+    return {name: value for name, value in asdict(limits).items() if value is not None}
 
 
 @click.group()
@@ -149,7 +158,10 @@ def create(
         except FieldProblem as exc:
             raise click.UsageError(f"{exc.param}: {exc}") from None
 
-    record, key = with_store(load(config_file, data_dir=data_dir), make)
+    change = {"name": name, "admin": admin, **_limits_change(limits), "expires_at": expires_at, "team_id": team,
+              "team_admin": team_admin}  # fmt: skip
+    audited = Audited("keys.create", change=change, target_of=lambda made: made[0].id)
+    record, key = with_store(load(config_file, data_dir=data_dir), make, audited)
     click.echo(
         f"created {'admin ' if record.is_admin else ''}key {record.id} ({record.name}); it is shown only once:",
         err=True,
@@ -231,7 +243,10 @@ def update(
                 raise click.UsageError(f"{exc.param}: {exc}") from None
         return updated
 
-    if not with_store(load(config_file, data_dir=data_dir), change):
+    asked = {**_limits_change(given), **dict.fromkeys(cleared), "expires_at": expires_at, "team_id": team}
+    audited = Audited("keys.update", key_id, {name: value for name, value in asked.items() if value is not None or
+                                              name in cleared})  # fmt: skip
+    if not with_store(load(config_file, data_dir=data_dir), change, audited):
         raise click.ClickException(f"no key with id {key_id}")
     click.echo(f"updated {key_id}")
 
@@ -265,7 +280,8 @@ def usage(config_file: Path | None, data_dir: Path | None, key_id: str, since: s
 def rotate(config_file: Path | None, data_dir: Path | None, key_id: str, grace: float) -> None:
     """Give the key a new secret and print it, alone on the last line (shown only this once); the old
     one keeps working for --grace seconds."""
-    rotated = _keys(config_file, data_dir, lambda service: service.rotate(key_id, grace))
+    audited = Audited("keys.rotate", key_id, {"grace_seconds": grace}, found=lambda made: made is not None)
+    rotated = _keys(config_file, data_dir, lambda service: service.rotate(key_id, grace), audited)
     if rotated is None:
         raise click.ClickException(f"no active key with id {key_id}")
     record, key = rotated
@@ -279,6 +295,6 @@ def rotate(config_file: Path | None, data_dir: Path | None, key_id: str, grace: 
 @click.argument("key_id")
 def revoke(config_file: Path | None, data_dir: Path | None, key_id: str) -> None:
     """Revoke the key with this id."""
-    if not _keys(config_file, data_dir, lambda service: service.revoke(key_id)):
+    if not _keys(config_file, data_dir, lambda service: service.revoke(key_id), Audited("keys.delete", key_id)):
         raise click.ClickException(f"no active key with id {key_id}")
     click.echo(f"revoked {key_id}")

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
-from llmserver.commands import load, models_from_args, server_url, settings_options, with_store
+from llmserver.commands import Audited, load, models_from_args, server_url, settings_options, with_store
 from llmserver.commands.instances import admin_call, admin_key, key_option, url_option
 from llmserver.errors import APIError
 from llmserver.models import catalog as model_catalog
@@ -79,10 +79,15 @@ def _settings_from(pairs: tuple[str, ...]) -> dict[str, Any]:
     return fields
 
 
-def _catalog(settings_file: Path | None, data_dir: Path | None, use: Callable[[Store, FileRoots], Awaitable[T]]) -> T:
+def _catalog(
+    settings_file: Path | None,
+    data_dir: Path | None,
+    use: Callable[[Store, FileRoots], Awaitable[T]],
+    audited: Audited | None = None,
+) -> T:
     try:
         settings = load(settings_file, data_dir=data_dir)
-        return with_store(settings, lambda store: use(store, settings.model_file_roots()))
+        return with_store(settings, lambda store: use(store, settings.model_file_roots()), audited)
     except APIError as exc:
         raise click.ClickException(exc.message) from None
 
@@ -157,7 +162,10 @@ def add(
         **{key: value for key, value in given.items() if value is not None},
         **_settings_from(pairs),
     }
-    click.echo(_show(_catalog(config_file, data_dir, lambda store, roots: model_catalog.add(store, fields, roots))))
+    audited = Audited("models.create", name, fields)
+    click.echo(
+        _show(_catalog(config_file, data_dir, lambda store, roots: model_catalog.add(store, fields, roots), audited))
+    )
 
 
 @models.command()
@@ -173,7 +181,14 @@ def update(
     if not changes:
         raise click.UsageError("nothing to change: give --set KEY=VALUE or --reset KEY")
     click.echo(
-        _show(_catalog(config_file, data_dir, lambda store, roots: model_catalog.update(store, name, changes, roots)))
+        _show(
+            _catalog(
+                config_file,
+                data_dir,
+                lambda store, roots: model_catalog.update(store, name, changes, roots),
+                Audited("models.update", name, changes),
+            )
+        )
     )
 
 
@@ -183,7 +198,9 @@ def update(
 def stop(config_file: Path | None, data_dir: Path | None, name: str) -> None:
     """Stop a model now and keep it in the catalog (max_instances 0): its instances drain, its requests are
     answered 503 at once, until `llmserver models start`."""
-    entry = _catalog(config_file, data_dir, lambda store, roots: model_catalog.stop(store, name, roots))
+    entry = _catalog(
+        config_file, data_dir, lambda store, roots: model_catalog.stop(store, name, roots), Audited("models.stop", name)
+    )
     click.echo(f"stopped {entry.name} (revision {entry.revision}): its instances drain")
 
 
@@ -194,7 +211,12 @@ def stop(config_file: Path | None, data_dir: Path | None, name: str) -> None:
               help="Instances kept running (min_instances); 0: started on demand.")  # fmt: skip
 def start(config_file: Path | None, data_dir: Path | None, name: str, instances: int) -> None:
     """Start a model again (or keep more of it running): min_instances INSTANCES, max_instances at least that."""
-    entry = _catalog(config_file, data_dir, lambda store, roots: model_catalog.start(store, name, instances, roots))
+    entry = _catalog(
+        config_file,
+        data_dir,
+        lambda store, roots: model_catalog.start(store, name, instances, roots),
+        Audited("models.start", name, {"instances": instances}),
+    )
     click.echo(_show(entry))
 
 
@@ -203,5 +225,7 @@ def start(config_file: Path | None, data_dir: Path | None, name: str, instances:
 @click.argument("name")
 def remove(config_file: Path | None, data_dir: Path | None, name: str) -> None:
     """Remove a model from the catalog: its instances drain, and its requests are answered 404."""
-    entry = _catalog(config_file, data_dir, lambda store, _: model_catalog.remove(store, name))
+    entry = _catalog(
+        config_file, data_dir, lambda store, _: model_catalog.remove(store, name), Audited("models.delete", name)
+    )
     click.echo(f"removed {entry.name} (revision {entry.revision})")

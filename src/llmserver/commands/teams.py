@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import click
 
 from llmserver.auth.keys import KeyService, limit_fields
 from llmserver.auth.teams import TeamService
-from llmserver.commands import load, settings_options, with_store
+from llmserver.commands import Audited, load, settings_options, with_store
 from llmserver.commands.keys import CLEARABLE, changed, checked, limit_options, team_id_of
 from llmserver.errors import APIError, FieldProblem
 from llmserver.store import KeyLimits, Store
@@ -22,9 +23,9 @@ def _service(store: Store) -> TeamService:
     return TeamService(store, KeyService(store))
 
 
-def _run(config_file: Path | None, data_dir: Path | None, use: Any) -> Any:
+def _run(config_file: Path | None, data_dir: Path | None, use: Any, audited: Audited | None = None) -> Any:
     try:
-        return with_store(load(config_file, data_dir=data_dir), use)
+        return with_store(load(config_file, data_dir=data_dir), use, audited)
     except FieldProblem as exc:
         raise click.UsageError(f"{exc.param}: {exc}") from None
     except APIError as exc:
@@ -48,7 +49,9 @@ def create(
 ) -> None:
     """Create a team with these limits (for all its keys together) and print its id."""
     limits = checked(given)
-    team = _run(config_file, data_dir, lambda store: _service(store).create(name, limits))
+    change = {"name": name, **{k: v for k, v in asdict(limits).items() if v is not None}}
+    audited = Audited("teams.create", change=change, target_of=lambda made: made.id)
+    team = _run(config_file, data_dir, lambda store: _service(store).create(name, limits), audited)
     click.echo(f"created team {team.id} ({team.name})", err=True)
     click.echo(team.id)
 
@@ -107,7 +110,9 @@ def update(
         assert updated is not None
         return updated.id
 
-    click.echo(f"updated {_run(config_file, data_dir, change)}")
+    asked = {"name": name, **{k: v for k, v in asdict(given).items() if v is not None}, **dict.fromkeys(cleared)}
+    audited = Audited("teams.update", change=asked, target_of=lambda team_id: team_id)
+    click.echo(f"updated {_run(config_file, data_dir, change, audited)}")
 
 
 @teams.command()
@@ -121,4 +126,5 @@ def delete(config_file: Path | None, data_dir: Path | None, team: str) -> None:
         await _service(store).delete(team_id)
         return team_id
 
-    click.echo(f"deleted {_run(config_file, data_dir, remove)}")
+    audited = Audited("teams.delete", change={"team": team}, target_of=lambda team_id: team_id)
+    click.echo(f"deleted {_run(config_file, data_dir, remove, audited)}")

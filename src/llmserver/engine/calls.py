@@ -60,6 +60,8 @@ class InstanceCalls:
             pid = _pid(ticket)
             try:
                 sent = await self._isolated(ticket, path, payload)
+                if _carries_grammar(sent):
+                    ticket.lease.carries_grammar()
                 client = _client(ticket)
                 if tracing.on():
                     with tracing.span("instance call", _call_attributes(ticket, attempt)) as span:
@@ -88,6 +90,8 @@ class InstanceCalls:
             pid = _pid(ticket)
             try:
                 sent = await self._isolated(ticket, path, payload)
+                if _carries_grammar(sent):
+                    ticket.lease.carries_grammar()
                 events = _client(ticket).stream(path, sent, fresh=attempt > 1, timeout=self.timeout, stopper=stopper)
                 first = await anext(events)
                 ticket.lease.answered()
@@ -139,13 +143,22 @@ async def stalled_error(ticket: Ticket, pid: int | None = None) -> GatewayTimeou
     instance = ticket.lease.instance
     if instance is None:
         return None
-    reason = await instance.stall_reason(pid if pid is not None else instance.pid)
+    reason = await instance.stall_reason(pid if pid is not None else instance.pid, ticket.tally.principal.key_id)
     if reason is None:
         return None
     return GatewayTimeout(
         f"The model's instance {reason}, so it was restarted and this request ended. A JSON schema whose "
         "pattern nests repetitions, or a very long prompt on a slow machine, can cause this."
     )
+
+
+def _carries_grammar(payload: JSON) -> bool:
+    """Whether llama-server builds a grammar for the call: a JSON schema, a grammar, a response format other
+    than text, or tools (a tool call is constrained by one)."""
+    if "json_schema" in payload or "grammar" in payload or "tools" in payload:
+        return True
+    form = payload.get("response_format")
+    return isinstance(form, dict) and form.get("type", "text") != "text"
 
 
 def _pid(ticket: Ticket) -> int | None:

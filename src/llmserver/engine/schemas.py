@@ -17,10 +17,17 @@ thread for over eleven minutes while its /health kept answering. Measured on thi
 | `^([a-z]{0,50}){0,20}$` | 200,000 | 8.3 s |
 | `^(a?){0,1000}$`, `^(a{0,2}){0,500}$` | 10⁶, 5·10⁵ | over 20 s, no end seen |
 
-A repetition whose body cannot be empty stays cheap however it nests (`^(a{1,30}){1,30}$`: 0.23 s), and
-so does one large repetition (`^a{0,100000}$`: 0.3 s). The cost: the pattern's expanded size (a
-character 1, a class 10, a repetition its body times its upper bound) times the product of the upper
-bounds of the repetitions around a body that may be empty. A schema's patterns share one budget (the
+One large repetition stays cheap (`^a{0,100000}$`: 0.3 s), and so does a body of one fixed length however
+it nests (`^((a{40}){40}){40}$`: 0.3 s for 32 tokens). The cost: the pattern's expanded size (a character 1,
+a class 10, a repetition its body times its upper bound) times the product of the upper bounds of the
+repetitions around a body whose length varies — one that may be empty, or match shorter and longer texts
+(issue 82: `^((.{1,40}){1,40}){1,40}$`, priced 0 when only empty bodies counted, held a model for over 15 s
+with a prompt whose preferred tokens it refuses, as every pattern below is now measured) — and ten times
+that when such a body may begin with more than one character (`^((a?){40})$` 0.17 s for 8 tokens,
+`^(((a|b)?){40})$` 4.6 s, `^(([a-z]?){40})$` no answer in 10 s: every candidate token is checked against
+every parse the nesting keeps alive). A repetition without bound of a body that may match nothing
+(`^((a|aa)*)*$`) and a count that goes down (`{5,0}`, which llama.cpp serves as nothing while it refuses
+`{2,1}`) are refused. `bench/grammar_family.py` times the quantifier x atom x nesting family on llama-server. A schema's patterns share one budget (the
 alternatives of `anyOf`, of a tool list, are all alive at once): above `max_pattern_cost` in all, the
 request is refused.
 
@@ -52,18 +59,26 @@ from llmserver.errors import InvalidRequest
 PATTERN_COST = 30_000  # the largest cost accepted by default (max_pattern_cost; the table above)
 PATTERN_CHARS = 4096  # the longest pattern
 SCHEMA_DEPTH = 64  # JSON levels in one schema (orjson refuses 255 when it builds llama-server's call)
-SCHEMA_COUNT = 100_000  # the largest minLength, minItems, {m,…}, … a schema may state (llama.cpp refuses more)
+# llama.cpp's grammar parser refuses a repetition whose lower count is above its MAX_REPETITION_THRESHOLD
+# (2,000: "failed to parse grammar", a 400 that names nothing): minLength and a pattern's {m,…} are written as
+# such a repetition, minItems as one of m - 1 (after the first item).
+REPETITION_THRESHOLD = 2000
+SCHEMA_COUNT = 100_000  # the largest minProperties a schema may state
 UPPER_COUNT = 2**31 - 1  # the largest maxLength, maxItems, {…,n} (llama.cpp counts in a C int; cheap at any size)
 ENUM_VALUES = 1_000  # `enum` values in all of a request's schemas (as OpenAI's structured outputs)
 CONSTANT_BYTES = 64 * 1024  # the JSON of every `enum` and `const` value together
 ALTERNATIVES = 128  # anyOf, oneOf and allOf branches and listed types, in all
 
 _COUNTS = {
-    "minLength": SCHEMA_COUNT, "minItems": SCHEMA_COUNT, "minProperties": SCHEMA_COUNT,
+    "minLength": REPETITION_THRESHOLD, "minItems": REPETITION_THRESHOLD + 1, "minProperties": SCHEMA_COUNT,
     "maxLength": UPPER_COUNT, "maxItems": UPPER_COUNT, "maxProperties": UPPER_COUNT,
 }  # fmt: skip
 _BRANCHES = ("anyOf", "oneOf", "allOf")
 _CLASS = 10  # what a character class or `.` adds to the expanded size
+# What ambiguity over a part that may begin with more than one character costs more: measured, `^((a?){40})$`
+# 0.17 s for 8 tokens against 4.6 s for `^(((a|b)?){40})$` and no answer in 10 s for `^(([a-z]?){40})$` (every
+# candidate token the model prefers is then checked against every parse the nesting keeps alive).
+_WIDE = 10
 _CAP = 2**62  # sizes and products stop growing here (a refusal either way)
 _UNBOUNDED = 2  # `*`, `+`, `{m,}` become a rule that refers to itself: counted as two copies
 _INT_MAX = 2**31 - 1  # llama.cpp's "no upper bound" in a count
@@ -189,12 +204,14 @@ def check_pattern(
         raise InvalidRequest(
             f"{shown}: the pattern {_short(pattern)} at {where} cannot be read: {reading.reason}", param=param
         )
+    if reading.refusal:
+        raise InvalidRequest(f"{shown}: the pattern {_short(pattern)} at {where}: {reading.refusal}", param=param)
     least = max((pair[0] for pair in reading.repetitions), default=0)
     most_count = max((pair[1] or 0 for pair in reading.repetitions), default=0)
-    if least > SCHEMA_COUNT or most_count > UPPER_COUNT:
+    if least > REPETITION_THRESHOLD or most_count > UPPER_COUNT:
         raise InvalidRequest(
             f"{shown}: the pattern {_short(pattern)} at {where} repeats a part at least {least:,} times "
-            f"(at most {SCHEMA_COUNT:,}) or up to {most_count:,}",
+            f"(llama.cpp's grammar takes at most {REPETITION_THRESHOLD:,}) or up to {most_count:,}",
             param=param,
         )
     if reading.cost > most:
@@ -230,6 +247,7 @@ class Reading:
     cost: int = 0
     reason: str = ""
     repetitions: list[tuple[int, int | None]] = field(default_factory=list)
+    refusal: str = ""  # why this server refuses a pattern llama.cpp would take (it could not answer in time)
 
 
 def read_pattern(pattern: str) -> Reading:
@@ -246,21 +264,31 @@ def read_pattern(pattern: str) -> Reading:
         return Reading(INVALID, reason=str(exc))
     if reader.problems:
         return Reading(INVALID, reason=reader.problems[0])
-    return Reading(ENFORCED, cost=part.cost, repetitions=reader.repetitions)
+    refusal = reader.refusals[0] if reader.refusals else ""
+    return Reading(ENFORCED, cost=part.cost, repetitions=reader.repetitions, refusal=refusal)
 
 
 @dataclass(frozen=True)
 class _Part:
     size: int  # grammar positions once repetitions are expanded
     empty: bool  # whether it may match the empty string
-    ambiguity: int  # the product of the upper bounds of repetitions around a part that may be empty
+    # The product of the upper bounds of the repetitions around a part whose length varies (empty, or shorter
+    # and longer matches): each splits the same text into copies in that many more ways, and llama.cpp keeps
+    # every split alive. A part of one fixed length repeated splits one way however it nests.
+    ambiguity: int
+    length: int | None = 0  # the one length it matches; None: it may match more than one
+    first: frozenset[str] | None = frozenset()  # the characters it may begin with; None: a class, `.`, many
+    wide: bool = False  # some of its ambiguity is over a part that may begin with more than one character
 
     @property
     def cost(self) -> int:
-        return self.size * self.ambiguity if self.ambiguity > 1 else 0
+        if self.ambiguity <= 1:
+            return 0
+        return min(self.size * self.ambiguity * (_WIDE if self.wide else 1), _CAP)
 
 
 _BAR = _Part(0, True, 1)  # an alternation's `|`, while the sequence is read (by identity)
+_ANY = _Part(_CLASS, False, 1, 1, None)  # a character class or `.`
 _NOT_LITERAL = frozenset("|.()[]{}*+?^$")
 _ESCAPED_CHARACTERS = frozenset("^$.[]()|{}*+?")  # `\.` and the like: the character itself
 _HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
@@ -307,6 +335,7 @@ class _Reader:
         self.text, self.at, self.depth = text, 0, 0
         self.repetitions: list[tuple[int, int | None]] = []
         self.problems: list[str] = []  # what makes llama.cpp refuse the grammar once it is built
+        self.refusals: list[str] = []  # what llama.cpp would take but could not answer in a bounded time
 
     def sequence(self) -> _Part:
         """From here to the `)` that closes the group (consumed), or to the end."""
@@ -314,7 +343,7 @@ class _Reader:
         while self.at < len(text):
             char = text[self.at]
             if char == ".":
-                seq.append(_Part(_CLASS, False, 1))
+                seq.append(_ANY)
                 self.at += 1
             elif char == "(":
                 self.at += 1
@@ -350,7 +379,7 @@ class _Reader:
                 if self.at >= len(text):
                     raise _Invalid("unterminated character class")
                 self.at += 1
-                seq.append(_Part(_CLASS, False, 1))
+                seq.append(_ANY)
             elif char == "|":
                 seq.append(_BAR)
                 self.at += 1
@@ -378,7 +407,8 @@ class _Reader:
                 # llama.cpp writes these into the grammar, whose parser then refuses it, or (a count that
                 # goes down) loops without end: refused unless something later makes it "any string".
                 if most == 0:
-                    pass  # nothing is written for it, whatever the lower count says
+                    if least > 0:  # llama.cpp writes nothing for it; any regex engine refuses it
+                        self.refusals.append(f"the repetition {{{least},0}} counts down")
                 elif least < 0 or (most is not None and most < 0):
                     self.problems.append("a negative count")
                 elif most is not None and most < least:
@@ -391,6 +421,7 @@ class _Reader:
     def _literal(self) -> _Part:
         """Characters up to the one a quantifier may follow (which is a literal of its own)."""
         text, length, size = self.text, len(self.text), 0
+        begins = text[self.at : self.at + 2] if text[self.at] == "\\" else text[self.at]
         while self.at < length:
             char = text[self.at]
             if char == "\\":
@@ -419,7 +450,7 @@ class _Reader:
                 break
         if size == 0:
             raise _Unsupported(f"unsupported character: {text[self.at]}")  # a stray `]` or `}`
-        return _Part(size, False, 1)
+        return _Part(size, False, 1, size, frozenset({begins}))
 
     def _repeated(self, part: _Part, least: int, most: int | None) -> _Part:
         if part is _BAR:
@@ -430,22 +461,57 @@ class _Reader:
         if most == 0:
             return _Part(0, True, 1)
         self.repetitions.append((least, most))
+        if most is None and part.empty:
+            # Without bound around what may match nothing (`(a*)*`): the same text splits in endless ways.
+            self.refusals.append("it repeats without bound a part that may match nothing (write the inner part once)")
         copies = most if most is not None else max(least, 1) + _UNBOUNDED - 1
-        ambiguity = part.ambiguity * copies if part.empty and copies > 1 else part.ambiguity
-        return _Part(min(part.size * max(copies, 1), _CAP), least == 0 or part.empty, min(ambiguity, _CAP))
+        varies = part.empty or part.length is None
+        ambiguity, wide = part.ambiguity, part.wide
+        if varies and copies > 1:
+            ambiguity *= copies
+            wide = wide or part.first is None or len(part.first) > 1
+        length = part.length * least if part.length is not None and most == least else None
+        return _Part(
+            min(part.size * max(copies, 1), _CAP), least == 0 or part.empty, min(ambiguity, _CAP), length,
+            part.first, wide,
+        )  # fmt: skip
 
 
 def _joined(seq: list[_Part]) -> _Part:
     """A sequence with its `|`s: the alternation of its branches."""
     branches: list[_Part] = []
-    size, empty, ambiguity = 0, True, 1
+    branch = _Part(0, True, 1)
     for part in seq:
         if part is _BAR:
-            branches.append(_Part(size, empty, ambiguity))
-            size, empty, ambiguity = 0, True, 1
+            branches.append(branch)
+            branch = _Part(0, True, 1)
         else:
-            size, empty, ambiguity = min(size + part.size, _CAP), empty and part.empty, max(ambiguity, part.ambiguity)
-    branches.append(_Part(size, empty, ambiguity))
+            branch = _then(branch, part)
+    branches.append(branch)
+    if len(branches) == 1:
+        return branches[0]
+    lengths = {b.length for b in branches}
+    firsts = [b.first for b in branches]
     return _Part(
-        min(sum(b.size for b in branches), _CAP), any(b.empty for b in branches), max(b.ambiguity for b in branches)
+        min(sum(b.size for b in branches), _CAP),
+        any(b.empty for b in branches),
+        max(b.ambiguity for b in branches),
+        lengths.pop() if len(lengths) == 1 else None,
+        None if None in firsts else frozenset().union(*(f for f in firsts if f is not None)),
+        any(b.wide for b in branches),
     )
+
+
+def _then(before: _Part, part: _Part) -> _Part:
+    """`before` followed by `part`."""
+    length = before.length + part.length if before.length is not None and part.length is not None else None
+    if not before.empty:
+        first = before.first
+    elif before.first is None or part.first is None:
+        first = None
+    else:
+        first = before.first | part.first  # what may be empty lets what follows begin the text
+    return _Part(
+        min(before.size + part.size, _CAP), before.empty and part.empty, max(before.ambiguity, part.ambiguity),
+        length, first, before.wide or part.wide,
+    )  # fmt: skip

@@ -199,6 +199,11 @@ class Instance:
     last_key: str = ""  # the key of the request begun last (the watchdog names it when the instance stalls)
     answered_at: float = 0.0  # when it last answered a request (time.monotonic()): alive then, no probe needed
     users: dict[str, int] = field(default_factory=dict)  # key id → its requests in flight here
+    grammars: dict[str, int] = field(default_factory=dict)  # key id → its requests here that carry a grammar
+    blamed: frozenset[str] = frozenset()  # the keys whose requests the watchdog held its last stall against
+    # The key whose grammar-carrying request ended last here, and when (time.monotonic()): its client may have
+    # left while llama-server's main loop still works on its grammar.
+    last_grammar: tuple[str, float] | None = None
     crashes: collections.deque[float] = field(default_factory=collections.deque)
     restarting: bool = False
     ram_used_mb: int = 0
@@ -438,6 +443,14 @@ class Instance:
         that has the slot to itself."""
         return self._slot_held[slot]
 
+    def grammar_suspects(self, within: float) -> list[str]:
+        """The keys whose requests carry a grammar here, or, with none in flight, the key whose grammar
+        request ended within the last `within` seconds."""
+        if self.grammars:
+            return sorted(self.grammars)
+        last = self.last_grammar
+        return [last[0]] if last is not None and time.monotonic() - last[1] <= within else []
+
     def begin(self, key_id: str) -> None:
         self.last_key = key_id
         self.idle.clear()
@@ -628,10 +641,13 @@ class Instance:
             return False
         return await asyncio.to_thread(self.client.health_in_thread, timeout)
 
-    async def stall_reason(self, pid: int | None) -> str | None:
-        """Why the watchdog restarted the process `pid` of this instance (a request it dropped ends with it,
-        not sent again); None when it did not."""
-        return (self.failure or "made no progress") if self.stalled else None
+    async def stall_reason(self, pid: int | None, key_id: str | None = None) -> str | None:
+        """Why the watchdog restarted the process `pid` of this instance, if the request of `key_id` is one
+        it held the stall against (that request ends with it, not sent again; another key's is sent again);
+        None when it did not, or the request was not to blame."""
+        if not self.stalled or (key_id is not None and self.blamed and key_id not in self.blamed):
+            return None
+        return self.failure or "made no progress"
 
     async def answers_slots(self, timeout: float) -> bool | None:
         """Whether llama-server's main loop answers /slots within `timeout` seconds. /health is answered

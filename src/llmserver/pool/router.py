@@ -37,6 +37,7 @@ class Lease:
         self.turn: Turn | None = None  # while it may be asked to give its slot back (pool/pool.py)
         self.hold: str | None = None  # its hold on a slot of an instance other gateways share (cluster/slots.py)
         self.freeing: asyncio.Task[None] | None = None  # that slot given back, until every gateway sees it
+        self.grammar = False  # its call carries a grammar (a JSON schema, tools): the watchdog's suspect
 
     async def acquire(self, resumed: bool = False) -> Instance:
         """Wait in the model's queue for a slot (503 when the queue is full, 504 past queue_timeout);
@@ -70,6 +71,21 @@ class Lease:
             self.pool.withdraw(self.turn)
             self.turn = None
 
+    def carries_grammar(self) -> None:
+        """Its call to the instance carries a grammar: should the instance stall, its key is the one blamed
+        (a grammar is what holds llama-server's main loop; the other keys' requests are sent again)."""
+        if self.instance is not None and not self.grammar:
+            self.grammar = True
+            self.instance.grammars[self.key_id] = self.instance.grammars.get(self.key_id, 0) + 1
+
+    def _grammar_done(self, instance: Instance) -> None:
+        if self.grammar:
+            self.grammar = False
+            left = instance.grammars.pop(self.key_id, 0) - 1
+            if left > 0:
+                instance.grammars[self.key_id] = left
+            instance.last_grammar = (self.key_id, time.monotonic())
+
     def answered(self) -> None:
         """Its instance answered: proof enough that it is alive (the supervisor skips its next probe)."""
         if self.instance is not None:
@@ -83,6 +99,7 @@ class Lease:
         if self.instance is not None:
             instance, self.instance = self.instance, None
             self._unpin(instance, finished)
+            self._grammar_done(instance)
             instance.failures = 0  # it was reached
             self.pool.release(instance, self.key_id)
 
@@ -92,6 +109,7 @@ class Lease:
         if self.instance is not None:
             instance, self.instance = self.instance, None
             self._unpin(instance, finished=False)
+            self._grammar_done(instance)
             self.failed_on = instance
             instance.failures += 1
             self.pool.report_failure(instance)

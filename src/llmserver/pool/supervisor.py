@@ -632,12 +632,14 @@ class Supervisor:
         if (reason := instance.unreachable()) is not None:
             self.crashed(instance, reason)
 
-    def stall_bound(self, model: str) -> float:
-        """Seconds an instance with requests in flight may leave /slots unanswered: instance_stall_timeout,
+    def stall_bound(self, model: str, grammar: bool = False) -> float:
+        """Seconds an instance with requests in flight may leave /slots unanswered: instance_stall_timeout
+        (grammar_stall_timeout while a request on it carries a grammar: what holds a main loop for minutes),
         or a hundred tokens' time at the model's measured speed if longer (a 2,048-token prompt batch,
         read some twenty times faster than tokens are generated, holds the loop about that long)."""
         rate = self.speed_of(model)
-        floor = self.settings.instances.stall_timeout
+        instances = self.settings.instances
+        floor = min(instances.stall_timeout, instances.grammar_stall_timeout) if grammar else instances.stall_timeout
         return max(floor, 100 / rate) if rate else floor
 
     async def _progress(self, instance: Instance) -> None:
@@ -645,13 +647,17 @@ class Supervisor:
         while requests are on it makes no progress, and never will by itself (one request's grammar
         held one for over eleven minutes): its requests fail, and it is restarted."""
         try:
-            bound = self.stall_bound(instance.model.name)
+            instances = self.settings.instances
+            suspects = instance.grammar_suspects(instances.stall_timeout + instances.health_interval)
+            bound = self.stall_bound(instance.model.name, bool(suspects))
             # Not reached at all (killed, say) is not a stall: its exit or its missed health probes take it
             # out, and its requests are sent again; a stall's would end with 504.
             if await instance.answers_slots(bound) is not False or not instance.accepting:
                 return
-            # Whose request it was: those in flight, else the last one's (its client may have left).
-            blamed = sorted(instance.users) or ([instance.last_key] if instance.last_key else [])
+            # Whose request it was: those carrying a grammar (what holds a main loop), else all in flight, else
+            # the last one's (its client may have left). The others' requests are sent again.
+            blamed = suspects or sorted(instance.users) or ([instance.last_key] if instance.last_key else [])
+            instance.blamed = frozenset(suspects)
             if (pool := self.pools.get(instance.model.name)) is not None:
                 pool.stalls += 1
                 pool.stalls_by_key.update(blamed)
