@@ -41,8 +41,9 @@ parallel = 2
 ctx_size = 2048
 threads = {THREADS}
 """
-# Priced at 10^10 now (0 before: its body never matches nothing); no answer in 15 s on an idle machine.
-MISJUDGED = "^((.{1,40}){1,40}){1,40}$"
+# Priced 25,000 before (accepted), 250,000 now; no answer to 8 tokens in 15 s on an idle machine, each step of
+# llama-server's main loop seconds long from the first token.
+MISJUDGED = "^(([a-z]?){0,50})$"
 PROMPT = "Write a long English sentence about the sea, with spaces."
 
 

@@ -96,12 +96,17 @@ def _managed_team(request: Request) -> TeamRecord | None:
     return None if principal.is_admin else principal.team
 
 
-async def _managed(request: Request, key_id: str) -> KeyRecord:
-    """The key, if the caller may manage it as it is (`authority.authorize`): a 404 for a key it does not
-    see, as one that does not exist; a 403 for one it sees but is not above."""
+async def _found(request: Request, key_id: str) -> KeyRecord:
     record = await keys(request).get(key_id)
     if record is None:
         raise NotFound(f"No key with id {key_id!r}.", param="key_id")
+    return record
+
+
+async def _managed(request: Request, key_id: str) -> KeyRecord:
+    """The key, if the caller may manage it as it is (`authority.authorize`): a 404 for a key it does not
+    see, as one that does not exist; a 403 for one it sees but is not above."""
+    record = await _found(request, key_id)
     authorize(caller(request), record, standing_of_key(record))
     return record
 
@@ -167,12 +172,12 @@ async def update_key(request: Request, key_id: str) -> dict[str, Any]:
     """Change the limits, the expiry and the team the body names (null clears one); the others stay as they
     are."""
     body = validate(Expiry, body_of(request))
-    current = await _managed(request, key_id)
-    limits = body.patched(request, current.limits)
+    current = await _found(request, key_id)
     team_id = body.team_id if "team_id" in body.model_fields_set else current.team_id
     team_admin = body.team_admin if "team_admin" in body.model_fields_set else current.team_admin
     after = Standing.of(admin=current.is_admin, team_admin=team_admin, team_id=team_id, key_id=key_id)
-    authorize(caller(request), current, after)
+    authorize(caller(request), current, after)  # before anything about the body: a key it does not see is a 404
+    limits = body.patched(request, current.limits)
     if "team_id" in body.model_fields_set:
         _admin_outside_teams(current.is_admin, team_id)
     if (team := _managed_team(request)) is not None:

@@ -27,9 +27,9 @@ that when such a body may begin with more than one character (`^((a?){40})$` 0.1
 `^(((a|b)?){40})$` 4.6 s, `^(([a-z]?){40})$` no answer in 10 s: every candidate token is checked against
 every parse the nesting keeps alive). A repetition without bound of a body that may match nothing
 (`^((a|aa)*)*$`) and a count that goes down (`{5,0}`, which llama.cpp serves as nothing while it refuses
-`{2,1}`) are refused. `bench/grammar_family.py` times the quantifier x atom x nesting family on llama-server. A schema's patterns share one budget (the
-alternatives of `anyOf`, of a tool list, are all alive at once): above `max_pattern_cost` in all, the
-request is refused.
+`{2,1}`) are refused. `bench/grammar_family.py` times the quantifier x atom x nesting family on
+llama-server. A schema's patterns share one budget (the alternatives of `anyOf`, of a tool list, are all
+alive at once): above `max_pattern_cost` in all, the request is refused.
 
 **One reading: llama.cpp's.** A pattern is read exactly as llama.cpp's converter reads it
 (`common/json-schema-to-grammar.cpp`, `_pattern_to_rule`, of the pinned build), not as a regex engine
