@@ -158,8 +158,8 @@ def create(
         except FieldProblem as exc:
             raise click.UsageError(f"{exc.param}: {exc}") from None
 
-    change = {"name": name, "admin": admin, **_limits_change(limits), "expires_at": expires_at, "team_id": team,
-              "team_admin": team_admin}  # fmt: skip
+    flags = {"admin": admin, "expires_at": expires_at, "team_id": team, "team_admin": team_admin}
+    change = {"name": name, **_limits_change(limits), **{k: v for k, v in flags.items() if v not in (None, False)}}
     audited = Audited("keys.create", change=change, target_of=lambda made: made[0].id)
     record, key = with_store(load(config_file, data_dir=data_dir), make, audited)
     click.echo(
