@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,3 +128,36 @@ def test_a_node_restarts_its_instance_that_makes_no_progress_on_a_gateways_reque
                        timeout=120)  # fmt: skip
     assert again.status_code == 200, again.text
     print(f"\nthe hung request failed after {took:.1f} s: {error['message']}")
+
+
+def test_on_a_worker_host_the_stall_is_held_against_the_grammar_s_key_and_another_key_is_answered(
+    host: Host,
+) -> None:
+    """Issue 82: the node learns which keys' requests carry a grammar from the gateways' loads; its stall note
+    names them, so the gateway fails the culprit's request with 504 and sends another key's again."""
+    culprit, victim = create_key(host.gateway.data_dir, "node-culprit"), create_key(host.gateway.data_dir, "victim")
+    assert wait_for(lambda: len(host.instances()) == 1, 60)
+    stalls = host.node_stalls()
+    body = {
+        "messages": [{"role": "user", "content": "Say a."}],
+        "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"pattern": HANGS}}},
+    }
+    outcome: list[httpx.Response] = []
+
+    def hang() -> None:
+        outcome.append(httpx.post(host.gateway.url + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": f"Bearer {culprit}"}, timeout=120))  # fmt: skip
+
+    holder = threading.Thread(target=hang)
+    holder.start()
+    assert wait_for(lambda: any(int(i["active_users"]) for i in host.instances()), 30)
+    sent = time.monotonic()
+    answer = httpx.post(host.gateway.url + "/api/generate", json={"prompt": "Hi", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {victim}"}, timeout=120)  # fmt: skip
+    waited = time.monotonic() - sent
+    holder.join(120)
+    assert answer.status_code == 200, answer.text  # sent again to the restarted process
+    assert outcome and outcome[0].status_code == 504, outcome
+    assert host.node_stalls() == stalls + 1
+    print(f"\nanother key's request behind the hang answered after {waited:.1f} s")

@@ -90,7 +90,10 @@ class Publisher:
         """Before the watchdog restarts an instance that made no progress (the supervisor's `on_stall`):
         a note of its process and why, so that a gateway whose request that process drops fails it with
         the reason instead of sending it again to hang the restarted one (cluster/registry.py)."""
-        note = {"pid": instance.pid, "failure": f"made no progress for {bound:.0f} s on node {self.node_id}"}
+        note = {
+            "pid": instance.pid, "failure": f"made no progress for {bound:.0f} s on node {self.node_id}",
+            "blamed": sorted(instance.blamed),  # the keys whose grammar it was; none: every request it dropped
+        }  # fmt: skip
         await self._redis.set(STALL_KEY + instance.id, json.dumps(note), ex=STALL_NOTE_SECONDS)
 
     async def publish(self) -> None:
@@ -98,14 +101,22 @@ class Publisher:
         in_flight: collections.Counter[str] = collections.Counter()
         active: dict[str, float] = {}
         kept: dict[str, float] = {}
+        grammars: dict[str, set[str]] = collections.defaultdict(set)
         with contextlib.suppress(*redis_unreachable()):  # then publish() below logs the outage
             for load in await scan_json(self._redis, LOAD_KEY):
                 in_flight.update(load["in_flight"])
+                for instance_id, keys in load.get("grammars", {}).items():  # an older gateway sends none
+                    grammars[instance_id].update(keys)
                 for instance_id, when in load.get("active", {}).items():
                     active[instance_id] = max(active.get(instance_id, 0.0), float(when))
                 for instance_id, until in load.get("kept", {}).items():  # an older gateway sends none
                     kept[instance_id] = max(kept.get(instance_id, 0.0), float(until))
         self._in_flight = in_flight
+        for instance in self._supervisor.all_instances():  # whose requests on it carry a grammar, every gateway's
+            carrying = grammars.get(instance.id, set())
+            for ended in set(instance.grammars) - carrying:
+                instance.last_grammar = (ended, time.monotonic())
+            instance.grammars = dict.fromkeys(sorted(carrying), 1)
         for instance in live:  # the gateways' requests are its activity (idle_timeout counts from it)
             if active.get(instance.id, 0.0) > instance.last_activity:
                 instance.last_activity = active[instance.id]

@@ -326,8 +326,9 @@ class Registry:
             raise NotFound("The node started the instance but it is not in the registry yet; list instances again.")
         return joined
 
-    async def stall_reason(self, instance: RemoteInstance, pid: int | None) -> str | None:
-        """Why its node's watchdog restarted the process `pid` of the instance, if it did (its note)."""
+    async def stall_reason(self, instance: RemoteInstance, pid: int | None, key_id: str | None = None) -> str | None:
+        """Why its node's watchdog restarted the process `pid` of the instance, if it did (its note) and held
+        it against the request of `key_id` (the keys whose requests carried a grammar; none noted: all)."""
         try:
             note = await self._redis.get(STALL_KEY + instance.id)
         except Exception:  # Redis unreachable: a dropped connection, as far as this gateway knows
@@ -335,7 +336,10 @@ class Registry:
         if not note or pid is None:
             return None
         stalled = json.loads(note)
-        return str(stalled["failure"]) if stalled.get("pid") == pid else None
+        blamed = stalled.get("blamed") or []
+        if stalled.get("pid") != pid or (key_id is not None and blamed and key_id not in blamed):
+            return None
+        return str(stalled["failure"])
 
     async def drain(self, instance: RemoteInstance, timeout: float) -> None:
         """Drain an instance on its node; it leaves this gateway's pool at once."""

@@ -20,7 +20,9 @@ class Home(Protocol):
 
     def unreachable(self, instance: RemoteInstance) -> None: ...
     async def drain(self, instance: RemoteInstance, timeout: float) -> None: ...
-    async def stall_reason(self, instance: RemoteInstance, pid: int | None) -> str | None: ...
+    async def stall_reason(
+        self, instance: RemoteInstance, pid: int | None, key_id: str | None = None
+    ) -> str | None: ...
 
 
 @dataclass(eq=False)
@@ -93,8 +95,7 @@ class RemoteInstance(Instance):
         return True  # its node's watchdog probes it (the node sees no requests: it probes them all)
 
     async def stall_reason(self, pid: int | None, key_id: str | None = None) -> str | None:
-        # The node's watchdog does not know whose request carried the grammar: every request it dropped ends.
-        return None if self.registry is None else await self.registry.stall_reason(self, pid)
+        return None if self.registry is None else await self.registry.stall_reason(self, pid, key_id)
 
     async def stop(self, grace: float = 10.0) -> None:
         if self.client is not None:

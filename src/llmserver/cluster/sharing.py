@@ -165,6 +165,9 @@ class LoadSharing:
                 i.id: round(i.keep_until, 3) for p in self._pools.values() for i in p.instances if i.keep_until > now
             },
             "queued": {name: pool.queue_depth for name, pool in self._pools.items() if pool.queue_depth},
+            # The keys whose requests on each instance carry a grammar: the node's watchdog holds a stall against
+            # them (pool/supervisor.py), and this gateway sends the other keys' requests again.
+            "grammars": {i.id: sorted(i.grammars) for p in self._pools.values() for i in p.instances if i.grammars},
         }
 
     def _share_load(self, others: list[dict[str, Any]]) -> None:

@@ -77,6 +77,8 @@ class Lease:
         if self.instance is not None and not self.grammar:
             self.grammar = True
             self.instance.grammars[self.key_id] = self.instance.grammars.get(self.key_id, 0) + 1
+            if self.instance.shared:
+                self.pool.on_load()  # a node's watchdog learns it with this gateway's load
 
     def _grammar_done(self, instance: Instance) -> None:
         if self.grammar:

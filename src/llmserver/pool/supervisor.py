@@ -655,7 +655,9 @@ class Supervisor:
             if await instance.answers_slots(bound) is not False or not instance.accepting:
                 return
             # Whose request it was: those carrying a grammar (what holds a main loop), else all in flight, else
-            # the last one's (its client may have left). The others' requests are sent again.
+            # the last one's (its client may have left). The others' requests are sent again. Read again now:
+            # a node learns of a gateway's grammar with its load, within a second of the request.
+            suspects = instance.grammar_suspects(instances.stall_timeout + instances.health_interval)
             blamed = suspects or sorted(instance.users) or ([instance.last_key] if instance.last_key else [])
             instance.blamed = frozenset(suspects)
             if (pool := self.pools.get(instance.model.name)) is not None:
