@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from llmserver.auth.keys import ADMIN_ENV_KEY_ID, Principal
 from llmserver.errors import APIError, AuthenticationError
+from llmserver.logs import request_id
 from llmserver.store import KeyRecord, KeyStore
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ class KeyWatch:
     def __init__(self, keys: KeyStore, interval: float) -> None:
         self._keys = keys
         self.interval = max(interval, MIN_INTERVAL)
-        self._work: dict[str, dict[int, tuple[Principal, End]]] = {}  # key id → work in flight
+        # key id → work in flight: its principal, how to end it, and its request's id (for the log line)
+        self._work: dict[str, dict[int, tuple[Principal, End, str | None]]] = {}
         self._ids = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self.ended = 0  # work ended so far (for tests and the log)
@@ -76,7 +78,7 @@ class KeyWatch:
         Returns the handle to `untrack` it with."""
         handle = next(self._ids)
         if principal.key_id != ADMIN_ENV_KEY_ID:  # the environment's admin key is not in the store
-            self._work.setdefault(principal.key_id, {})[handle] = (principal, end)
+            self._work.setdefault(principal.key_id, {})[handle] = (principal, end, request_id.get())
         return handle
 
     def untrack(self, principal: Principal, handle: int) -> None:
@@ -94,13 +96,13 @@ class KeyWatch:
         for key_id in list(self._work):
             record = await self._keys.key_by_id(key_id)
             now = time.time()
-            for handle, (principal, end) in list(self._work.get(key_id, {}).items()):
+            for handle, (principal, end, rid) in list(self._work.get(key_id, {}).items()):
                 error = ended(principal, record, now)
                 if error is None:
                     continue
                 self.untrack(principal, handle)
                 self.ended += 1
-                log.info("work of key %s ended: %s", principal.fingerprint, error.message)
+                log.info("work of key %s ended: %s", principal.fingerprint, error.message, extra={"request_id": rid})
                 end(error)
 
     async def _run(self) -> None:
