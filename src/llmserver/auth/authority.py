@@ -77,14 +77,14 @@ def _manages(me: Standing, it: Standing) -> bool:
     return _in_scope(me, it) and (it.role < me.role or me.role is Role.ADMIN)
 
 
-def authorize(actor: Principal, before: KeyRecord | None, after: Standing, *, key_id: str | None = None) -> None:
+def authorize(actor: Principal, before: KeyRecord | None, after: Standing) -> None:
     """Raise unless `actor` may turn the key `before` (None: a key to be made) into one of standing `after`:
     NotFound for a key the actor does not see (as one that does not exist), PermissionDenied, naming the
     field at fault, for one it sees but may not manage or may not make into `after`."""
     me = standing_of_actor(actor)
     if before is not None:
         if not sees(actor, before):
-            raise NotFound(f"No key with id {key_id or before.id!r}.", param="key_id")
+            raise NotFound(f"No key with id {before.id!r}.", param="key_id")
         if not _manages(me, standing_of_key(before)):
             whose = "its own key" if before.id == actor.key_id else "a key whose powers are not below its own"
             raise PermissionDenied(f"This key cannot manage {whose}.", param="key_id")
