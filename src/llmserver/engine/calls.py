@@ -11,8 +11,10 @@ another instance. Each attempt is bounded by `request_timeout`.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -23,6 +25,7 @@ from llmserver.errors import ContextLengthExceeded, GatewayTimeout, InstanceUnav
 from llmserver.llama import wire
 from llmserver.llama.client import LlamaServerClient, Sink
 from llmserver.pool.admission import Admission, Ticket
+from llmserver.pool.instance import Instance
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,10 @@ class InstanceCalls:
         if stalled is not None:
             ticket.lease.failed()
             raise stalled  # sent again, it would hold the next instance the same way
+        if instance is not None and instance.shared and await instance.stall_reason(pid) is not None:
+            # Its node restarted the process for another key's grammar: this request is sent again once the
+            # restarted one answers (the registry would still route it to the process that is starting).
+            await _answering(instance, RESTART_WAIT)
         died = instance is not None and instance.exited
         again = attempt < self.attempts
         log.log(
@@ -150,6 +157,20 @@ async def stalled_error(ticket: Ticket, pid: int | None = None) -> GatewayTimeou
         f"The model's instance {reason}, so it was restarted and this request ended. A JSON schema whose "
         "pattern nests repetitions, or a very long prompt on a slow machine, can cause this."
     )
+
+
+RESTART_WAIT = 60.0  # seconds a request dropped by another key's stall waits for the restarted process
+
+
+async def _answering(instance: Instance, within: float) -> None:
+    """Wait (at most `within` seconds) until the instance answers its health probe, or its record is gone (the
+    registry replaced it with the restarted process's: the request's next slot is taken on that one)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        client = instance.client
+        if client is None or not instance.accepting or await client.healthy(1.0):
+            return
+        await asyncio.sleep(0.25)
 
 
 def _carries_grammar(payload: JSON) -> bool:
